@@ -1,0 +1,47 @@
+"""graphmod: a graph-rewriting compiler for JAX models.
+
+Write model code once with bricks; managers rewrite inputs, outputs and parameters of the
+applications they select while the function is traced, giving jitted training and inference
+functions from the same code.
+
+Examples:
+    >>> import graphmod as gm
+    >>> gm.roles.WEIGHT.is_a(gm.roles.PARAMETER)
+    True
+"""
+
+from graphmod import (
+    bricks,
+    roles,
+)
+from graphmod._application import ApplicationCall, OwnedVariable, application
+from graphmod._brick import Brick
+from graphmod._filter import VariableFilter
+from graphmod._graph import ComputationGraph
+from graphmod._manager import Dynamic, HParam, Manager, dynamic
+from graphmod._program import Program, compile
+from graphmod._variables import Bias, Filter, Parameter, State, Weight
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ApplicationCall",
+    "Bias",
+    "Brick",
+    "ComputationGraph",
+    "Dynamic",
+    "Filter",
+    "HParam",
+    "Manager",
+    "OwnedVariable",
+    "Parameter",
+    "Program",
+    "State",
+    "VariableFilter",
+    "Weight",
+    "application",
+    "bricks",
+    "compile",
+    "dynamic",
+    "roles",
+]

@@ -1,0 +1,37 @@
+"""``Brick``: a Flax NNX module whose ``@application`` methods are tagged and rewritable."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+
+
+class Brick(nnx.Module):
+    """Base class of bricks: an ``nnx.Module`` with tagged applications.
+
+    Bricks hold their parameters as NNX variables (graphmod's role-carrying types or plain
+    Flax ones), display in notebooks, run eagerly, and may contain any Flax NNX layer.
+    Calling a brick calls its ``apply`` application.
+
+    Examples:
+        >>> import jax.numpy as jnp, graphmod as gm
+        >>> from flax import nnx
+        >>> class Affine(gm.Brick):
+        ...     def __init__(self, n, *, rngs):
+        ...         self.W = gm.Weight(jnp.ones((n, n)))
+        ...         self.b = gm.Bias(jnp.zeros(n))
+        ...     @gm.application(inputs=["input_"], outputs=["output"])
+        ...     def apply(self, input_):
+        ...         return input_ @ self.W + self.b
+        >>> Affine(2, rngs=nnx.Rngs(0))(jnp.ones((1, 2))).tolist()
+        [[2.0, 2.0]]
+    """
+
+    __graphmod_brick__ = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        apply = getattr(self, "apply", None)
+        if apply is None:
+            raise TypeError(f"{type(self).__name__} has no `apply` application to call")
+        return apply(*args, **kwargs)

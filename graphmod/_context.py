@@ -1,0 +1,97 @@
+"""The one home of graphmod's trace-time context: every ``contextvars`` stack lives here.
+
+Two stacks exist:
+
+* the **manager stack**: managers entered with ``with manager:`` (captured by ``compile``);
+* the **frame stack**: the :class:`~graphmod._frame.Frame` of the function being traced
+  (one per outer trace of a program), and inside it the application calls in progress.
+
+Trace isolation: JAX caches inner traces (an inner ``jax.jit``, a ``lax.scan`` body,
+``nnx.remat``) by function and input types, not by ``contextvars``. While a frame is active
+we also set a JAX config state (part of JAX's trace context, hence of those cache keys) to a
+token that is fresh for every outer trace, so no inner trace is ever replayed from another
+program, mode or trace. This uses ``jax._src.config`` (internal): the JAX minor version is
+pinned in ``pyproject.toml`` and ``tests/test_isolation.py`` guards it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import uuid
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from jax._src import config as _jax_config
+
+if TYPE_CHECKING:
+    from graphmod._frame import Frame
+    from graphmod._manager import Manager
+
+_MANAGERS: contextvars.ContextVar[tuple[Manager, ...]] = contextvars.ContextVar(
+    "graphmod_managers", default=()
+)
+_FRAME: contextvars.ContextVar[Frame | None] = contextvars.ContextVar(
+    "graphmod_frame", default=None
+)
+
+_TRACE_TOKEN = _jax_config.string_or_object_state(
+    name="graphmod_trace_token",
+    default=None,
+    help="graphmod internal: a fresh token per outer trace, splitting JAX's trace caches.",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+
+
+def active_managers() -> tuple[Manager, ...]:
+    """Managers entered with ``with`` in this context, outermost first."""
+    return _MANAGERS.get()
+
+
+@contextlib.contextmanager
+def entered(manager: Manager) -> Iterator[None]:
+    """Pushes ``manager`` on the manager stack for the duration of a ``with`` block."""
+    stack = _MANAGERS.get()
+    if any(m is manager for m in stack):
+        raise RuntimeError(f"manager {manager.name!r} is already active: it was entered twice")
+    token = _MANAGERS.set((*stack, manager))
+    try:
+        yield
+    finally:
+        popped = _MANAGERS.get()
+        _MANAGERS.reset(token)
+        assert popped[-1] is manager, "manager stack corrupted: exits out of order"
+
+
+def current_frame() -> Frame | None:
+    """The frame of the trace in progress, or None outside a compiled program."""
+    return _FRAME.get()
+
+
+@contextlib.contextmanager
+def tracing(frame: Frame) -> Iterator[Frame]:
+    """Makes ``frame`` current and splits JAX's inner-trace caches for this trace."""
+    token = _FRAME.set(frame)
+    try:
+        with _TRACE_TOKEN(uuid.uuid4().hex):
+            yield frame
+    finally:
+        popped = _FRAME.get()
+        _FRAME.reset(token)
+        assert popped is frame, "frame stack corrupted: traces exited out of order"
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """No frame inside: code runs as plain eager model code (used for eager probes)."""
+    token = _FRAME.set(None)
+    try:
+        yield
+    finally:
+        _FRAME.reset(token)
+
+
+def trace_token() -> Any:
+    """The current trace token (None outside a trace); exposed for the isolation test."""
+    return _TRACE_TOKEN.value

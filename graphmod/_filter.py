@@ -1,0 +1,162 @@
+"""``VariableFilter``: one filter language for graphs, managers and monitoring.
+
+A filter selects *tagged variables*: inputs, outputs, parameters and auxiliary values of
+application calls. Its fields follow Blocks' ``VariableFilter``; every given field must
+match (fields left as None match anything).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from graphmod import roles as _roles
+
+
+@dataclasses.dataclass(frozen=True)
+class Tag:
+    """A tagged variable of one application call, as filters see it."""
+
+    role: _roles.Role
+    name: str
+    path: str  # the variable's path: "/layers/0.W", "/layers/0.apply.input_"
+    brick_path: str
+    application: str
+    call_id: int
+    brick: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        return (value,)
+    return tuple(value)
+
+
+def application_name(value: Any) -> str:
+    """The name of an application given by name or as the decorated method."""
+    if isinstance(value, str):
+        return value
+    name = getattr(value, "__graphmod_application__", None)
+    if name is None:
+        raise TypeError(
+            f"applications: {value!r} is neither a name nor a @graphmod.application method"
+        )
+    return name
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class VariableFilter:
+    """Selects tagged variables by role, brick, application, name, path and call id.
+
+    Args:
+        roles: roles to match; a variable matches if its role is one of them or a sub-role
+            (with ``each_role=True`` it must be a sub-role of every one).
+        bricks: brick instances (matched by their path in the model: a parent matches its
+            own applications, not its children's) or brick classes (``isinstance``).
+        applications: application names, or the decorated methods themselves.
+        name: the variable's exact name (``"W"``, ``"input_"``).
+        name_regex: a regular expression matched at the start of the name.
+        path: a glob over the variable's path, e.g. ``"/layers/*"`` or ``"*.W"``.
+        call_id: one call id or several.
+        each_role: require every listed role rather than any.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> from graphmod import roles
+        >>> f = gm.VariableFilter(roles=[roles.PARAMETER], name_regex="W")
+        >>> f
+        VariableFilter(roles=(PARAMETER,), name_regex='W')
+    """
+
+    roles: Any = None
+    bricks: Any = None
+    applications: Any = None
+    name: str | None = None
+    name_regex: str | None = None
+    path: str | None = None
+    call_id: Any = None
+    each_role: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)
+        if self.roles is not None:
+            set_("roles", _roles.as_roles(self.roles, argument="VariableFilter(roles=...)"))
+        bricks = _as_tuple(self.bricks)
+        if bricks is not None:
+            for brick in bricks:
+                if not (isinstance(brick, type) or hasattr(brick, "__graphmod_brick__")):
+                    raise TypeError(
+                        f"VariableFilter(bricks=...): {brick!r} is neither a Brick instance "
+                        "nor a brick class"
+                    )
+        set_("bricks", bricks)
+        apps = _as_tuple(self.applications)
+        set_("applications", None if apps is None else tuple(map(application_name, apps)))
+        if self.name_regex is not None:
+            try:
+                re.compile(self.name_regex)
+            except re.error as error:
+                raise ValueError(
+                    f"VariableFilter(name_regex={self.name_regex!r}) is not a valid regular "
+                    f"expression: {error}"
+                ) from None
+        set_("call_id", _as_tuple(self.call_id))
+
+    def __repr__(self) -> str:
+        fields = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) not in (None, False)
+        ]
+        return f"VariableFilter({', '.join(fields)})"
+
+    @property
+    def selects_variables(self) -> bool:
+        """Whether any field narrows the variables of a matched application."""
+        return any(x is not None for x in (self.roles, self.name, self.name_regex, self.path))
+
+    def brick_instances(self) -> tuple[Any, ...]:
+        """The brick instances this filter names (to be resolved to paths at compile)."""
+        return tuple(b for b in self.bricks or () if not isinstance(b, type))
+
+    def matches_application(
+        self, brick: Any, brick_path: str, application: str, call_id: int,
+        instance_paths: dict[int, str],
+    ) -> bool:
+        """Whether an application call is selected (bricks, applications, call_id).
+
+        ``instance_paths`` maps ``id(brick instance)`` named by this filter to its path.
+        """
+        if self.applications is not None and application not in self.applications:
+            return False
+        if self.call_id is not None and call_id not in self.call_id:
+            return False
+        if self.bricks is not None:
+            return any(
+                isinstance(brick, b) if isinstance(b, type) else instance_paths[id(b)] == brick_path
+                for b in self.bricks
+            )
+        return True
+
+    def matches_variable(self, tag: Tag) -> bool:
+        """Whether a tagged variable of an already selected application is selected."""
+        if self.roles is not None:
+            hits = (tag.role.is_a(r) for r in self.roles)
+            if not (all(hits) if self.each_role else any(hits)):
+                return False
+        if self.name is not None and tag.name != self.name:
+            return False
+        if self.name_regex is not None and not re.match(self.name_regex, tag.name):
+            return False
+        return self.path is None or fnmatch.fnmatchcase(tag.path, self.path)
+
+    def matches(self, tag: Tag, instance_paths: dict[int, str]) -> bool:
+        """Whether ``tag`` is selected by every field of this filter."""
+        return self.matches_application(
+            tag.brick, tag.brick_path, tag.application, tag.call_id, instance_paths
+        ) and self.matches_variable(tag)

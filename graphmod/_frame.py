@@ -1,0 +1,237 @@
+"""The frame: what one outer trace of a program knows and collects.
+
+A frame is created by a program for each outer trace (``init``, ``train``, ``infer``,
+``graph``) and is current while the model function runs. It maps variable identities to the
+program's values, holds the stack of application calls in progress, the manager-owned
+variables and hyperparameters, and collects the rewrite trace, tagged variables (for the
+computation graph) and monitored values.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+
+from graphmod import roles as _roles
+from graphmod._filter import Tag, VariableFilter
+from graphmod._rewrites import Rewrite, describe
+from graphmod._variables import identity_of
+
+if TYPE_CHECKING:
+    from graphmod._application import ApplicationCall
+    from graphmod._layout import Layout
+    from graphmod._manager import Manager
+
+# (manager name, brick path, application, call_id or None, variable name)
+OwnedKey = tuple[str, str, str, int | None, str]
+
+
+def current_trace() -> Any:
+    """An opaque token of the JAX trace in progress (equal tokens: same trace)."""
+    return jax.extend.core.get_opaque_trace_state(convention="nnx")
+
+
+def crc32(text: str) -> int:
+    """A stable 31-bit hash of ``text`` (Python's ``hash`` is salted per process)."""
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """A tagged variable seen in a trace: before a rewrite (``manager`` None) or after."""
+
+    tag: Tag
+    shape: tuple[int, ...]
+    dtype: str
+    manager: str | None
+
+
+class Frame:
+    """Per-trace state of a program (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        layout: Layout,
+        mode: str,
+        values: dict[str, Any],
+        owned: dict[OwnedKey, Any],
+        hparams: dict[tuple[str, str], Any],
+        managers: tuple[Manager, ...],
+        key: Any = None,
+        axis_name: Any = None,
+        monitor: dict[str, VariableFilter] | None = None,
+        record: bool = False,
+    ) -> None:
+        self.layout = layout
+        self.mode = mode
+        self.training = mode != "infer"
+        self.values = dict(values)
+        self.updated: set[str] = set()
+        self.owned = dict(owned)
+        self.owned_roles: dict[OwnedKey, _roles.Role] = {}
+        self.owned_updated: set[OwnedKey] = set()
+        self.hparams = dict(hparams)
+        self.managers = managers
+        self.key = key
+        self.axis_name = axis_name
+        self.monitor = monitor or {}
+        self.monitored: dict[str, Any] = {}
+        self.records: list[Recorded] | None = [] if record else None
+        self.rewrites: list[Rewrite] = []
+        self.matches: collections.Counter[int] = collections.Counter()
+        self.seen_managers: dict[int, Manager] = {id(m): m for m in managers}
+        self.calls: list[ApplicationCall] = []
+        self.local_managers: list[Manager] = []
+        self.call_counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.parameter_cache: dict[tuple[Any, ...], list[tuple[Any, Any]]] = {}
+        self.scan_indices: list[Any] = []
+        self.base_trace = current_trace()
+        self.exclusive: dict[tuple[Any, ...], str] = {}
+        self.out: Any = None
+
+    # -- model variables -----------------------------------------------------------------
+    def holds(self, variable: Any) -> bool:
+        """Whether ``variable`` is one of the program's model variables."""
+        return identity_of(variable) in self.values
+
+    def stored(self, variable: Any) -> Any:
+        """The program's current value of ``variable``, without rewrites."""
+        return self.values[identity_of(variable)]
+
+    def read(self, variable: Any) -> tuple[bool, Any]:
+        """``(True, value)`` as the innermost application call sees it, else ``(False, None)``."""
+        identity = identity_of(variable)
+        if identity not in self.values:
+            return False, None
+        if self.calls and self.calls[-1].path is not None:
+            return True, self.calls[-1].read_parameter(self.layout.by_identity[identity])
+        return True, self.values[identity]
+
+    def write(self, variable: Any, value: Any) -> None:
+        identity = identity_of(variable)
+        self.check_base_trace(f"writing {self.layout.by_identity[identity].path}")
+        self.values[identity] = value
+        self.updated.add(identity)
+
+    def check_base_trace(self, what: str) -> None:
+        """Raises if a side output would be created under a raw JAX transform."""
+        if current_trace() != self.base_trace:
+            where = (f" in application {self.calls[-1].application!r} of "
+                     f"{self.calls[-1].path}") if self.calls else ""
+            raise RuntimeError(
+                f"{what}{where} happens inside a raw JAX transform (jax.jit, lax.scan, "
+                "jax.checkpoint, nnx.remat...): the value could not leave it. Use "
+                "graphmod.scan for recurrences, or return the value through the transform."
+            )
+
+    # -- application calls ----------------------------------------------------------------
+    def next_call_id(self, path: str, application: str) -> int:
+        key = (path, application)
+        call_id = self.call_counts[key]
+        self.call_counts[key] += 1
+        return call_id
+
+    @contextmanager
+    def calling(self, call: ApplicationCall) -> Iterator[None]:
+        self.calls.append(call)
+        try:
+            yield
+        finally:
+            popped = self.calls.pop()
+            assert popped is call, "application stack corrupted"
+
+    @contextmanager
+    def using(self, managers: tuple[Manager, ...]) -> Iterator[None]:
+        """Managers given with ``use_manager=`` for one call and its children."""
+        for m in managers:
+            self.seen_managers.setdefault(id(m), m)
+        self.local_managers.extend(managers)
+        try:
+            yield
+        finally:
+            del self.local_managers[len(self.local_managers) - len(managers):]
+
+    def chain(self) -> list[Manager]:
+        """Every manager active now, outermost first (stable by priority)."""
+        active = [*self.managers, *self.local_managers]
+        return sorted(active, key=lambda m: -m.priority)
+
+    # -- randomness -----------------------------------------------------------------------
+    def rng(self, parts: tuple[str, ...], call_id: int, *, per_step: bool = True) -> Any:
+        if self.mode == "init":
+            return jax.random.key(0)  # placeholder: init only needs shapes
+        if not self.training:
+            raise RuntimeError(
+                f"call.rng() in inference mode ({'/'.join(parts)}): stochastic rewrites "
+                "belong to training; check call.training before drawing randomness"
+            )
+        if self.key is None:
+            raise RuntimeError("this program was traced without a key: pass rng= to train")
+        key = jax.random.fold_in(self.key, crc32("|".join(parts)))
+        key = jax.random.fold_in(key, call_id)
+        for index in self.scan_indices if per_step else ():
+            key = jax.random.fold_in(key, index)
+        if self.axis_name is not None:
+            key = jax.random.fold_in(key, jax.lax.axis_index(self.axis_name))
+        return key
+
+    # -- manager-owned variables and hyperparameters -----------------------------------------
+    def owned_value(self, key: OwnedKey, init: Any, role: _roles.Role) -> Any:
+        if key not in self.owned:
+            if self.mode != "init":
+                manager, path, application, call_id, name = key
+                raise KeyError(
+                    f"manager {manager!r} has no variable {name!r} for application "
+                    f"{application!r} of {path}"
+                    + (f" (call {call_id})" if call_id is not None else "")
+                    + " in these variables: make them with this program's init (or a program "
+                    "compiled over the same model and managers)"
+                )
+            value = init() if callable(init) else init
+            self.owned[key] = jnp.asarray(value)
+            self.owned_roles[key] = role
+        return self.owned[key]
+
+    def set_owned(self, key: OwnedKey, value: Any) -> None:
+        self.check_base_trace(f"updating {key[0]} variable {key[4]!r}")
+        old = self.owned[key]
+        if jnp.shape(value) != old.shape:
+            raise ValueError(
+                f"manager {key[0]!r}: new value of {key[4]!r} at {key[1]} has shape "
+                f"{jnp.shape(value)}, expected {old.shape}"
+            )
+        self.owned[key] = jnp.asarray(value, old.dtype)
+        self.owned_updated.add(key)
+
+    def hparam(self, manager: Manager, name: str) -> Any:
+        key = (manager.name, name)
+        if key not in self.hparams:
+            if self.mode != "init":
+                raise KeyError(
+                    f"variables hold no hyperparameter {manager.name}.{name}: make them "
+                    "with this program's init"
+                )
+            self.hparams[key] = jnp.float32(getattr(manager, name).value)
+        return self.hparams[key]
+
+    # -- what the trace saw ---------------------------------------------------------------
+    def record(self, tag: Tag, value: Any, manager: str | None) -> None:
+        """Notes a tagged variable for the computation graph (when one is being built)."""
+        if self.records is not None:
+            self.records.append(Recorded(tag, *describe(value), manager))
+
+    def collect(self, tag: Tag, value: Any, key: str) -> None:
+        """Stores ``value`` as a monitored output if a monitor selects ``tag``."""
+        for label, monitor_filter in self.monitor.items():
+            if monitor_filter.matches(tag, self.layout.instance_paths):
+                self.check_base_trace(f"monitoring {tag.path}")
+                self.monitored[key if label == "" else f"{label}/{key}"] = value

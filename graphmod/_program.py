@@ -1,0 +1,469 @@
+"""``compile``: one model function, traced with managers into jitted train and infer functions.
+
+How it works
+    ``compile`` splits the model once: every variable gets an identity and a path (see
+    ``graphmod._layout``), the managers active in ``with`` blocks are captured and frozen.
+    ``init`` copies the model's arrays into a plain nested dict and runs an abstract
+    training-mode trace to create manager-owned variables from the shapes it sees. ``train``
+    and ``infer`` are ``jax.jit`` functions over plain dicts: inside the trace a frame maps
+    each variable's identity to the traced value, so the model code — reached through
+    ``model``, a closure or a global — reads the program's variables, rewritten by the
+    managers of the innermost application call.
+
+Variables layout
+    ``{"model": <pure dict of the model's NNX state>, "managers": {name: {"hparams": {...},
+    <path>: {<application>: {<var>: array}}}}}`` (``per_call`` variables nest one more level
+    by call id).
+
+Sharp edges
+    Inputs are validated when a new signature is traced, not on every call. Two
+    ``nnx.remat`` calls of one body in a trace replay one body (JAX caches it): its
+    application calls are recorded once.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from graphmod import _context
+from graphmod import roles as _roles
+from graphmod._filter import VariableFilter
+from graphmod._frame import Frame, OwnedKey
+from graphmod._graph import ComputationGraph
+from graphmod._layout import Layout
+from graphmod._manager import Manager
+from graphmod._rewrites import Rewrites, RewriteTrace
+from graphmod._validation import check_arguments, flat_keys, tree_difference
+
+
+class _Shared:
+    """What programs derived from one another share: layout, owned variables, examples."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.owned_roles: dict[OwnedKey, _roles.Role] | None = None
+        self.examples: dict[str, Any] = {}
+
+
+def compile(
+    fn: Callable[..., Any],
+    model: Any,
+    *,
+    managers: Iterable[Manager] | None = None,
+    monitor: VariableFilter | Mapping[str, VariableFilter] | None = None,
+    axis_name: Any = None,
+) -> Program:
+    """Traces ``fn(model, *args)`` with managers into a :class:`Program`.
+
+    Args:
+        fn: ordinary model code; returns a scalar cost, ``(cost, metrics_dict)`` or any
+            outputs.
+        model: the root brick (any ``flax.nnx.Module``).
+        managers: the managers to apply, first outermost; default: those active in ``with``
+            blocks around this call.
+        monitor: a filter (or a dict of named filters) of tagged variables returned as
+            monitored values by ``train``/``infer``.
+        axis_name: a mapped axis name (``pmap``/``shard_map``) folded into randomness.
+
+    Returns:
+        The program: ``init``, ``train``, ``infer``, ``derive``, ``graph``, ...
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm, managers
+        >>> from flax import nnx
+        >>> mlp = gm.bricks.MLP([3, 4, 2], activation=jax.nn.relu, rngs=nnx.Rngs(0))
+        >>> with managers.Dropout(0.5, bricks=mlp.linear_layers, roles=[gm.roles.INPUT]):
+        ...     program = gm.compile(lambda m, x: m(x).sum(), mlp)
+        >>> x = jnp.ones((5, 3))
+        >>> variables = program.init(x)
+        >>> cost, variables = program.train(variables, x, rng=jax.random.key(0))
+        >>> program.infer(variables, x).shape
+        ()
+    """
+    if not callable(fn):
+        raise TypeError(f"compile(fn, model): fn must be callable, got {fn!r}")
+    layout = Layout(model)
+    chosen = _context.active_managers() if managers is None else tuple(managers)
+    program = Program(fn, _Shared(layout), _check_managers(chosen, layout),
+                      _monitors(monitor), axis_name, strict=True)
+    return program
+
+
+def _check_managers(managers: tuple[Any, ...], layout: Layout) -> tuple[Manager, ...]:
+    names: dict[str, Manager] = {}
+    for index, manager in enumerate(managers):
+        if not isinstance(manager, Manager):
+            raise TypeError(f"managers[{index}]: {manager!r} is not a graphmod.Manager")
+        if manager.name in names:
+            raise ValueError(
+                f"two managers are named {manager.name!r} ({names[manager.name]!r} and "
+                f"{manager!r}): pass name=... to one of them"
+            )
+        names[manager.name] = manager
+        layout.resolve(manager.filter.brick_instances(), f"manager {manager.name!r}")
+    for manager in managers:
+        manager.freeze()
+    return tuple(managers)
+
+
+def _monitors(monitor: Any) -> dict[str, VariableFilter]:
+    if monitor is None:
+        return {}
+    if isinstance(monitor, VariableFilter):
+        return {"": monitor}
+    if isinstance(monitor, Mapping):
+        for label, f in monitor.items():
+            if not isinstance(f, VariableFilter):
+                raise TypeError(f"monitor[{label!r}]: expected a VariableFilter, got {f!r}")
+        return dict(monitor)
+    raise TypeError(f"monitor=: expected a VariableFilter or a dict of them, got {monitor!r}")
+
+
+class Program:
+    """A compiled model function: pure, jitted ``train`` and ``infer`` over plain dicts.
+
+    Made by :func:`compile`; see its example. ``train(variables, *args, rng=key)`` returns
+    ``(out, variables)`` (and monitored values with ``monitor=``); ``infer(variables,
+    *args)`` returns ``out`` (and monitored values).
+    """
+
+    def __init__(self, fn: Callable[..., Any], shared: _Shared, managers: tuple[Manager, ...],
+                 monitor: dict[str, VariableFilter], axis_name: Any, strict: bool) -> None:
+        self.fn = fn
+        self._shared = shared
+        self._managers = managers
+        self._monitor = monitor
+        self._axis_name = axis_name
+        self._strict = strict
+        self._argument_names = _argument_names(fn)
+        self.rewrites = Rewrites()
+        self._train = jax.jit(self._train_traced)
+        self._infer = jax.jit(self._infer_traced)
+
+    # -- public properties ------------------------------------------------------------------
+    @property
+    def model(self) -> Any:
+        """The root brick this program was compiled over."""
+        return self._shared.layout.model
+
+    @property
+    def managers(self) -> tuple[Manager, ...]:
+        """The managers captured at compile, outermost first."""
+        return self._managers
+
+    @property
+    def layout(self) -> Layout:
+        """Paths, identities and roles of the model's variables."""
+        return self._shared.layout
+
+    # -- the three functions --------------------------------------------------------------
+    def init(self, *example_args: Any, rng: Any = None, **example_kwargs: Any) -> dict:
+        """Variables for this program: copies of the model's arrays and managers' variables.
+
+        Runs an abstract training-mode trace on the example arguments, whose feature shapes
+        and dtypes later calls are checked against.
+        """
+        layout = self._shared.layout
+        self._shared.examples.update(self._bind(example_args, example_kwargs, jax.typeof))
+        model = layout.pure({
+            identity: jnp.array(variable.get_raw_value(), copy=True)
+            for identity, variable in layout.objects.items()
+        })
+        hparams = {(m.name, h): jnp.float32(v) for m in self._managers
+                   for h, v in m.dynamic_hparams().items()}
+        found: dict[str, Any] = {}
+
+        def trace(model: dict, args: tuple, kwargs: dict, key: Any) -> dict:
+            frame = self._trace("init", layout.model_values(model), {}, hparams, key,
+                                args, kwargs)
+            found["roles"] = frame.owned_roles
+            found["managers"] = [m.name for m in frame.seen_managers.values()]
+            return _owned_tree(frame.owned, frame.hparams)
+
+        key = jax.random.key(0) if rng is None else rng
+        managers = jax.jit(trace)(model, example_args, example_kwargs, key)
+        self._shared.owned_roles = found["roles"]
+        for name in found["managers"]:
+            managers.setdefault(name, {"hparams": {}})
+        return {"model": model, "managers": managers}
+
+    def train(self, variables: dict, *args: Any, rng: Any, **kwargs: Any) -> Any:
+        """Runs ``fn`` in training mode: ``(out, variables)`` (``+ monitored`` with monitor=)."""
+        return self._train(variables, rng, args, kwargs)
+
+    def infer(self, variables: dict, *args: Any, **kwargs: Any) -> Any:
+        """Runs ``fn`` in inference mode: ``out`` (``(out, monitored)`` with monitor=)."""
+        return self._infer(variables, args, kwargs)
+
+    def _train_traced(self, variables: dict, rng: Any, args: tuple, kwargs: dict) -> Any:
+        values, owned, hparams = self._unpack(variables)
+        frame = self._trace("train", values, owned, hparams, _as_key(rng), args, kwargs)
+        new = {
+            "model": self._shared.layout.pure(frame.values),
+            "managers": _replace_owned(variables["managers"], frame.owned, frame.owned_updated),
+        }
+        return (frame.out, new, frame.monitored) if self._monitor else (frame.out, new)
+
+    def _infer_traced(self, variables: dict, args: tuple, kwargs: dict) -> Any:
+        values, owned, hparams = self._unpack(variables)
+        frame = self._trace("infer", values, owned, hparams, None, args, kwargs)
+        return (frame.out, frame.monitored) if self._monitor else frame.out
+
+    def _trace(self, mode: str, values: dict, owned: dict, hparams: dict, key: Any,
+               args: tuple, kwargs: dict, record: bool = False) -> Frame:
+        if mode != "init":
+            check_arguments(self._shared.examples, self._bind(args, kwargs, lambda x: x))
+        frame = Frame(layout=self._shared.layout, mode=mode, values=values, owned=owned,
+                      hparams=hparams, managers=self._managers, key=key,
+                      axis_name=self._axis_name, monitor=self._monitor, record=record)
+        with _context.tracing(frame):
+            frame.out = self.fn(self.model, *args, **kwargs)
+        self.rewrites.store(RewriteTrace(mode, tuple(frame.rewrites)))
+        if self._strict:
+            _check_strict(frame)
+        return frame
+
+    # -- variables --------------------------------------------------------------------------
+    def _unpack(self, variables: Any) -> tuple[dict, dict, dict]:
+        if not isinstance(variables, Mapping) or set(variables) != {"model", "managers"}:
+            raise ValueError(
+                "variables must be the dict made by program.init: {'model': ..., "
+                f"'managers': ...}}; got {_describe_keys(variables)}"
+            )
+        layout = self._shared.layout
+        missing, extra = tree_difference(set(layout.by_key), flat_keys(variables["model"]))
+        if missing or extra:
+            raise ValueError(
+                "variables['model'] does not match the model this program was compiled over: "
+                + "; ".join(part for part in (
+                    missing and f"missing {', '.join(missing)}",
+                    extra and f"unexpected {', '.join(extra)}") if part)
+            )
+        owned: dict[OwnedKey, Any] = {}
+        hparams: dict[tuple[str, str], Any] = {}
+        # Entries of managers this program does not use are read but never asked for.
+        for name, entry in variables["managers"].items():
+            owned.update(_flat_owned(name, entry))
+            hparams.update({(name, h): v for h, v in entry.get("hparams", {}).items()})
+        return layout.model_values(variables["model"]), owned, hparams
+
+    def update_model(self, variables: dict) -> None:
+        """Writes ``variables["model"]`` (copies) into the model's NNX variables.
+
+        Checks every path and shape first; nothing is written if one does not fit.
+        """
+        values, _, _ = self._unpack(variables)
+        layout = self._shared.layout
+        for identity, value in values.items():
+            info = layout.by_identity[identity]
+            if tuple(np.shape(value)) != info.shape:
+                raise ValueError(f"update_model: {info.path} has shape {np.shape(value)}, "
+                                 f"the model's is {info.shape}")
+        for identity, value in values.items():
+            layout.objects[identity].set_raw_value(jnp.array(value, copy=True))
+
+    def roles(self, variables: dict) -> dict:
+        """The tree of roles of ``variables`` (same nesting, a Role per leaf)."""
+        layout = self._shared.layout
+        owned_roles = self._owned_roles()
+
+        def model_roles(node: Any, key: tuple) -> Any:
+            if isinstance(node, Mapping):
+                return {k: model_roles(v, (*key, k)) for k, v in node.items()}
+            return layout.by_key[key].role
+
+        def manager_roles(name: str, entry: Mapping) -> dict:
+            out: dict[str, Any] = {}
+            for path, apps in entry.items():
+                if path == "hparams":
+                    out[path] = {h: _roles.HYPERPARAMETER for h in apps}
+                    continue
+                out[path] = {app: _map_owned(name, path, app, d, owned_roles)
+                             for app, d in apps.items()}
+            return out
+
+        return {
+            "model": model_roles(variables["model"], ()),
+            "managers": {n: manager_roles(n, e) for n, e in variables["managers"].items()},
+        }
+
+    def split(self, variables: dict, *roles: _roles.Role) -> tuple[dict, dict]:
+        """``(selected, rest)``: leaves whose role is one of ``roles`` (or a sub-role), and
+        the others, each in the original nesting (empty branches dropped)."""
+        wanted = _roles.as_roles(roles, argument="program.split(variables, *roles)")
+        tree = self.roles(variables)
+
+        def part(node: Any, role_node: Any, keep: bool) -> Any:
+            if isinstance(node, Mapping):
+                parts = {k: part(v, role_node[k], keep) for k, v in node.items()}
+                return {k: v for k, v in parts.items() if v is not _EMPTY}
+            hit = any(role_node.is_a(r) for r in wanted)
+            return node if hit == keep else _EMPTY
+
+        return part(variables, tree, True), part(variables, tree, False)
+
+    @staticmethod
+    def merge(selected: dict, rest: dict) -> dict:
+        """The inverse of :meth:`split`: one nested dict from two disjoint ones."""
+        out = dict(rest)
+        for key, value in selected.items():
+            if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+                out[key] = Program.merge(value, out[key])
+            else:
+                out[key] = value
+        return out
+
+    def _owned_roles(self) -> dict[OwnedKey, _roles.Role]:
+        if self._shared.owned_roles is None:
+            raise RuntimeError(
+                "this program has not been initialised: call program.init(*example_args) "
+                "(or init a program it was derived from) first"
+            )
+        return self._shared.owned_roles
+
+    # -- more programs and views ----------------------------------------------------------------
+    def derive(self, fn: Callable[..., Any]) -> Program:
+        """A program for another function over the same model, managers and variables.
+
+        Examples:
+            >>> # predict = program.derive(lambda m, x: m(x)); predict.infer(variables, x)
+        """
+        return Program(fn, self._shared, self._managers, self._monitor, self._axis_name,
+                       strict=False)
+
+    def graph(self, *args: Any, mode: str = "train", **kwargs: Any) -> ComputationGraph:
+        """The :class:`ComputationGraph` of ``fn`` on these arguments in ``mode``."""
+        if mode not in ("train", "infer"):
+            raise ValueError(f"graph(mode={mode!r}): mode must be 'train' or 'infer'")
+        variables = self.init(*args, **kwargs)
+        found: dict[str, Frame] = {}
+
+        def trace(variables: dict, key: Any) -> Any:
+            values, owned, hparams = self._unpack(variables)
+            frame = self._trace(mode, values, owned, hparams,
+                                key if mode == "train" else None, args, kwargs, record=True)
+            found["frame"] = frame
+            return frame.out
+
+        jaxpr = jax.make_jaxpr(trace)(variables, jax.random.key(0))
+        records = found["frame"].records or []
+        return ComputationGraph(tuple(records), jaxpr, mode, self._shared.layout)
+
+    def _bind(self, args: tuple, kwargs: dict, leaf: Callable[[Any], Any]) -> dict[str, Any]:
+        names = self._argument_names
+        bound: dict[str, Any] = {}
+        for index, value in enumerate(args):
+            name = names[index] if index < len(names) else f"args[{index}]"
+            bound[name] = jax.tree.map(leaf, value)
+        for name, value in kwargs.items():
+            bound[name] = jax.tree.map(leaf, value)
+        return bound
+
+
+class _Empty:
+    pass
+
+
+_EMPTY = _Empty()
+
+
+def _argument_names(fn: Callable[..., Any]) -> list[str]:
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    positional = [p.name for p in parameters
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional[1:]
+
+
+def _as_key(rng: Any) -> Any:
+    if rng is None:
+        raise TypeError("train(variables, *args, rng=key): rng is required, e.g. "
+                        "jax.random.key(0)")
+    if jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
+        return rng
+    return jax.random.wrap_key_data(rng)
+
+
+def _check_strict(frame: Frame) -> None:
+    for manager in frame.seen_managers.values():
+        if manager.strict and frame.matches[id(manager)] == 0:
+            raise ValueError(
+                f"manager {manager.name!r} ({type(manager).__name__}) matched nothing in the "
+                f"{frame.mode} trace: its filter {manager.filter!r} selects no variable of "
+                "any application call. Fix the filter, or pass strict=False."
+            )
+
+
+def _describe_keys(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return f"a dict with keys {sorted(map(str, value))}"
+    return type(value).__name__
+
+
+def _owned_tree(owned: dict[OwnedKey, Any], hparams: dict[tuple[str, str], Any]) -> dict:
+    out: dict[str, dict] = {}
+    for (manager, name), value in hparams.items():
+        out.setdefault(manager, {"hparams": {}})["hparams"][name] = value
+    for (manager, path, application, call_id, name), value in owned.items():
+        apps = out.setdefault(manager, {"hparams": {}}).setdefault(path, {})
+        node = apps.setdefault(application, {})
+        if call_id is not None:
+            node = node.setdefault(call_id, {})
+        if isinstance(node, dict) and any(
+                isinstance(k, int) != (call_id is not None) for k in node if node is not apps):
+            raise ValueError(f"manager {manager!r} mixes per_call and shared variables in "
+                             f"application {application!r} of {path}: use one or the other")
+        node[name] = value
+    return out
+
+
+def _flat_owned(manager: str, entry: Mapping) -> dict[OwnedKey, Any]:
+    flat: dict[OwnedKey, Any] = {}
+    for path, apps in entry.items():
+        if path == "hparams":
+            continue
+        for application, node in apps.items():
+            for key, value in node.items():
+                if isinstance(key, int):
+                    for name, leaf in value.items():
+                        flat[(manager, path, application, key, name)] = leaf
+                else:
+                    flat[(manager, path, application, None, key)] = value
+    return flat
+
+
+def _map_owned(manager: str, path: str, application: str, node: Mapping,
+               roles: dict[OwnedKey, _roles.Role]) -> dict:
+    def role(call_id: int | None, name: str) -> _roles.Role:
+        key = (manager, path, application, call_id, name)
+        if key not in roles:
+            raise KeyError(f"variables hold {manager}/{path}/{application}/{name}, which this "
+                           "program's init did not create")
+        return roles[key]
+
+    return {
+        k: ({n: role(k, n) for n in v} if isinstance(k, int) else role(None, k))
+        for k, v in node.items()
+    }
+
+
+def _replace_owned(managers: Mapping, owned: dict[OwnedKey, Any], updated: set) -> dict:
+    """``variables["managers"]`` with updated owned leaves replaced (structure kept)."""
+    out = {name: dict(entry) for name, entry in managers.items()}
+    for key in updated:
+        manager, path, application, call_id, name = key
+        entry = out[manager]
+        entry[path] = dict(entry[path])
+        node = entry[path][application] = dict(entry[path][application])
+        if call_id is not None:
+            node = node[call_id] = dict(node[call_id])
+        node[name] = owned[key]
+    return out

@@ -1,0 +1,87 @@
+"""``BatchNorm``: batch normalization of selected inputs or outputs (Ioffe & Szegedy)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import graphmod as gm
+from graphmod import roles
+
+
+class BatchNorm(gm.Manager):
+    """Normalizes selected variables with batch statistics in training and running
+    (population) statistics in inference, then scales and shifts them.
+
+    Follows ``flax.nnx.BatchNorm``: statistics over every axis but the feature ``axis``,
+    biased variance, ``running = momentum * running + (1 - momentum) * batch``. Owns per
+    matched (path, application, variable): ``<var>.scale``, ``<var>.bias`` (trainable) and
+    ``<var>.mean``, ``<var>.var`` (state), shared by all call ids (updated in call order).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm, managers
+        >>> from flax import nnx
+        >>> lin = gm.bricks.Linear(3, 4, rngs=nnx.Rngs(0))
+        >>> with managers.BatchNorm(roles=[gm.roles.OUTPUT]):
+        ...     program = gm.compile(lambda m, x: m(x), lin)
+        >>> variables = program.init(jnp.ones((2, 3)))
+        >>> sorted(variables["managers"]["batch_norm"]["/"]["apply"])
+        ['output.bias', 'output.mean', 'output.scale', 'output.var']
+    """
+
+    exclusive = True
+
+    def __init__(self, *, momentum: float = 0.99, epsilon: float = 1e-5, axis: int = -1,
+                 use_scale: bool = True, use_bias: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"BatchNorm(momentum={momentum!r}): must be in [0, 1]")
+        if epsilon <= 0:
+            raise ValueError(f"BatchNorm(epsilon={epsilon!r}): must be > 0")
+        self.momentum = momentum
+        self.epsilon = epsilon
+        self.axis = axis
+        self.use_scale = use_scale
+        self.use_bias = use_bias
+
+    def _normalize(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+        ndim = jnp.ndim(value)
+        if not -ndim <= self.axis < ndim:
+            raise ValueError(f"BatchNorm(axis={self.axis}) is out of range for {call.path} "
+                             f"{call.application}.{name} of shape {jnp.shape(value)}")
+        axis = self.axis % ndim
+        features = jnp.shape(value)[axis]
+        compute = jnp.promote_types(value.dtype, jnp.float32)
+        x = value.astype(compute)
+        reduce = tuple(a for a in range(ndim) if a != axis)
+        shape = [1] * ndim
+        shape[axis] = features
+        mean = call.variable(f"{name}.mean", lambda: jnp.zeros(features, compute))
+        var = call.variable(f"{name}.var", lambda: jnp.ones(features, compute))
+        if call.training:
+            batch_mean = x.mean(reduce)
+            batch_var = jnp.mean(jnp.square(x - batch_mean.reshape(shape)), reduce)
+            m = self.momentum
+            mean.value = m * mean.value + (1 - m) * batch_mean
+            var.value = m * var.value + (1 - m) * batch_var
+            use_mean, use_var = batch_mean, batch_var
+        else:
+            use_mean, use_var = mean.value, var.value
+        y = (x - use_mean.reshape(shape)) * jax.lax.rsqrt(use_var.reshape(shape) + self.epsilon)
+        if self.use_scale:
+            scale = call.variable(f"{name}.scale", lambda: jnp.ones(features, compute),
+                                  role=roles.PARAMETER)
+            y = y * scale.value.reshape(shape)
+        if self.use_bias:
+            bias = call.variable(f"{name}.bias", lambda: jnp.zeros(features, compute),
+                                 role=roles.BIAS)
+            y = y + bias.value.reshape(shape)
+        return y.astype(value.dtype)
+
+    def rewrite_input(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+        return self._normalize(call, name, value)
+
+    def rewrite_output(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+        return self._normalize(call, name, value)
