@@ -325,7 +325,8 @@ def application(
 
 def _run_plain(spec: _Spec, method: Callable, brick: Any, args: tuple, kwargs: dict) -> Any:
     if spec.takes_call:
-        kwargs = {**kwargs, "application_call": ApplicationCall(brick, spec.name, None, 0, False, spec)}
+        call = ApplicationCall(brick, spec.name, None, 0, False, spec)
+        kwargs = {**kwargs, "application_call": call}
     return method(brick, *args, **kwargs)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -84,7 +85,7 @@ class MLP(Brick):
         self.dims = dims
         self.activation = activation
         self.linear_layers = nnx.List(
-            Linear(a, b, use_bias=use_bias, rngs=rngs) for a, b in zip(dims, dims[1:])
+            Linear(a, b, use_bias=use_bias, rngs=rngs) for a, b in itertools.pairwise(dims)
         )
 
     @application(inputs=["input_"], outputs=["output"])
