@@ -19,7 +19,9 @@ from graphmod._brick import Brick
 from graphmod._filter import VariableFilter
 from graphmod._graph import ComputationGraph
 from graphmod._manager import Dynamic, HParam, Manager, dynamic
+from graphmod._optimize import TrainState, TrainStep, optimize
 from graphmod._program import Program, compile
+from graphmod._scan import scan
 from graphmod._variables import Bias, Filter, Parameter, State, Weight
 
 __version__ = "0.1.0"
@@ -37,11 +39,15 @@ __all__ = [
     "Parameter",
     "Program",
     "State",
+    "TrainState",
+    "TrainStep",
     "VariableFilter",
     "Weight",
     "application",
     "bricks",
     "compile",
     "dynamic",
+    "optimize",
     "roles",
+    "scan",
 ]
