@@ -122,11 +122,12 @@ class Frame:
         self.values[identity] = value
         self.updated.add(identity)
 
-    def check_base_trace(self, what: str) -> None:
+    def check_base_trace(self, what: str, where: str | None = None) -> None:
         """Raises if a side output would be created under a raw JAX transform."""
         if current_trace() != self.base_trace:
-            where = (f" in application {self.calls[-1].application!r} of "
-                     f"{self.calls[-1].path}") if self.calls else ""
+            if where is None and self.calls:
+                where = f"application {self.calls[-1].application!r} of {self.calls[-1].path}"
+            where = f" in {where}" if where else ""
             raise RuntimeError(
                 f"{what}{where} happens inside a raw JAX transform (jax.jit, lax.scan, "
                 "jax.checkpoint, nnx.remat...): the value could not leave it. Use "
@@ -196,13 +197,22 @@ class Frame:
                     + " in these variables: make them with this program's init (or a program "
                     "compiled over the same model and managers)"
                 )
-            value = init() if callable(init) else init
-            self.owned[key] = jnp.asarray(value)
+            # Initial values depend on shapes only: computed eagerly, so a variable first
+            # met inside an inner trace (jax.jit, a scan body) does not leak a tracer.
+            with jax.ensure_compile_time_eval():
+                value = jnp.asarray(init() if callable(init) else init)
+            if isinstance(value, jax.core.Tracer):
+                raise ValueError(
+                    f"manager {key[0]!r}: the initial value of {key[4]!r} at {key[1]} depends "
+                    "on traced values; build it from shapes only (e.g. jnp.zeros(n))"
+                )
+            self.owned[key] = value
             self.owned_roles[key] = role
         return self.owned[key]
 
     def set_owned(self, key: OwnedKey, value: Any) -> None:
-        self.check_base_trace(f"updating {key[0]} variable {key[4]!r}")
+        self.check_base_trace(f"updating {key[0]} variable {key[4]!r}",
+                              f"application {key[2]!r} of {key[1]}")
         old = self.owned[key]
         if jnp.shape(value) != old.shape:
             raise ValueError(
@@ -233,5 +243,6 @@ class Frame:
         """Stores ``value`` as a monitored output if a monitor selects ``tag``."""
         for label, monitor_filter in self.monitor.items():
             if monitor_filter.matches(tag, self.layout.instance_paths):
-                self.check_base_trace(f"monitoring {tag.path}")
+                self.check_base_trace(f"monitoring {tag.path}",
+                                      f"application {tag.application!r} of {tag.brick_path}")
                 self.monitored[key if label == "" else f"{label}/{key}"] = value

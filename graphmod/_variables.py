@@ -55,11 +55,27 @@ class Tracked:
             value = frame.stored(self).at[index].set(value)
         frame.write(self, value)
 
+    # NNX transforms (nnx.remat, nnx.jit, ...) write raw values back into the variables
+    # they were given. While a program traces, its frame holds the values: drop those
+    # writes rather than store a tracer in the model (or trip Flax's trace-level check).
+    def set_raw_value(self, value: Any, **kwargs: Any) -> None:
+        if not _held(self):
+            super().set_raw_value(value, **kwargs)  # type: ignore[misc]
+
+    def update_from_state(self, variable_state: Any) -> None:
+        if not _held(self):
+            super().update_from_state(variable_state)  # type: ignore[misc]
+
     def __getattr__(self, name: str) -> Any:
         metadata = object.__getattribute__(self, "_var_metadata")
         if name in metadata:
             return metadata[name]
         return getattr(self.get_value(), name)
+
+
+def _held(variable: Any) -> bool:
+    frame = current_frame()
+    return frame is not None and frame.holds(variable)
 
 
 class Parameter(Tracked, nnx.Param):

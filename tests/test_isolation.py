@@ -1,0 +1,109 @@
+"""Traces never leak across programs or modes (inner jit, scan bodies, nnx.remat)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import graphmod as gm
+import managers
+from graphmod import roles
+from tests.conftest import has_random
+
+
+class Inner(gm.Brick):
+    """A brick whose application runs through an inner jax.jit, a lax.scan and nnx.remat."""
+
+    def __init__(self, n: int, *, how: str, rngs: nnx.Rngs) -> None:
+        self.how = how
+        self.lin = gm.bricks.Linear(n, n, rngs=rngs)
+
+    @gm.application(inputs=["input_"], outputs=["output"])
+    def apply(self, input_: jax.Array) -> jax.Array:
+        if self.how == "jit":
+            return jax.jit(lambda x: self.lin(x))(input_)
+        if self.how == "scan":
+            def body(carry: jax.Array, _: None) -> tuple[jax.Array, None]:
+                return self.lin(carry), None
+            return jax.lax.scan(body, input_, None, length=2)[0]
+        return nnx.remat(lambda lin, x: lin(x))(self.lin, input_)
+
+
+def _program(how: str) -> tuple[gm.Program, jax.Array]:
+    model = Inner(4, how=how, rngs=nnx.Rngs(0))
+    # Dropout rewrites inside the inner transform; batch norm (whose training update
+    # must leave through the outer trace) normalizes the application around it.
+    with managers.Dropout(0.5, bricks=[model.lin], roles=[roles.INPUT]), \
+            managers.BatchNorm(bricks=[model], roles=[roles.OUTPUT]):
+        program = gm.compile(lambda m, x: m(x), model)
+    return program, jnp.arange(24, dtype=jnp.float32).reshape(6, 4) / 10
+
+
+@pytest.mark.parametrize("how", ["jit", "scan", "remat"])
+@pytest.mark.parametrize("first", ["train", "infer"])
+def test_inference_never_reuses_a_training_trace(how: str, first: str) -> None:
+    program, x = _program(how)
+    variables = program.init(x)
+    # Population statistics far from the batch ones, so using them is visible.
+    stats = variables["managers"]["batch_norm"]["/"]["apply"]
+    stats["output.mean"] = stats["output.mean"] + 3.0
+    key = jax.random.key(0)
+    train = jax.make_jaxpr(lambda v: program.train(v, x, rng=key)[0])
+    infer = jax.make_jaxpr(lambda v: program.infer(v, x))
+    jaxprs = {first: (train if first == "train" else infer)(variables)}
+    second = "infer" if first == "train" else "train"
+    jaxprs[second] = (train if second == "train" else infer)(variables)
+    assert has_random(jaxprs["train"])
+    assert not has_random(jaxprs["infer"])
+    # Inference uses the shifted population mean: the output mean moves by about -3/std.
+    out = program.infer(variables, x)
+    out_train, _ = program.train(variables, x, rng=key)
+    assert float(jnp.abs(out.mean() - out_train.mean())) > 1.0
+
+
+def test_each_outer_trace_has_a_fresh_token() -> None:
+    from graphmod import _context
+
+    seen = []
+
+    def fn(model: gm.Brick, x: jax.Array) -> jax.Array:
+        seen.append(_context.trace_token())
+        return model(x)
+
+    lin = gm.bricks.Linear(2, 2, rngs=nnx.Rngs(0))
+    program = gm.compile(fn, lin)
+    x = jnp.ones((1, 2))
+    variables = program.init(x)
+    program.train(variables, x, rng=jax.random.key(0))
+    program.infer(variables, x)
+    assert len(seen) == 3 and len(set(seen)) == 3 and None not in seen
+    assert _context.trace_token() is None
+
+
+def test_programs_over_one_model_do_not_share_inner_traces() -> None:
+    model = Inner(3, how="jit", rngs=nnx.Rngs(1))
+    with managers.GaussianNoise(1.0, bricks=[model.lin], roles=[roles.OUTPUT]):
+        noisy = gm.compile(lambda m, x: m(x), model)
+    plain = gm.compile(lambda m, x: m(x), model)
+    x = jnp.ones((2, 3))
+    v_noisy, v_plain = noisy.init(x), plain.init(x)
+    key = jax.random.key(3)
+    a, _ = noisy.train(v_noisy, x, rng=key)
+    b, _ = plain.train(v_plain, x, rng=key)
+    assert not np.allclose(a, b)
+    np.testing.assert_allclose(b, model(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["jit", "scan", "remat"])
+def test_state_update_under_a_raw_transform_names_the_application(how: str) -> None:
+    model = Inner(4, how=how, rngs=nnx.Rngs(0))
+    with managers.BatchNorm(bricks=[model.lin], roles=[roles.OUTPUT]):
+        program = gm.compile(lambda m, x: m(x), model)
+    x = jnp.ones((3, 4))
+    variables = program.init(x)  # init never updates state: fine
+    np.testing.assert_allclose(program.infer(variables, x).shape, (3, 4))
+    with pytest.raises(RuntimeError, match=r"application 'apply' of /lin.*graphmod.scan"):
+        program.train(variables, x, rng=jax.random.key(0))
