@@ -25,10 +25,11 @@ from graphmod._filter import Tag, VariableFilter
 from graphmod._rewrites import Rewrite, describe
 from graphmod._variables import identity_of
 
+from graphmod._manager import Manager
+
 if TYPE_CHECKING:
     from graphmod._application import ApplicationCall
     from graphmod._layout import Layout
-    from graphmod._manager import Manager
 
 # (manager name, brick path, application, call_id or None, variable name)
 OwnedKey = tuple[str, str, str, int | None, str]
@@ -153,7 +154,14 @@ class Frame:
     @contextmanager
     def using(self, managers: tuple[Manager, ...]) -> Iterator[None]:
         """Managers given with ``use_manager=`` for one call and its children."""
+        active = {m.name: m for m in self.chain()}
         for m in managers:
+            if not isinstance(m, Manager):
+                raise TypeError(f"use_manager: {m!r} is not a graphmod.Manager")
+            if m.name in active and active[m.name] is not m:
+                raise ValueError(f"use_manager: a manager named {m.name!r} is already active; "
+                                 "pass name=... to one of them")
+            self.layout.resolve(m.filter.brick_instances(), f"use_manager {m.name!r}")
             self.seen_managers.setdefault(id(m), m)
         self.local_managers.extend(managers)
         try:

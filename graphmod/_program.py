@@ -90,9 +90,11 @@ def compile(
         raise TypeError(f"compile(fn, model): fn must be callable, got {fn!r}")
     layout = Layout(model)
     chosen = _context.active_managers() if managers is None else tuple(managers)
-    program = Program(fn, _Shared(layout), _check_managers(chosen, layout),
-                      _monitors(monitor), axis_name, strict=True)
-    return program
+    monitors = _monitors(monitor)
+    for label, monitor_filter in monitors.items():
+        layout.resolve(monitor_filter.brick_instances(), f"monitor[{label!r}]")
+    return Program(fn, _Shared(layout), _check_managers(chosen, layout), monitors, axis_name,
+                   strict=True)
 
 
 def _check_managers(managers: tuple[Any, ...], layout: Layout) -> tuple[Manager, ...]:

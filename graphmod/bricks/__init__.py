@@ -6,6 +6,20 @@ Examples:
     ['Conv', 'Embedding', 'LSTM']
 """
 
+from graphmod.bricks._conv import Conv
+from graphmod.bricks._embedding import Embedding
 from graphmod.bricks._linear import MLP, Linear
+from graphmod.bricks._norm import LayerNorm
+from graphmod.bricks._recurrent import LSTM, SimpleRecurrent
+from graphmod.bricks._sequence import Sequence
 
-__all__ = ["MLP", "Linear"]
+__all__ = [
+    "LSTM",
+    "MLP",
+    "Conv",
+    "Embedding",
+    "LayerNorm",
+    "Linear",
+    "Sequence",
+    "SimpleRecurrent",
+]

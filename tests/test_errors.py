@@ -1,0 +1,142 @@
+"""Bad input gets a clear error naming the culprit, raised before anything changes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import graphmod as gm
+import managers
+from graphmod import roles
+
+
+def _mlp() -> gm.bricks.MLP:
+    return gm.bricks.MLP([4, 5, 3], activation=jax.nn.relu, rngs=nnx.Rngs(0))
+
+
+def _cost(model: gm.Brick, x: jax.Array, y: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+X, Y = jnp.ones((8, 4)), jnp.zeros(8, jnp.int32)
+
+
+def test_a_filter_that_matches_nothing_names_the_manager() -> None:
+    mlp = _mlp()
+    with managers.Dropout(0.5, bricks=[gm.bricks.Linear], roles=[roles.COST]):
+        program = gm.compile(_cost, mlp)
+    with pytest.raises(ValueError, match=r"manager 'dropout' \(Dropout\) matched nothing.*"
+                                         r"roles=\(COST,\).*strict=False"):
+        program.init(X, Y)
+    lenient = gm.compile(_cost, mlp, managers=[
+        managers.Dropout(0.5, roles=[roles.COST], strict=False)])
+    lenient.init(X, Y)
+
+
+def test_two_exclusive_managers_on_one_variable_name_both() -> None:
+    mlp = _mlp()
+    program = gm.compile(_cost, mlp, managers=[
+        managers.BatchNorm(bricks=mlp.linear_layers[:1], roles=[roles.OUTPUT]),
+        managers.BatchNorm(bricks=[gm.bricks.Linear], roles=[roles.OUTPUT], name="bn2"),
+    ])
+    with pytest.raises(ValueError, match=r"'bn2' and 'batch_norm'.*output.*/linear_layers/0"):
+        program.init(X, Y)
+
+
+def test_a_role_that_is_not_a_role() -> None:
+    with pytest.raises(TypeError, match=r"'weight' is not a role.*WEIGHT"):
+        managers.Dropout(0.5, roles=["weight"])
+    with pytest.raises(TypeError, match=r"VariableFilter\(roles=...\): 3 is not a role"):
+        gm.VariableFilter(roles=[3])
+
+
+def test_duplicate_manager_names_raise_at_compile() -> None:
+    with pytest.raises(ValueError, match=r"two managers are named 'dropout'.*name=\.\.\."):
+        gm.compile(_cost, _mlp(), managers=[managers.Dropout(0.1), managers.Dropout(0.2)])
+
+
+def test_a_brick_outside_the_model_named_by_a_filter() -> None:
+    stranger = gm.bricks.Linear(2, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"manager 'dropout'.*Linear.*not part of the compiled"):
+        gm.compile(_cost, _mlp(), managers=[managers.Dropout(0.1, bricks=[stranger])])
+
+
+def test_not_a_manager() -> None:
+    with pytest.raises(TypeError, match=r"managers\[1\]: 'dropout' is not a graphmod.Manager"):
+        gm.compile(_cost, _mlp(), managers=[managers.Dropout(0.1), "dropout"])
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_wrong_shapes_or_dtypes_name_the_argument_and_the_expected_shape(mode: str) -> None:
+    program = gm.compile(_cost, _mlp())
+    variables = program.init(X, Y)
+    run = (lambda *a: program.train(variables, *a, rng=jax.random.key(0))) if mode == "train" \
+        else (lambda *a: program.infer(variables, *a))
+    with pytest.raises(ValueError, match=r"argument 'x': expected shape \(batch, 4\) and dtype "
+                                         r"float32.*got shape \(8, 5\)"):
+        run(jnp.ones((8, 5)), Y)
+    with pytest.raises(ValueError, match=r"argument 'y': expected shape \(batch\) and dtype "
+                                         r"int32.*dtype float32"):
+        run(X, jnp.zeros(8))
+    run(jnp.ones((3, 4)), jnp.zeros(3, jnp.int32))  # another batch size is fine
+
+
+def test_variables_that_do_not_match_the_program_name_missing_and_extra_paths() -> None:
+    program = gm.compile(_cost, _mlp())
+    variables = program.init(X, Y)
+    layers = variables["model"]["linear_layers"]
+    broken = {"model": {"linear_layers": {0: layers[0], 1: {"W": layers[1]["W"],
+                                                            "bias": layers[1]["b"]}}},
+              "managers": variables["managers"]}
+    with pytest.raises(ValueError, match=r"missing linear_layers/1/b; unexpected "
+                                         r"linear_layers/1/bias"):
+        program.train(broken, X, Y, rng=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"variables must be the dict made by program.init"):
+        program.infer(variables["model"], X, Y)
+
+
+def test_non_scalar_cost_given_to_optimize() -> None:
+    program = gm.compile(lambda m, x: m(x), _mlp())
+    step = gm.optimize(program, optax.sgd(0.1))
+    state = step.init(program.init(X), jax.random.key(0))
+    with pytest.raises(ValueError, match=r"must be a float scalar.*shape \(8, 3\).*mean"):
+        step(state, X)
+
+
+def test_train_without_a_key() -> None:
+    program = gm.compile(_cost, _mlp())
+    with pytest.raises(TypeError, match=r"rng is required"):
+        program.train(program.init(X, Y), X, Y, rng=None)
+
+
+def test_compile_rejects_a_non_module_model_and_bad_monitors() -> None:
+    with pytest.raises(TypeError, match=r"model must be a flax.nnx.Module"):
+        gm.compile(_cost, {"W": jnp.ones(2)})
+    with pytest.raises(TypeError, match=r"monitor\['a'\]: expected a VariableFilter"):
+        gm.compile(_cost, _mlp(), monitor={"a": roles.OUTPUT})
+
+
+def test_bad_filter_fields() -> None:
+    with pytest.raises(ValueError, match=r"name_regex='\('\) is not a valid regular expression"):
+        gm.VariableFilter(name_regex="(")
+    with pytest.raises(TypeError, match=r"bricks=...\): 3 is neither a Brick instance"):
+        gm.VariableFilter(bricks=[3])
+    with pytest.raises(TypeError, match=r"filter= or the filter fields \(roles\)"):
+        managers.Dropout(0.5, roles=[roles.INPUT], filter=gm.VariableFilter())
+
+
+def test_frozen_manager_and_stored_arrays_unchanged_after_a_failed_call() -> None:
+    mlp = _mlp()
+    dropout = managers.Dropout(0.5, roles=[roles.INPUT])
+    program = gm.compile(_cost, mlp, managers=[dropout])
+    with pytest.raises(AttributeError, match=r"'dropout' is frozen"):
+        dropout.rate = 0.1
+    variables = program.init(X, Y)
+    snapshot = jax.tree.map(np.asarray, variables)
+    with pytest.raises(ValueError):
+        program.train(variables, jnp.ones((8, 5)), Y, rng=jax.random.key(0))
+    jax.tree.map(np.testing.assert_array_equal, variables, snapshot)

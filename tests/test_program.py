@@ -1,0 +1,250 @@
+"""compile → Program: variables layout, init copies, derive, split/merge, monitor, hparams."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import graphmod as gm
+import managers
+from graphmod import roles
+
+
+def _cost(model: gm.Brick, x: jax.Array, y: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+def _data(n: int = 16) -> tuple[jax.Array, jax.Array]:
+    x = jax.random.normal(jax.random.key(0), (n, 6))
+    return x, (jnp.arange(n) % 3).astype(jnp.int32)
+
+
+def _mlp() -> gm.bricks.MLP:
+    return gm.bricks.MLP([6, 8, 3], activation=jax.nn.relu, rngs=nnx.Rngs(0))
+
+
+def test_variables_layout_matches_the_design() -> None:
+    mlp = _mlp()
+    with managers.Dropout(gm.dynamic(0.5), bricks=mlp.linear_layers, roles=[roles.INPUT]), \
+            managers.BatchNorm(bricks=mlp.linear_layers[:-1], roles=[roles.OUTPUT]):
+        program = gm.compile(_cost, mlp)
+    variables = program.init(*_data())
+    assert set(variables) == {"model", "managers"}
+    assert set(variables["model"]["linear_layers"][0]) == {"W", "b"}
+    rate = variables["managers"]["dropout"]["hparams"]["rate"]
+    assert rate.dtype == jnp.float32 and rate.shape == () and float(rate) == 0.5
+    bn = variables["managers"]["batch_norm"]["/linear_layers/0"]["apply"]
+    assert sorted(bn) == ["output.bias", "output.mean", "output.scale", "output.var"]
+    assert program.managers[0].name == "dropout"
+
+
+def test_init_returns_copies_and_update_model_writes_back() -> None:
+    mlp = _mlp()
+    with managers.Dropout(0.2, bricks=mlp.linear_layers, roles=[roles.INPUT]):
+        program = gm.compile(_cost, mlp)
+    x, y = _data()
+    before = mlp(x)
+    variables = program.init(x, y)
+    step = gm.optimize(program, optax.adam(1e-2))
+    state = step.init(variables, jax.random.key(0))
+    for _ in range(20):
+        state, metrics = step(state, x, y)
+    # Buffers were donated 20 times: the model and the init variables still work.
+    np.testing.assert_allclose(mlp(x), before)
+    assert jnp.isfinite(program.infer(variables, x, y))
+    program.update_model(state.variables)
+    trained = program.derive(lambda m, x: m(x)).infer(state.variables, x)
+    np.testing.assert_allclose(mlp(x), trained, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(mlp(x), before)
+
+
+def test_update_model_checks_everything_before_writing() -> None:
+    mlp = _mlp()
+    program = gm.compile(_cost, mlp)
+    variables = program.init(*_data())
+    bad = jax.tree.map(lambda a: a, variables)
+    bad["model"]["linear_layers"][1]["W"] = jnp.zeros((2, 2))
+    bad["model"]["linear_layers"][0]["W"] = jnp.zeros((6, 8))
+    with pytest.raises(ValueError, match=r"/linear_layers/1\.W has shape \(2, 2\)"):
+        program.update_model(bad)
+    assert not np.allclose(mlp.linear_layers[0].W.get_value(), 0.0)
+
+
+def test_derive_shares_layout_and_ignores_unused_manager_entries() -> None:
+    mlp = _mlp()
+    with managers.BatchNorm(bricks=mlp.linear_layers[:-1], roles=[roles.OUTPUT]):
+        program = gm.compile(_cost, mlp)
+    x, y = _data()
+    variables = program.init(x, y)
+    predict = program.derive(lambda m, x: m(x))
+    foreign = {**variables, "managers": {**variables["managers"], "other": {"hparams": {}}}}
+    np.testing.assert_allclose(predict.infer(foreign, x), predict.infer(variables, x))
+    missing = {**variables, "managers": {}}
+    with pytest.raises(KeyError, match=r"batch_norm.*'output.mean'.*/linear_layers/0"):
+        predict.infer(missing, x)
+
+
+def test_split_and_merge_by_role() -> None:
+    mlp = _mlp()
+    with managers.BatchNorm(bricks=mlp.linear_layers[:-1], roles=[roles.OUTPUT]):
+        program = gm.compile(_cost, mlp)
+    variables = program.init(*_data())
+    params, rest = program.split(variables, roles.PARAMETER)
+    param_paths = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)}
+    assert "['model']['linear_layers'][0]['W']" in param_paths
+    assert "['managers']['batch_norm']['/linear_layers/0']['apply']['output.scale']" in param_paths
+    assert not any("mean" in p or "var" in p for p in param_paths)
+    merged = program.merge(params, rest)
+    assert jax.tree.structure(merged) == jax.tree.structure(variables)
+    weights, _ = program.split(variables, roles.WEIGHT)
+    assert len(jax.tree.leaves(weights)) == 2
+    for leaf in jax.tree.leaves(params):
+        assert jnp.issubdtype(leaf.dtype, jnp.floating)
+
+
+def test_dynamic_hyperparameter_takes_effect_without_retrace() -> None:
+    lin = gm.bricks.Linear(200, 200, rngs=nnx.Rngs(0))
+    dropout = managers.Dropout(gm.dynamic(0.5), roles=[roles.INPUT])
+    traces = []
+
+    def fn(model: gm.Brick, x: jax.Array) -> jax.Array:
+        traces.append(1)
+        return model(x)
+
+    program = gm.compile(fn, lin, managers=[dropout], monitor=gm.VariableFilter(
+        roles=[roles.INPUT], bricks=[lin]))
+    x = jnp.ones((4, 200))
+    variables = program.init(x)
+    traces.clear()
+    handle = dropout.hparam("rate")
+    fractions = []
+    for rate in (0.5, 0.1, 0.9):
+        variables = handle.set(variables, rate)
+        _, _, monitored = program.train(variables, x, rng=jax.random.key(1))
+        fractions.append(float((monitored["/.apply.input_"] == 0).mean()))
+    assert len(traces) == 1
+    np.testing.assert_allclose(fractions, [0.5, 0.1, 0.9], atol=0.03)
+
+
+def test_constant_hyperparameter_has_no_handle() -> None:
+    with pytest.raises(ValueError, match=r"dropout\.rate is a compile-time constant.*dynamic"):
+        managers.Dropout(0.5).hparam("rate")
+
+
+def test_monitor_returns_tagged_intermediates_from_the_jitted_step() -> None:
+    mlp = _mlp()
+    program = gm.compile(_cost, mlp, monitor={
+        "act": gm.VariableFilter(roles=[roles.OUTPUT], bricks=[gm.bricks.Linear])})
+    x, y = _data()
+    variables = program.init(x, y)
+    step = gm.optimize(program, optax.sgd(0.1))
+    state = step.init(variables, jax.random.key(0))
+    state, metrics = step(state, x, y)
+    assert sorted(metrics) == ["act//linear_layers/0.apply.output",
+                               "act//linear_layers/1.apply.output", "loss"]
+    W0 = variables["model"]["linear_layers"][0]["W"]
+    b0 = variables["model"]["linear_layers"][0]["b"]
+    np.testing.assert_allclose(metrics["act//linear_layers/0.apply.output"], x @ W0 + b0,
+                               rtol=1e-5, atol=1e-5)
+    out, monitored = program.infer(variables, x, y)
+    assert set(monitored) == {"act//linear_layers/0.apply.output",
+                              "act//linear_layers/1.apply.output"}
+
+
+def test_auxiliary_variables_are_tagged_and_monitorable() -> None:
+    class Stats(gm.Brick):
+        @gm.application(inputs=["x"], outputs=["y"])
+        def apply(self, x: jax.Array, application_call: gm.ApplicationCall) -> jax.Array:
+            application_call.add_auxiliary_variable(x.mean(), name="mean")
+            return x * 2
+
+    program = gm.compile(lambda m, x: m(x), Stats(),
+                         monitor=gm.VariableFilter(roles=[roles.AUXILIARY]))
+    variables = program.init(jnp.ones((2, 2)))
+    _, monitored = program.infer(variables, jnp.full((2, 2), 3.0))
+    assert float(monitored["/.apply.mean"]) == 3.0
+    cg = program.graph(jnp.ones((2, 2)))
+    assert [r.tag.name for r in cg.auxiliary_variables] == ["mean"]
+
+
+def test_train_and_infer_are_pure_and_compose_with_grad_and_vmap() -> None:
+    mlp = _mlp()
+    program = gm.compile(_cost, mlp)
+    x, y = _data()
+    variables = program.init(x, y)
+    grads = jax.grad(lambda v: program.train(v, x, y, rng=jax.random.key(0))[0])(variables)
+    assert jax.tree.structure(grads) == jax.tree.structure(variables)
+    per_example = jax.vmap(lambda xi, yi: program.infer(variables, xi[None], yi[None]))(x, y)
+    assert per_example.shape == (16,)
+
+
+def test_compiling_twice_gives_the_same_layout() -> None:
+    mlp = _mlp()
+    a = gm.compile(_cost, mlp).init(*_data())
+    b = gm.compile(lambda m, x: m(x), mlp).init(_data()[0])
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+
+
+def test_rewrite_trace_prints_as_a_table_and_html() -> None:
+    mlp = _mlp()
+    with managers.Dropout(0.5, bricks=mlp.linear_layers, roles=[roles.INPUT]):
+        program = gm.compile(_cost, mlp)
+    x, y = _data()
+    variables = program.init(x, y)
+    program.train(variables, x, y, rng=jax.random.key(0))
+    text = str(program.rewrites)
+    assert "train: 2 rewrites" in text and "/linear_layers/1" in text
+    assert "<table>" in program.rewrites._repr_html_()
+    assert [r.call_id for r in program.rewrites.train] == [0, 0]
+    assert len(program.rewrites.infer) == 0
+
+
+def test_computation_graph_lists_variables_before_and_after_rewrites() -> None:
+    mlp = _mlp()
+    with managers.Dropout(0.5, bricks=mlp.linear_layers, roles=[roles.INPUT]):
+        program = gm.compile(_cost, mlp)
+    x, y = _data()
+    cg = program.graph(x, y)
+    outputs = cg.filter(gm.VariableFilter(roles=[roles.OUTPUT], bricks=[gm.bricks.Linear]))
+    assert [r.tag.brick_path for r in outputs] == ["/linear_layers/0", "/linear_layers/1"]
+    assert [r.manager for r in cg.rewritten] == ["dropout", "dropout"]
+    assert len(cg.parameters) == 4 and len(cg.inputs) == 5
+    assert "train graph" in str(cg)
+    infer = program.graph(x, y, mode="infer")
+    assert infer.rewritten == [] and len(infer.jaxpr.jaxpr.eqns) < len(cg.jaxpr.jaxpr.eqns)
+
+
+def test_use_manager_scopes_a_manager_to_one_call() -> None:
+    class Twice(gm.Brick):
+        def __init__(self) -> None:
+            self.lin = gm.bricks.Linear(2, 2, rngs=nnx.Rngs(0))
+
+        @gm.application(inputs=["x"], outputs=["y"])
+        def apply(self, x: jax.Array) -> jax.Array:
+            scale = Scale(roles=[roles.OUTPUT])
+            return self.lin(x) + self.lin(x, use_manager=scale)
+
+    class Scale(gm.Manager):
+        def rewrite_output(self, call: gm.ApplicationCall, name: str, value: jax.Array):
+            return 10 * value
+
+    model = Twice()
+    program = gm.compile(lambda m, x: m(x), model)
+    x = jnp.ones((1, 2))
+    variables = program.init(x)
+    np.testing.assert_allclose(program.infer(variables, x), 11 * model.lin(x), rtol=1e-6)
+    assert [(r.manager, r.call_id) for r in program.rewrites.infer] == [("scale", 1)]
+
+
+def test_call_rng_outside_a_program_raises() -> None:
+    class Draw(gm.Brick):
+        @gm.application(inputs=["x"], outputs=["y"])
+        def apply(self, x: jax.Array, application_call: gm.ApplicationCall) -> jax.Array:
+            return x + jax.random.normal(application_call.rng(), x.shape)
+
+    with pytest.raises(RuntimeError, match=r"call\.rng\(\).*needs a compiled program"):
+        Draw()(jnp.ones(2))
