@@ -76,7 +76,9 @@ def scan(
         frame.base_trace, frame.monitored = saved
     frame.values.update(model_out)
     frame.updated.update(model_out)
-    if frame.mode != "init":
+    if frame.mode == "init":
+        frame.owned.update(owned)  # init never updates: drop the body's values
+    else:
         frame.owned.update(owned_out)
         frame.owned_updated.update(owned_out)
     frame.monitored.update(monitored)

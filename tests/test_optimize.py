@@ -1,0 +1,98 @@
+"""optimize: a jitted, donating train step that gives optax exactly the PARAMETER leaves."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import graphmod as gm
+import managers
+from graphmod import roles
+
+
+def _setup(**kwargs: object) -> tuple[gm.Program, dict, jax.Array, jax.Array]:
+    mlp = gm.bricks.MLP([4, 6, 2], activation=jax.nn.relu, rngs=nnx.Rngs(0))
+    bn = managers.BatchNorm(bricks=mlp.linear_layers[:1], roles=[roles.OUTPUT])
+
+    def cost(model: gm.Brick, x: jax.Array, y: jax.Array) -> tuple[jax.Array, dict]:
+        loss = ((model(x) - y) ** 2).mean()
+        return loss, {"scale": jnp.abs(y).mean()}
+
+    program = gm.compile(cost, mlp, managers=[bn])
+    x = jax.random.normal(jax.random.key(0), (8, 4))
+    y = jax.random.normal(jax.random.key(1), (8, 2))
+    return program, program.init(x, y), x, y
+
+
+def test_optax_sees_exactly_the_parameter_leaves_in_their_nesting() -> None:
+    program, variables, x, y = _setup()
+    seen = {}
+
+    def record(updates: dict, state: object, params: dict | None = None) -> tuple:
+        seen["tree"] = jax.tree.structure(params)
+        return updates, state
+
+    tx = optax.chain(optax.GradientTransformation(lambda p: optax.EmptyState(), record),
+                     optax.sgd(0.1))
+    step = gm.optimize(program, tx)
+    state = step.init(variables, jax.random.key(0))
+    state, metrics = step(state, x, y)
+    params, _ = program.split(variables, roles.PARAMETER)
+    assert seen["tree"] == jax.tree.structure(params)
+    assert sorted(metrics) == ["loss", "scale"]
+    # Running statistics changed as state, not through the optimizer.
+    bn = state.variables["managers"]["batch_norm"]["/linear_layers/0"]["apply"]
+    assert not np.allclose(bn["output.mean"], 0.0)
+
+
+def test_steps_are_deterministic_and_match_a_manual_gradient_step() -> None:
+    program, variables, x, y = _setup()
+    step = gm.optimize(program, optax.sgd(0.1))
+    state = step.init(variables, jax.random.key(0))
+    state, metrics = step(state, x, y)
+    key = jax.random.fold_in(jax.random.key(0), 0)
+    params, rest = program.split(variables, roles.PARAMETER)
+
+    def loss(p: dict) -> jax.Array:
+        return program.train(program.merge(p, rest), x, y, rng=key)[0][0]
+
+    grads = jax.grad(loss)(params)
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    got, _ = program.split(state.variables, roles.PARAMETER)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got,
+                 expected)
+    assert int(state.step) == 1
+
+
+def test_skip_nonfinite_leaves_the_state_unchanged_and_counts() -> None:
+    program, variables, x, y = _setup()
+    step = gm.optimize(program, optax.sgd(0.1), skip_nonfinite=True)
+    state = step.init(variables, jax.random.key(0))
+    state, metrics = step(state, x, y)
+    assert int(metrics["skipped_steps"]) == 0
+    before = jax.tree.map(np.asarray, state.variables)
+    state, metrics = step(state, x, y.at[0, 0].set(jnp.nan))
+    assert int(metrics["skipped_steps"]) == 1 and not np.isfinite(float(metrics["loss"]))
+    jax.tree.map(np.testing.assert_array_equal, state.variables, before)
+    assert int(state.step) == 2
+
+
+def test_optimize_rejects_what_is_not_a_program_or_an_optimizer() -> None:
+    program, *_ = _setup()
+    with pytest.raises(TypeError, match="expected a graphmod Program"):
+        gm.optimize(lambda: None, optax.sgd(0.1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="optax GradientTransformation"):
+        gm.optimize(program, 0.1)  # type: ignore[arg-type]
+
+
+def test_the_step_traces_once_per_signature() -> None:
+    program, variables, x, y = _setup()
+    step = gm.optimize(program, optax.adam(1e-3))
+    state = step.init(variables, jax.random.key(0))
+    for _ in range(3):
+        state, _ = step(state, x, y)
+    assert step._step._cache_size() == 1
