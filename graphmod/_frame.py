@@ -180,7 +180,8 @@ class Frame:
             return jax.random.key(0)  # placeholder: init only needs shapes
         if not self.training:
             raise RuntimeError(
-                f"call.rng() in inference mode ({'/'.join(parts)}): stochastic rewrites "
+                f"call.rng() in inference mode (manager {parts[0]!r}, application "
+                f"{parts[2]!r} of {parts[1]}, {parts[3]} {parts[4]!r}): stochastic rewrites "
                 "belong to training; check call.training before drawing randomness"
             )
         if self.key is None:

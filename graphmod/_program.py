@@ -466,6 +466,7 @@ def _replace_owned(managers: Mapping, owned: dict[OwnedKey, Any], updated: set) 
         entry[path] = dict(entry[path])
         node = entry[path][application] = dict(entry[path][application])
         if call_id is not None:
-            node = node[call_id] = dict(node[call_id])
+            node[call_id] = dict(node[call_id])
+            node = node[call_id]
         node[name] = owned[key]
     return out

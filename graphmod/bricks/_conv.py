@@ -139,6 +139,12 @@ class Conv(Brick):
         self.strides = _per_axis(strides, rank, "strides")
         self.padding = _canonical_padding(padding, rank)
         self.input_dilation = _per_axis(input_dilation, rank, "input_dilation")
+        if isinstance(self.padding, str) and any(d > 1 for d in self.input_dilation):
+            raise ValueError(
+                f"Conv(input_dilation={input_dilation!r}) needs explicit padding (ints or "
+                f"(low, high) pairs), not padding={padding!r}: lax has no string padding "
+                "for dilated inputs"
+            )
         self.kernel_dilation = _per_axis(kernel_dilation, rank, "kernel_dilation")
         self.feature_group_count = feature_group_count
         self.use_bias = use_bias
