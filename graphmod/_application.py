@@ -26,6 +26,7 @@ import jax
 from graphmod import _context
 from graphmod import roles as _roles
 from graphmod._filter import Tag
+from graphmod._frame import current_trace
 from graphmod._rewrites import Rewrite, describe
 
 if TYPE_CHECKING:
@@ -215,8 +216,6 @@ class ApplicationCall:
         base = frame.values[info.identity]
         if not info.role.is_a(_roles.PERSISTENT):
             return base
-        from graphmod._frame import current_trace
-
         # One rewrite per (call, variable) and JAX trace: a value rewritten inside an inner
         # trace (a scan body) must not leak out of it. Trace states are not hashable.
         trace = current_trace()

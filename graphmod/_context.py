@@ -82,16 +82,6 @@ def tracing(frame: Frame) -> Iterator[Frame]:
         assert popped is frame, "frame stack corrupted: traces exited out of order"
 
 
-@contextlib.contextmanager
-def suspended() -> Iterator[None]:
-    """No frame inside: code runs as plain eager model code (used for eager probes)."""
-    token = _FRAME.set(None)
-    try:
-        yield
-    finally:
-        _FRAME.reset(token)
-
-
 def trace_token() -> Any:
     """The current trace token (None outside a trace); exposed for the isolation test."""
     return _TRACE_TOKEN.value

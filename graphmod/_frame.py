@@ -22,10 +22,9 @@ import jax.numpy as jnp
 
 from graphmod import roles as _roles
 from graphmod._filter import Tag, VariableFilter
+from graphmod._manager import Manager
 from graphmod._rewrites import Rewrite, describe
 from graphmod._variables import identity_of
-
-from graphmod._manager import Manager
 
 if TYPE_CHECKING:
     from graphmod._application import ApplicationCall
@@ -254,4 +253,4 @@ class Frame:
             if monitor_filter.matches(tag, self.layout.instance_paths):
                 self.check_base_trace(f"monitoring {tag.path}",
                                       f"application {tag.application!r} of {tag.brick_path}")
-                self.monitored[key if label == "" else f"{label}/{key}"] = value
+                self.monitored[key if label == "" else f"{label}:{key}"] = value

@@ -80,8 +80,8 @@ def test_call_rng_in_inference_raises_and_in_init_is_a_placeholder() -> None:
     lin = gm.bricks.Linear(2, 2, rngs=nnx.Rngs(0))
     program = gm.compile(lambda m, x: m(x), lin, managers=[Draw(roles=[roles.OUTPUT])])
     variables = program.init(jnp.ones((1, 2)))  # init's trace: placeholder key, no error
-    with pytest.raises(RuntimeError, match=r"inference mode \(manager 'draw', application 'apply' of /, "
-                                           r"OUTPUT 'output'\)"):
+    message = r"inference mode \(manager 'draw', application 'apply' of /, OUTPUT 'output'\)"
+    with pytest.raises(RuntimeError, match=message):
         program.infer(variables, jnp.ones((1, 2)))
 
 

@@ -53,7 +53,7 @@ def test_steps_are_deterministic_and_match_a_manual_gradient_step() -> None:
     program, variables, x, y = _setup()
     step = gm.optimize(program, optax.sgd(0.1))
     state = step.init(variables, jax.random.key(0))
-    state, metrics = step(state, x, y)
+    state, _metrics = step(state, x, y)
     key = jax.random.fold_in(jax.random.key(0), 0)
     params, rest = program.split(variables, roles.PARAMETER)
 

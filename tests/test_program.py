@@ -52,7 +52,7 @@ def test_init_returns_copies_and_update_model_writes_back() -> None:
     step = gm.optimize(program, optax.adam(1e-2))
     state = step.init(variables, jax.random.key(0))
     for _ in range(20):
-        state, metrics = step(state, x, y)
+        state, _metrics = step(state, x, y)
     # Buffers were donated 20 times: the model and the init variables still work.
     np.testing.assert_allclose(mlp(x), before)
     assert jnp.isfinite(program.infer(variables, x, y))
@@ -144,15 +144,15 @@ def test_monitor_returns_tagged_intermediates_from_the_jitted_step() -> None:
     step = gm.optimize(program, optax.sgd(0.1))
     state = step.init(variables, jax.random.key(0))
     state, metrics = step(state, x, y)
-    assert sorted(metrics) == ["act//linear_layers/0.apply.output",
-                               "act//linear_layers/1.apply.output", "loss"]
+    assert sorted(metrics) == ["act:/linear_layers/0.apply.output",
+                               "act:/linear_layers/1.apply.output", "loss"]
     W0 = variables["model"]["linear_layers"][0]["W"]
     b0 = variables["model"]["linear_layers"][0]["b"]
-    np.testing.assert_allclose(metrics["act//linear_layers/0.apply.output"], x @ W0 + b0,
+    np.testing.assert_allclose(metrics["act:/linear_layers/0.apply.output"], x @ W0 + b0,
                                rtol=1e-5, atol=1e-5)
-    out, monitored = program.infer(variables, x, y)
-    assert set(monitored) == {"act//linear_layers/0.apply.output",
-                              "act//linear_layers/1.apply.output"}
+    _out, monitored = program.infer(variables, x, y)
+    assert set(monitored) == {"act:/linear_layers/0.apply.output",
+                              "act:/linear_layers/1.apply.output"}
 
 
 def test_auxiliary_variables_are_tagged_and_monitorable() -> None:
