@@ -22,6 +22,7 @@ from graphmod._manager import Dynamic, HParam, Manager, dynamic
 from graphmod._optimize import TrainState, TrainStep, optimize
 from graphmod._program import Program, compile
 from graphmod._scan import scan
+from graphmod._schedule import Schedule, after, always, at, before, each, never
 from graphmod._variables import Bias, Filter, Parameter, State, Weight
 
 __version__ = "0.1.0"
@@ -38,15 +39,22 @@ __all__ = [
     "OwnedVariable",
     "Parameter",
     "Program",
+    "Schedule",
     "State",
     "TrainState",
     "TrainStep",
     "VariableFilter",
     "Weight",
+    "after",
+    "always",
     "application",
+    "at",
+    "before",
     "bricks",
     "compile",
     "dynamic",
+    "each",
+    "never",
     "optimize",
     "roles",
     "scan",

@@ -1,0 +1,254 @@
+"""Schedules: rules over a timeline, evaluated on the range an event covers.
+
+A schedule is a predicate on points of a timeline (steps, epochs, examples, seconds).
+``schedule(t_prev, t_now)`` fires if the predicate holds at some point of the half-open range
+``(t_prev, t_now]``, so a rule such as ``each(1000)`` on the examples timeline fires exactly
+once per multiple of 1000 crossed, whatever the batch size. ``&``, ``|`` and ``~`` combine
+predicates point by point (``each(10) & ~at(20)``: multiples of 10 except 20), so the
+boolean laws hold on every range.
+
+Integer ranges (steps, epochs, examples) are evaluated exactly; float ranges (seconds) at
+the candidate points where a rule can change (its points, thresholds and the gaps between).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+_EXACT_LIMIT = 1 << 20  # integer ranges up to this size are checked point by point
+
+
+class Schedule:
+    """Base class: a predicate on timeline points, combined with ``&``, ``|``, ``~``.
+
+    Examples:
+        >>> from graphmod import each, at
+        >>> rule = each(10) & ~at(20)
+        >>> rule(5, 10), rule(15, 25), rule(25, 30)
+        (True, False, True)
+        >>> rule(30)  # a single point: a plain predicate
+        True
+    """
+
+    def holds(self, points: np.ndarray) -> np.ndarray:
+        """Whether the rule holds at each point (vectorised)."""
+        raise NotImplementedError
+
+    def points_in(self, lo: float, hi: float) -> list[float]:
+        """The rule's own special points in ``(lo, hi]`` (where its value can change)."""
+        return []
+
+    def __call__(self, t_prev: float, t_now: float | None = None) -> bool:
+        if t_now is None:
+            return bool(self.holds(np.asarray([t_prev]))[0])
+        if t_now <= t_prev:
+            return False
+        if _is_int(t_prev) and _is_int(t_now) and t_now - t_prev <= _EXACT_LIMIT:
+            points = np.arange(int(t_prev) + 1, int(t_now) + 1, dtype=np.int64)
+        else:
+            points = self._candidates(float(t_prev), float(t_now))
+        return bool(np.any(self.holds(points)))
+
+    def _candidates(self, lo: float, hi: float) -> np.ndarray:
+        special = sorted({p for p in self.points_in(lo, hi) if lo < p <= hi} | {hi})
+        gaps = [(a + b) / 2 for a, b in zip([lo, *special], special, strict=False)]
+        return np.asarray(sorted(set(special) | set(gaps)), dtype=np.float64)
+
+    def __and__(self, other: Schedule) -> Schedule:
+        return _And(self, _check(other, "&"))
+
+    def __or__(self, other: Schedule) -> Schedule:
+        return _Or(self, _check(other, "|"))
+
+    def __invert__(self) -> Schedule:
+        return _Not(self)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _check(other: Any, op: str) -> Schedule:
+    if not isinstance(other, Schedule):
+        raise TypeError(f"schedule {op} {other!r}: both sides must be schedules "
+                        "(each, at, after, before, always, never)")
+    return other
+
+
+def _number(value: Any, argument: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise TypeError(f"{argument} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{argument} must be finite, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Each(Schedule):
+    n: float
+    start: float = 0
+
+    def holds(self, points: np.ndarray) -> np.ndarray:
+        offset = points - self.start
+        if _is_int(self.n) and _is_int(self.start) and points.dtype.kind in "iu":
+            return (offset >= 0) & (offset % self.n == 0)
+        ratio = offset / self.n
+        return (offset >= 0) & np.isclose(ratio, np.round(ratio), rtol=0, atol=1e-9)
+
+    def points_in(self, lo: float, hi: float) -> list[float]:
+        first = max(math.floor((lo - self.start) / self.n) + 1, 0)
+        last = math.floor((hi - self.start) / self.n)
+        return [self.start + k * self.n for k in range(first, min(last, first + 4096) + 1)]
+
+    def __repr__(self) -> str:
+        return f"each({self.n}" + (f", start={self.start})" if self.start else ")")
+
+
+@dataclasses.dataclass(frozen=True)
+class _At(Schedule):
+    times: tuple[float, ...]
+
+    def holds(self, points: np.ndarray) -> np.ndarray:
+        return np.isin(points, np.asarray(self.times))
+
+    def points_in(self, lo: float, hi: float) -> list[float]:
+        return [t for t in self.times if lo < t <= hi]
+
+    def __repr__(self) -> str:
+        return f"at({', '.join(map(str, self.times))})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _After(Schedule):
+    t: float
+
+    def holds(self, points: np.ndarray) -> np.ndarray:
+        return points > self.t
+
+    def points_in(self, lo: float, hi: float) -> list[float]:
+        return [self.t]
+
+    def __repr__(self) -> str:
+        return f"after({self.t})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Before(Schedule):
+    t: float
+
+    def holds(self, points: np.ndarray) -> np.ndarray:
+        return points < self.t
+
+    def points_in(self, lo: float, hi: float) -> list[float]:
+        return [self.t]
+
+    def __repr__(self) -> str:
+        return f"before({self.t})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Constant(Schedule):
+    value: bool
+
+    def holds(self, points: np.ndarray) -> np.ndarray:
+        return np.full(np.shape(points), self.value)
+
+    def __repr__(self) -> str:
+        return "always" if self.value else "never"
+
+
+@dataclasses.dataclass(frozen=True)
+class _And(Schedule):
+    a: Schedule
+    b: Schedule
+
+    def holds(self, points: np.ndarray) -> np.ndarray:
+        return self.a.holds(points) & self.b.holds(points)
+
+    def points_in(self, lo: float, hi: float) -> list[float]:
+        return self.a.points_in(lo, hi) + self.b.points_in(lo, hi)
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} & {self.b!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Or(_And):
+    def holds(self, points: np.ndarray) -> np.ndarray:
+        return self.a.holds(points) | self.b.holds(points)
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} | {self.b!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Not(Schedule):
+    a: Schedule
+
+    def holds(self, points: np.ndarray) -> np.ndarray:
+        return ~self.a.holds(points)
+
+    def points_in(self, lo: float, hi: float) -> list[float]:
+        return self.a.points_in(lo, hi)
+
+    def __repr__(self) -> str:
+        return f"~{self.a!r}"
+
+
+def each(n: float, start: float = 0) -> Schedule:
+    """Holds at ``start, start + n, start + 2n, ...``.
+
+    Examples:
+        >>> from graphmod import each
+        >>> each(100)(0, 128), each(100)(128, 256), each(100, start=50)(0, 49)
+        (True, True, False)
+    """
+    if _number(n, "each(n)") <= 0:
+        raise ValueError(f"each(n): n must be > 0, got {n!r}")
+    return _Each(n, _number(start, "each(start=...)"))
+
+
+def at(*times: float) -> Schedule:
+    """Holds at the given points.
+
+    Examples:
+        >>> from graphmod import at
+        >>> at(3, 7)(2, 3), at(3, 7)(3, 6)
+        (True, False)
+    """
+    if not times:
+        raise ValueError("at(*times): give at least one time")
+    return _At(tuple(_number(t, "at(...)") for t in times))
+
+
+def after(t: float) -> Schedule:
+    """Holds at every point strictly after ``t``.
+
+    Examples:
+        >>> from graphmod import after
+        >>> after(10)(5, 10), after(10)(5, 11)
+        (False, True)
+    """
+    return _After(_number(t, "after(t)"))
+
+
+def before(t: float) -> Schedule:
+    """Holds at every point strictly before ``t``.
+
+    Examples:
+        >>> from graphmod import before
+        >>> before(10)(5, 20), before(10)(10, 20)
+        (True, False)
+    """
+    return _Before(_number(t, "before(t)"))
+
+
+always: Schedule = _Constant(True)
+"""Holds everywhere: fires on every non-empty range."""
+
+never: Schedule = _Constant(False)
+"""Holds nowhere."""

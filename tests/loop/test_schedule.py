@@ -1,0 +1,91 @@
+"""Schedules: each(n) fires once per multiple crossed; boolean laws hold on ranges."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphmod import Schedule, after, always, at, before, each, never
+
+small = st.integers(min_value=0, max_value=200)
+
+
+@st.composite
+def schedules(draw: st.DrawFn, depth: int = 2) -> Schedule:
+    leaves = st.one_of(
+        st.builds(each, st.integers(1, 20), st.integers(0, 30)),
+        st.builds(lambda ts: at(*ts), st.lists(small, min_size=1, max_size=4)),
+        st.builds(after, small), st.builds(before, small),
+        st.sampled_from([always, never]),
+    )
+    if depth == 0:
+        return draw(leaves)
+    kind = draw(st.sampled_from(["leaf", "and", "or", "not"]))
+    if kind == "leaf":
+        return draw(leaves)
+    a = draw(schedules(depth - 1))
+    if kind == "not":
+        return ~a
+    b = draw(schedules(depth - 1))
+    return a & b if kind == "and" else a | b
+
+
+@st.composite
+def batch_sizes(draw: st.DrawFn) -> list[int]:
+    return draw(st.lists(st.integers(1, 300), min_size=1, max_size=40))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 500), st.integers(0, 100), batch_sizes())
+def test_each_fires_exactly_once_per_multiple_crossed(n: int, start: int, sizes: list[int]):
+    t, fired = 0, 0
+    for size in sizes:
+        if each(n, start)(t, t + size):
+            fired += 1
+            # Firing means at least one multiple lies in the range.
+            assert any((p - start) % n == 0 for p in range(max(t + 1, start), t + size + 1))
+        t += size
+    crossed = sum(1 for p in range(1, t + 1) if p >= start and (p - start) % n == 0)
+    multiples_per_range = [
+        sum(1 for p in range(a + 1, b + 1) if p >= start and (p - start) % n == 0)
+        for a, b in itertools.pairwise(itertools.accumulate([0, *sizes]))]
+    assert fired == sum(1 for c in multiples_per_range if c)
+    if n >= max(sizes):  # a range never holds two multiples: one firing per multiple
+        assert fired == crossed
+
+
+@settings(max_examples=300, deadline=None)
+@given(schedules(), schedules(), small, st.integers(0, 60))
+def test_boolean_laws_on_ranges(a: Schedule, b: Schedule, lo: int, width: int) -> None:
+    hi = lo + width
+    points = range(lo + 1, hi + 1)
+    fires = lambda s: any(s(p) for p in points)  # the definition, point by point
+    for s in (a, b, a & b, a | b, ~a, ~(a & b), ~a | ~b, ~~a):
+        assert s(lo, hi) == fires(s)
+    assert (~(a & b))(lo, hi) == (~a | ~b)(lo, hi)  # De Morgan
+    assert (~(a | b))(lo, hi) == (~a & ~b)(lo, hi)
+    assert (a | b)(lo, hi) == (a(lo, hi) or b(lo, hi))
+    assert (a & ~a)(lo, hi) is False
+    assert (a | ~a)(lo, hi) == (width > 0)
+
+
+def test_float_timelines_fire_at_the_right_ranges() -> None:
+    rule = each(60.0)
+    assert rule(59.5, 60.2) and not rule(60.2, 119.9) and rule(119.9, 125.0)
+    assert (~each(1.0))(0.5, 1.0)  # 0.75 is no multiple
+    assert not (each(1.0) & ~each(1.0))(0.0, 10.0)
+    assert (after(1.5) & before(1.6))(1.0, 2.0)
+
+
+def test_bad_schedules_are_rejected() -> None:
+    with pytest.raises(ValueError, match=r"each\(n\): n must be > 0"):
+        each(0)
+    with pytest.raises(TypeError, match=r"each\(n\) must be a number, got '10'"):
+        each("10")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="both sides must be schedules"):
+        each(3) & 5  # type: ignore[operator]
+    with pytest.raises(ValueError, match="at least one time"):
+        at()
