@@ -48,7 +48,7 @@ def scan(
         length = jnp.shape(leaves[0])[0]
     snapshot = (dict(frame.call_counts), len(frame.rewrites),
                 len(frame.records) if frame.records is not None else 0)
-    if frame.mode == "init":
+    if frame.mode == "init" and length > 0:
         # Create manager-owned variables at the outer level from one step's shapes, so the
         # scan below can carry them; the body then replays the same call ids.
         _step(frame, f, init, jax.tree.map(lambda x: x[0], xs), jnp.int32(0))
@@ -76,7 +76,7 @@ def scan(
         frame.base_trace, frame.monitored = saved
     frame.values.update(model_out)
     frame.updated.update(model_out)
-    if frame.mode == "init":
+    if frame.mode == "init" and length > 0:
         frame.owned.update(owned)  # init never updates: drop the body's values
     else:
         frame.owned.update(owned_out)

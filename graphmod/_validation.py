@@ -32,9 +32,10 @@ def _canonical(dtype: Any) -> np.dtype:
 
 
 def check_arguments(examples: dict[str, Any], actual: dict[str, Any]) -> None:
-    """Compares traced arguments with ``init``'s examples: feature shapes and dtypes.
+    """Compares traced arguments with ``init``'s examples: ranks, feature sizes, dtypes.
 
-    The leading (batch) dimension may differ; everything else must match.
+    The leading (batch) dimension and the middle ones (time, space) may differ; the rank,
+    the last (feature) dimension and the canonical dtype must match.
     """
     for name, example in examples.items():
         if name not in actual:
@@ -50,12 +51,20 @@ def check_arguments(examples: dict[str, Any], actual: dict[str, Any]) -> None:
             where = f"argument {name!r}{jax.tree_util.keystr(path)}"
             got_shape, want_shape = tuple(np.shape(got)), tuple(want.shape)
             got_dtype, want_dtype = _canonical(jax.numpy.result_type(got)), _canonical(want.dtype)
-            fits = (len(got_shape) == len(want_shape) and got_shape[1:] == want_shape[1:]
-                    and got_dtype == want_dtype)
+            fits = (len(got_shape) == len(want_shape) and got_dtype == want_dtype
+                    and (len(want_shape) < 2 or got_shape[-1] == want_shape[-1]))
             if not fits:
-                expected = ("()" if not want_shape
-                            else "(batch" + "".join(f", {d}" for d in want_shape[1:]) + ")")
+                expected = _expected_shape(want_shape)
                 raise ValueError(
                     f"{where}: expected shape {expected} and dtype {want_dtype} (as in "
                     f"init's example), got shape {got_shape} and dtype {got_dtype}"
                 )
+
+
+def _expected_shape(shape: tuple[int, ...]) -> str:
+    """``(batch, *, 4)``: the leading and middle dimensions may vary, the last may not."""
+    if not shape:
+        return "()"
+    middle = ", *" * (len(shape) - 2)
+    last = f", {shape[-1]}" if len(shape) >= 2 else ""
+    return f"(batch{middle}{last})"

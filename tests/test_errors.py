@@ -140,3 +140,11 @@ def test_frozen_manager_and_stored_arrays_unchanged_after_a_failed_call() -> Non
     with pytest.raises(ValueError):
         program.train(variables, jnp.ones((8, 5)), Y, rng=jax.random.key(0))
     jax.tree.map(np.testing.assert_array_equal, variables, snapshot)
+
+
+def test_a_wrong_feature_size_in_a_sequence_names_the_argument() -> None:
+    rnn = gm.bricks.SimpleRecurrent(3, 5, rngs=nnx.Rngs(0))
+    program = gm.compile(lambda m, x: m(x), rnn)
+    variables = program.init(jnp.ones((2, 7, 3)))
+    with pytest.raises(ValueError, match=r"argument 'x': expected shape \(batch, \*, 3\)"):
+        program.infer(variables, jnp.ones((2, 7, 4)))

@@ -54,3 +54,21 @@ def test_state_monitors_and_call_ids_through_the_scan() -> None:
     np.testing.assert_allclose(stats["output.mean"], running, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(out[-1], h, rtol=1e-4, atol=1e-5)
     assert [r.call_id for r in program.rewrites["train"]] == [0]
+
+
+def test_other_sequence_lengths_are_accepted_after_init() -> None:
+    rnn = gm.bricks.SimpleRecurrent(3, 5, rngs=nnx.Rngs(0))
+    program = gm.compile(lambda m, x: m(x), rnn)
+    variables = program.init(jnp.ones((2, 7, 3)))
+    assert program.infer(variables, jnp.ones((4, 5, 3))).shape == (4, 5, 5)
+
+
+def test_init_over_an_empty_sequence() -> None:
+    class Cum(gm.Brick):
+        @gm.application(inputs=["xs"], outputs=["ys"])
+        def apply(self, xs: jax.Array) -> jax.Array:
+            return gm.scan(lambda c, x: (c + x, c), jnp.zeros(3), xs)[1]
+
+    program = gm.compile(lambda m, xs: m(xs), Cum())
+    variables = program.init(jnp.ones((0, 3)))
+    assert program.infer(variables, jnp.ones((0, 3))).shape == (0, 3)

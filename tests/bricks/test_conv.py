@@ -94,8 +94,8 @@ def test_eager_compiled_and_jitted_agree() -> None:
     program = gm.compile(lambda m, x: m(x), conv)
     variables = program.init(x)
     eager = conv(x)
-    np.testing.assert_allclose(program.infer(variables, x), eager, rtol=1e-6)
-    np.testing.assert_allclose(jax.jit(lambda x: conv(x))(x), eager, rtol=1e-6)
+    np.testing.assert_allclose(program.infer(variables, x), eager, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(lambda x: conv(x))(x), eager, rtol=1e-5, atol=1e-6)
     out = jax.vmap(lambda x: program.infer(variables, x))(jnp.stack([x, -x]))
     np.testing.assert_allclose(out[1], conv(-x), rtol=1e-5, atol=1e-6)
     assert program.roles(variables)["model"] == {"W": roles.FILTER, "b": roles.BIAS}
@@ -115,8 +115,8 @@ def test_weight_managers_rewrite_the_filter() -> None:
     doubled = Conv(2, 3, (3,), rngs=nnx.Rngs(1))
     doubled.W[...] = 2.0 * conv.W[...]
     doubled.b[...] = conv.b[...]
-    np.testing.assert_allclose(program.infer(variables, x), doubled(x), rtol=1e-6)
-    assert [r.variable for r in program.rewrites["infer"]] == ["W"]
+    np.testing.assert_allclose(program.infer(variables, x), doubled(x), rtol=1e-5, atol=1e-6)
+    assert [(r.name, r.role) for r in program.rewrites["infer"]] == [("W", "FILTER")]
 
 
 def test_train_gradients_match_flax() -> None:
