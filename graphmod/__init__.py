@@ -16,10 +16,13 @@ from graphmod import (
 )
 from graphmod._application import ApplicationCall, OwnedVariable, application
 from graphmod._brick import Brick
+from graphmod._events import Event, On, Template, Time
 from graphmod._filter import VariableFilter
 from graphmod._graph import ComputationGraph
+from graphmod._loop import Loop, PluginError
 from graphmod._manager import Dynamic, HParam, Manager, dynamic
 from graphmod._optimize import TrainState, TrainStep, optimize
+from graphmod._plugin import Plugin
 from graphmod._program import Program, compile
 from graphmod._scan import scan
 from graphmod._schedule import Schedule, after, always, at, before, each, never
@@ -33,14 +36,21 @@ __all__ = [
     "Brick",
     "ComputationGraph",
     "Dynamic",
+    "Event",
     "Filter",
     "HParam",
+    "Loop",
     "Manager",
+    "On",
     "OwnedVariable",
     "Parameter",
+    "Plugin",
+    "PluginError",
     "Program",
     "Schedule",
     "State",
+    "Template",
+    "Time",
     "TrainState",
     "TrainStep",
     "VariableFilter",
@@ -52,6 +62,7 @@ __all__ = [
     "before",
     "bricks",
     "compile",
+    "data",
     "dynamic",
     "each",
     "never",

@@ -1,0 +1,433 @@
+"""``Loop``: runs a train step over data; everything around the run happens in plugins.
+
+Order of events
+    ``begin``, then per epoch ``epoch_begin``, ``step`` events, ``epoch_end``; finally
+    ``end`` (``interrupt`` instead when the run stops on an error or KeyboardInterrupt).
+    Plugins receive an event in registration order, ``*_end`` and ``end`` in reverse
+    (LIFO), higher ``priority`` first. Events a plugin fires are queued and dispatched
+    after the current one; a ``terminate`` event stops the run after the current step.
+
+Speed
+    The hot loop never waits on the device: metrics stay on the device until a plugin that
+    is due reads them, batches are put on the device one step ahead, and with
+    ``steps_per_call=k`` up to k steps run in one ``lax.scan`` dispatch whenever no planned
+    template is due inside them. Templates whose fields are schedules on the ``step``,
+    ``epoch`` or ``examples`` timelines are planned exactly; catch-all plugins and schedules
+    on wall-clock timelines see one ``step`` event per dispatch, covering its range.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time as _time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from graphmod._events import Event, On, Template, Time, as_template, plugin_name
+from graphmod._plugin import Plugin
+from graphmod._table import text_table
+
+_PLANNABLE = ("step", "epoch", "examples")
+
+
+class PluginError(RuntimeError):
+    """A plugin raised: the loop stopped (plugins saw an ``interrupt`` event) and re-raised."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    template: Template | None
+    plugin: Any
+    priority: int
+    order: int
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    """One plugin call: which event, which plugin, in which order, how long it took."""
+
+    event: str
+    step: int
+    plugin: str
+    order: int
+    seconds: float
+
+
+class DispatchTrace:
+    """The latest dispatches of a loop (a bounded buffer); prints as a table.
+
+    Examples:
+        >>> from graphmod._loop import Dispatch, DispatchTrace
+        >>> trace = DispatchTrace(maxlen=2)
+        >>> for i in range(3):
+        ...     trace.append(Dispatch("step", i, "print", 0, 0.0))
+        >>> [d.step for d in trace]
+        [1, 2]
+    """
+
+    def __init__(self, maxlen: int = 4096) -> None:
+        self._records: collections.deque[Dispatch] = collections.deque(maxlen=maxlen)
+
+    def append(self, record: Dispatch) -> None:
+        self._records.append(record)
+
+    def __iter__(self) -> Iterator[Dispatch]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __str__(self) -> str:
+        rows = [(d.event, d.step, d.order, d.plugin, f"{d.seconds * 1e3:.3f}") for d in self]
+        return text_table(("event", "step", "order", "plugin", "ms"), rows)
+
+
+def _is_end(event_type: str) -> bool:
+    return event_type == "end" or event_type.endswith("_end")
+
+
+def _batch_size(batch: Any) -> int:
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("a batch holds no arrays")
+    return int(np.shape(leaves[0])[0])
+
+
+class Loop:
+    """Runs ``step(state, *batch)`` (or ``**batch`` for dict batches) over ``data``.
+
+    Args:
+        step: a train step, e.g. from :func:`graphmod.optimize`: ``(state, metrics)``.
+        data: an :class:`graphmod.data.ArraySource` or any iterable of batches (iterated
+            once per epoch).
+        epochs: stop after this many epochs.
+        steps: stop after this many steps (whichever comes first; default: one epoch).
+        plugins: plugins registered in order (a :class:`Plugin` with its ``every``
+            template, a plain callable for every event).
+        steps_per_call: fuse up to this many steps into one dispatch when no plugin is due.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np, optax, graphmod as gm
+        >>> from flax import nnx
+        >>> from graphmod.data import ArraySource
+        >>> lin = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> program = gm.compile(lambda m, x, y: ((m(x) - y) ** 2).mean(), lin)
+        >>> x, y = np.ones((32, 2), np.float32), np.zeros((32, 1), np.float32)
+        >>> step = gm.optimize(program, optax.sgd(0.1))
+        >>> state = step.init(program.init(x[:1], y[:1]), jax.random.key(0))
+        >>> seen = []
+        >>> loop = gm.Loop(step, ArraySource((x, y), batch_size=8), epochs=2)
+        >>> _ = loop.on(gm.On("step", step=gm.each(4)), lambda e: seen.append(e.time.step))
+        >>> state = loop.run(state)
+        >>> seen, int(state.step)
+        ([4, 8], 8)
+    """
+
+    def __init__(
+        self,
+        step: Callable[..., Any],
+        data: Iterable[Any],
+        *,
+        epochs: int | None = None,
+        steps: int | None = None,
+        plugins: Iterable[Any] = (),
+        steps_per_call: int = 1,
+    ) -> None:
+        if not callable(step):
+            raise TypeError(f"Loop(step, data): step must be callable, got {step!r}")
+        if not isinstance(data, Iterable):
+            raise TypeError(f"Loop(step, data): data must be iterable, got {type(data).__name__}")
+        if hasattr(data, "__len__") and len(data) == 0:  # type: ignore[arg-type]
+            raise ValueError("Loop(step, data): the data source is empty (no batch per epoch)")
+        for label, value in (("epochs", epochs), ("steps", steps),
+                             ("steps_per_call", steps_per_call)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"Loop({label}={value!r}): must be a positive int")
+        self.step = step
+        self.data = data
+        self.epochs = epochs if epochs is not None or steps is not None else 1
+        self.max_steps = steps
+        self.steps_per_call = steps_per_call
+        self.time = Time()
+        self.position = 0  # batches done in the current epoch
+        self.state: Any = None
+        self.trace = DispatchTrace()
+        self._entries: list[_Entry] = []
+        self._queue: collections.deque[Event] = collections.deque()
+        self._prev: dict[tuple[int, str], Time] = {}
+        self._terminated = False
+        self._plugin_seconds = 0.0
+        self._clock: tuple[float, Time] | None = None
+        self._metrics: Any = {}
+        self._current: _Entry | None = None
+        self._started = False
+        for plugin in plugins:
+            self.on(plugin.every if isinstance(plugin, Plugin) else None, plugin)
+
+    # -- registration -------------------------------------------------------------------------
+    def on(self, template: Template | str | None, plugin: Any, *,
+           priority: int | None = None) -> Any:
+        """Registers ``plugin`` for events matching ``template`` (None: every event)."""
+        if not callable(plugin):
+            raise TypeError(f"loop.on: plugin must be callable, got {plugin!r}")
+        template = None if template is None else as_template(template, "loop.on(template)")
+        name = plugin_name(plugin)
+        taken = {e.name for e in self._entries}
+        if name in taken:
+            if isinstance(plugin, Plugin):
+                raise ValueError(f"two plugins are named {name!r}: pass name=... to one of "
+                                 "them (names key plugin state in checkpoints)")
+            name = next(f"{name}_{i}" for i in range(2, len(taken) + 3)
+                        if f"{name}_{i}" not in taken)
+        if priority is None:
+            priority = getattr(plugin, "priority", 0)
+        self._entries.append(_Entry(template, plugin, priority, len(self._entries), name))
+        return plugin
+
+    @property
+    def plugins(self) -> list[Any]:
+        """The registered plugins, in registration order."""
+        return [e.plugin for e in self._entries]
+
+    # -- what plugins call --------------------------------------------------------------------
+    def fire(self, type: str, **data: Any) -> None:
+        """Queues an event issued by the plugin being dispatched (or the loop)."""
+        issuer = self._current.plugin if self._current is not None else self
+        self._queue.append(self._event(type, issuer, data))
+
+    def terminate(self) -> None:
+        """Stops the run after the current step (fires a ``terminate`` event)."""
+        self.fire("terminate")
+
+    def update_state(self, fn: Callable[[Any], Any]) -> None:
+        """Replaces the train state by ``fn(state)``, cast to each leaf's dtype (no retrace)."""
+        old = self.state
+        new = fn(old)
+        if jax.tree.structure(new) != jax.tree.structure(old):
+            who = self._current.name if self._current is not None else "update_state"
+            raise ValueError(f"{who}: update_state(fn) must keep the state's structure")
+
+        def cast(n: Any, o: Any) -> Any:
+            dtype = getattr(o, "dtype", None)
+            if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+                return n
+            return jnp.asarray(n, dtype=dtype)
+
+        self.state = jax.tree.map(cast, new, old)
+
+    @property
+    def metrics(self) -> Any:
+        """The latest step's metrics (on the device until read)."""
+        return self._metrics
+
+    # -- running --------------------------------------------------------------------------------
+    def run(self, state: Any) -> Any:
+        """Runs to the end (epochs/steps) or a ``terminate``; returns the final state."""
+        self.state = state
+        self._terminated = False
+        step = self.step
+        for entry in reversed(self._entries):
+            if isinstance(entry.plugin, Plugin):
+                step = entry.plugin.wrap_step(step)
+        multi = self._multi_step(step) if self.steps_per_call > 1 else None
+        self._clock = (_time.perf_counter(), self.time)
+        self._plugin_seconds = 0.0
+        done: list[Plugin] = []
+        error: BaseException | None = None
+        try:
+            for entry in self._entries:
+                if isinstance(entry.plugin, Plugin):
+                    entry.plugin.setup(self)
+                    done.append(entry.plugin)
+            if not self._started:
+                self._emit("begin")
+                self._started = True
+            while not self._finished():
+                if self.position == 0:
+                    self._emit("epoch_begin")
+                self._run_epoch(step, multi)
+                if self._terminated or self._finished_steps():
+                    break
+                self.time = dataclasses.replace(self.time, epoch=self.time.epoch + 1)
+                self.position = 0
+                self._emit("epoch_end")
+            self._emit("end")
+        except BaseException as exc:
+            error = exc
+            self._interrupt(exc)
+            raise
+        finally:
+            for plugin in reversed(done):
+                plugin.teardown(self, error)
+        return self.state
+
+    def _finished_steps(self) -> bool:
+        return self.max_steps is not None and self.time.step >= self.max_steps
+
+    def _finished(self) -> bool:
+        if self._terminated or self._finished_steps():
+            return True
+        return self.epochs is not None and self.time.epoch >= self.epochs
+
+    def _run_epoch(self, step: Callable[..., Any], multi: Callable[..., Any] | None) -> None:
+        buffer: collections.deque[Any] = collections.deque()
+        batches = self._batches()
+        produced = False
+        while True:
+            want = self.steps_per_call
+            while len(buffer) < want + 1:  # one batch ahead on the device
+                try:
+                    host = next(batches)
+                except StopIteration:
+                    break
+                produced = True
+                buffer.append((_batch_size(host), jax.device_put(host)))
+            if not buffer:
+                break
+            count = self._plan([size for size, _ in buffer])
+            chunk = [buffer.popleft() for _ in range(count)]
+            if count == 1:
+                self.state, self._metrics = _call(step, self.state, chunk[0][1])
+            else:
+                assert multi is not None
+                stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[b for _, b in chunk])
+                self.state, stacked_metrics = multi(self.state, stacked)
+                self._metrics = jax.tree.map(lambda m: m[-1], stacked_metrics)
+            self.position += count
+            self.time = self._advance(step=count, examples=sum(s for s, _ in chunk))
+            self._emit("step")
+            if self._terminated or self._finished_steps():
+                return
+        if not produced and self.position == 0:
+            raise ValueError(f"the data source yielded no batch in epoch {self.time.epoch}")
+
+    def _batches(self) -> Iterator[Any]:
+        data = self.data
+        if hasattr(data, "iter_epoch"):
+            return iter(data.iter_epoch(self.time.epoch, start=self.position))
+        iterator = iter(data)
+        for _ in range(self.position):  # resume inside an epoch of a plain iterable
+            next(iterator)
+        return iterator
+
+    def _plan(self, sizes: list[int]) -> int:
+        """How many buffered steps to run in one call: none planned may fall inside."""
+        limit = min(len(sizes), self.steps_per_call)
+        if self.max_steps is not None:
+            limit = min(limit, self.max_steps - self.time.step)
+        if limit <= 1:
+            return 1
+        templates = [e.template for e in self._entries if e.template is not None]
+        step_templates = [t for t in templates if "step" in t.types()]
+        plans = []
+        for t in step_templates:
+            fields = t.schedules() if isinstance(t, On) and t.issuer is None else None
+            if fields is None:
+                return 1  # a predicate we cannot evaluate ahead: one step at a time
+            if fields and all(k in _PLANNABLE for k in fields):
+                plans.append(fields)
+            # else: a catch-all, or a wall-clock schedule, sees one event per dispatch
+        now = self.time
+        for i in range(1, limit):
+            nxt = dataclasses.replace(now, step=now.step + 1, examples=now.examples + sizes[i - 1])
+            for fields in plans:
+                if all(s(getattr(now, k), getattr(nxt, k)) for k, s in fields.items()):
+                    return i
+            now = nxt
+        return limit
+
+    def _multi_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        def run(state: Any, batches: Any) -> tuple[Any, Any]:
+            return jax.lax.scan(lambda s, b: _call(step, s, b), state, batches)
+
+        return jax.jit(run, donate_argnums=0)
+
+    # -- time and events ----------------------------------------------------------------------
+    def _now(self) -> Time:
+        assert self._clock is not None
+        start, base = self._clock
+        elapsed = _time.perf_counter() - start
+        return dataclasses.replace(
+            self.time, seconds=base.seconds + elapsed,
+            train_seconds=base.train_seconds + elapsed - self._plugin_seconds)
+
+    def _advance(self, *, step: int, examples: int) -> Time:
+        now = self._now()
+        return dataclasses.replace(now, step=now.step + step, examples=now.examples + examples)
+
+    def _event(self, type: str, issuer: Any, data: dict[str, Any]) -> Event:
+        if self._clock is not None:
+            self.time = self._now()
+        # The first event of a type covers the range since the run started.
+        start = self._clock[1] if self._clock is not None else self.time
+        return Event(type, issuer, self.time, self._prev.get((id(issuer), type), start), self,
+                     self.state, self._metrics, data)
+
+    def _emit(self, type: str, **data: Any) -> None:
+        self._dispatch(self._event(type, self, data))
+        while self._queue:
+            self._dispatch(self._queue.popleft())
+
+    def _dispatch(self, event: Event) -> None:
+        self._prev[(id(event.issuer), event.type)] = event.time
+        if event.type == "terminate":
+            self._terminated = True
+        entries = sorted(self._entries, key=lambda e: (-e.priority, e.order))
+        if _is_end(event.type):
+            entries = sorted(self._entries, key=lambda e: (-e.priority, -e.order))
+        for order, entry in enumerate(entries):
+            if entry.plugin is event.issuer:
+                continue
+            if entry.template is None:
+                if isinstance(entry.plugin, Plugin) and not entry.plugin.handles(event.type):
+                    continue
+            elif not entry.template.matches(event):
+                continue
+            self._call_plugin(entry, event, order)
+
+    def _call_plugin(self, entry: _Entry, event: Event, order: int) -> None:
+        begin = _time.perf_counter()
+        self._current = entry
+        try:
+            entry.plugin(event)
+        except (PluginError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"plugin {entry.name!r} raised on the {event.type!r} event at step "
+                f"{event.time.step}: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            self._current = None
+            spent = _time.perf_counter() - begin
+            self._plugin_seconds += spent
+            self.trace.append(Dispatch(event.type, event.time.step, entry.name, order, spent))
+
+    def _interrupt(self, exc: BaseException) -> None:
+        """Lets plugins react (save, close) to a stop on an error or KeyboardInterrupt."""
+        self._queue.clear()
+        event = self._event("interrupt", self, {"error": exc})
+        for order, entry in enumerate(reversed(self._entries)):
+            wants = (entry.template.matches(event) if entry.template is not None
+                     else not isinstance(entry.plugin, Plugin)
+                     or entry.plugin.handles("interrupt"))
+            if not wants:
+                continue
+            try:
+                self._call_plugin(entry, event, order)
+            except (PluginError, KeyboardInterrupt):
+                continue  # the original error is what the user needs to see
+
+
+def _call(step: Callable[..., Any], state: Any, batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return step(state, **batch)
+    if isinstance(batch, tuple | list):
+        return step(state, *batch)
+    return step(state, batch)

@@ -1,0 +1,76 @@
+"""``Plugin``: the base of loop plugins (Pylearn's DispatchPlugin, Composer's callbacks)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from graphmod._events import Event, Template
+
+
+class Plugin:
+    """A loop plugin: receives each event at its ``on_<type>`` method when it defines one.
+
+    Beyond a plain callable, a plugin has a stable ``name`` (keys its state in checkpoints),
+    a ``priority``, an optional template ``every`` choosing the events it receives (None:
+    all of them), set-up and tear-down around the run (``setup``/``teardown``, the latter
+    also on error and KeyboardInterrupt), step middleware (``wrap_step``) and
+    ``state_dict()``/``load_state_dict()`` for exact resume. It changes the train state only
+    through ``event.loop.update_state(fn)``.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> class CountSteps(gm.Plugin):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.count = 0
+        ...     def on_step(self, event):
+        ...         self.count += 1
+        ...     def state_dict(self):
+        ...         return {"count": self.count}
+        >>> CountSteps().name
+        'count_steps'
+    """
+
+    name: str
+    priority: int = 0
+    every: Template | None = None
+
+    def __init__(self, *, name: str | None = None, priority: int = 0,
+                 every: Template | None = None) -> None:
+        if every is not None and not isinstance(every, Template):
+            raise TypeError(f"{type(self).__name__}(every=...): expected On(...), got {every!r}")
+        self.name = name or re.sub(r"(?<!^)(?=[A-Z])", "_", type(self).__name__).lower()
+        self.priority = priority
+        self.every = every
+
+    def __call__(self, event: Event) -> None:
+        handler = getattr(self, f"on_{event.type}", None)
+        if handler is not None:
+            handler(event)
+
+    def handles(self, event_type: str) -> bool:
+        """Whether this plugin reacts to events of ``event_type`` when ``every`` is None:
+        it defines ``on_<type>``, or overrides ``__call__`` to see every event."""
+        return type(self).__call__ is not Plugin.__call__ or hasattr(self, f"on_{event_type}")
+
+    def setup(self, loop: Any) -> None:
+        """Called once before the run's first event."""
+
+    def teardown(self, loop: Any, error: BaseException | None) -> None:
+        """Called once after the run, also when it stops on an error or an interrupt."""
+
+    def wrap_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """Step middleware: return a function with ``step``'s signature (default: ``step``)."""
+        return step
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state saved in checkpoints (default: nothing)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what :meth:`state_dict` returned."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
