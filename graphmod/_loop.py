@@ -226,6 +226,58 @@ class Loop:
         """The latest step's metrics (on the device until read)."""
         return self._metrics
 
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the train state needed to continue exactly: counters, timelines,
+        data position, the loop's settings and each plugin's state (JSON-serialisable)."""
+        data = getattr(self.data, "state_dict", None)
+        return {
+            "time": self.time.to_dict(),
+            "position": self.position,
+            "loop": {"epochs": self.epochs, "steps": self.max_steps,
+                     "steps_per_call": self.steps_per_call},
+            "plugins": {e.name: e.plugin.state_dict() for e in self._entries
+                        if isinstance(e.plugin, Plugin)},
+            "data": data() if callable(data) else None,
+        }
+
+    def load_state_dict(self, meta: dict[str, Any]) -> None:
+        """Continues from :meth:`state_dict`'s record (the run's ``begin`` is not repeated)."""
+        self.time = Time(**meta["time"])
+        self.position = int(meta["position"])
+        self._started = True
+        saved = meta.get("plugins", {})
+        for entry in self._entries:
+            if isinstance(entry.plugin, Plugin) and entry.name in saved:
+                entry.plugin.load_state_dict(saved[entry.name])
+        if meta.get("data") is not None and hasattr(self.data, "load_state_dict"):
+            self.data.load_state_dict(meta["data"])
+
+    @classmethod
+    def resume(cls, directory: str, step: Callable[..., Any], data: Iterable[Any], *,
+               plugins: Iterable[Any] = (), state: Any = None, checkpoint: int | None = None,
+               **settings: Any) -> Any:
+        """Continues the run saved in ``directory`` exactly where its latest checkpoint
+        stopped, and returns the final state.
+
+        ``state`` is a template of the train state (any state of the same program); by
+        default it is derived from ``step`` (a :func:`graphmod.optimize` step) and the first
+        batch of ``data``. ``settings`` override the saved ``epochs``/``steps``/
+        ``steps_per_call``.
+        """
+        from graphmod._checkpoint import Checkpointer
+
+        reader = Checkpointer(directory, keep=None)
+        try:
+            meta = reader.meta(checkpoint)
+            template = state if state is not None else _abstract_state(step, data)
+            restored, meta = reader.restore(template, checkpoint)
+        finally:
+            reader.close()
+        loop = cls(step, data, plugins=plugins, **{**meta["loop"], **settings})
+        loop.load_state_dict(meta)
+        return loop.run(restored)
+
     # -- running --------------------------------------------------------------------------------
     def run(self, state: Any) -> Any:
         """Runs to the end (epochs/steps) or a ``terminate``; returns the final state."""
@@ -236,15 +288,15 @@ class Loop:
             if isinstance(entry.plugin, Plugin):
                 step = entry.plugin.wrap_step(step)
         multi = self._multi_step(step) if self.steps_per_call > 1 else None
-        self._clock = (_time.perf_counter(), self.time)
-        self._plugin_seconds = 0.0
         done: list[Plugin] = []
         error: BaseException | None = None
         try:
             for entry in self._entries:
                 if isinstance(entry.plugin, Plugin):
-                    entry.plugin.setup(self)
+                    entry.plugin.setup(self)  # may restore the loop (Checkpoint(resume=True))
                     done.append(entry.plugin)
+            self._clock = (_time.perf_counter(), self.time)
+            self._plugin_seconds = 0.0
             if not self._started:
                 self._emit("begin")
                 self._started = True
@@ -391,11 +443,12 @@ class Loop:
                 continue
             self._call_plugin(entry, event, order)
 
-    def _call_plugin(self, entry: _Entry, event: Event, order: int) -> None:
+    def _call_plugin(self, entry: _Entry, event: Event, order: int,
+                     handler: Callable[[Event], Any] | None = None) -> None:
         begin = _time.perf_counter()
         self._current = entry
         try:
-            entry.plugin(event)
+            (handler or entry.plugin)(event)
         except (PluginError, KeyboardInterrupt):
             raise
         except Exception as exc:
@@ -414,13 +467,15 @@ class Loop:
         self._queue.clear()
         event = self._event("interrupt", self, {"error": exc})
         for order, entry in enumerate(reversed(self._entries)):
-            wants = (entry.template.matches(event) if entry.template is not None
-                     else not isinstance(entry.plugin, Plugin)
-                     or entry.plugin.handles("interrupt"))
-            if not wants:
+            handler = None
+            if isinstance(entry.plugin, Plugin):  # whatever its template: Checkpoint saves
+                handler = getattr(entry.plugin, "on_interrupt", None)
+                if handler is None:
+                    continue
+            elif entry.template is not None and not entry.template.matches(event):
                 continue
             try:
-                self._call_plugin(entry, event, order)
+                self._call_plugin(entry, event, order, handler)
             except (PluginError, KeyboardInterrupt):
                 continue  # the original error is what the user needs to see
 
@@ -431,3 +486,15 @@ def _call(step: Callable[..., Any], state: Any, batch: Any) -> Any:
     if isinstance(batch, tuple | list):
         return step(state, *batch)
     return step(state, batch)
+
+
+def _abstract_state(step: Any, data: Iterable[Any]) -> Any:
+    """The shapes of ``step``'s train state, from the first batch of ``data``."""
+    if not hasattr(step, "abstract_state"):
+        raise TypeError("Loop.resume: pass state=<a train state of this program> (the step "
+                        "is no graphmod.optimize step, so its state's shapes are unknown)")
+    first = next(iter(data.iter_epoch(0) if hasattr(data, "iter_epoch") else data))
+    if isinstance(first, dict):
+        return step.abstract_state(**first)
+    return step.abstract_state(*first) if isinstance(first, tuple | list) \
+        else step.abstract_state(first)

@@ -60,6 +60,11 @@ class TrainStep:
             else jax.random.wrap_key_data(rng)
         return TrainState(variables, self.tx.init(params), jnp.int32(0), key, jnp.int32(0))
 
+    def abstract_state(self, *example_args: Any, **example_kwargs: Any) -> TrainState:
+        """The shapes and dtypes of this step's train state (no array is computed)."""
+        return jax.eval_shape(lambda: self.init(
+            self.program.init(*example_args, **example_kwargs), jax.random.key(0)))
+
     def __call__(self, state: TrainState, *batch: Any, **kwargs: Any) -> tuple[TrainState, dict]:
         return self._step(state, batch, kwargs)
 
