@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
+import sys
 import time as _time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -239,6 +241,8 @@ class Loop:
             "plugins": {e.name: e.plugin.state_dict() for e in self._entries
                         if isinstance(e.plugin, Plugin)},
             "data": data() if callable(data) else None,
+            # What `graphmod resume DIR` runs again.
+            "command": {"argv": list(sys.argv), "cwd": os.getcwd()},
         }
 
     def load_state_dict(self, meta: dict[str, Any]) -> None:

@@ -41,7 +41,7 @@ def test_default_run_reaches_97_percent_and_restores(digits: ModuleType,
     metrics = digits.main(["--out", str(out)])
 
     assert metrics["test_accuracy"] >= 0.97, metrics
-    assert metrics["eager_agreement"] == 1.0
+    assert metrics["eager_max_abs_diff"] < 1e-3 and metrics["eager_agreement"] >= 0.99
     assert metrics["steps"] == metrics["epochs"] * (1347 // 64)
     assert (out / "metrics.json").is_file()
 

@@ -1,10 +1,11 @@
 """A training run for the resume tests, run in a subprocess.
 
-Usage: python resumable_run.py DIRECTORY OUT.npz [--stop-at STEP] [--resume]
+Usage: python resumable_run.py DIRECTORY OUT.npz [--stop-at STEP] [--until STEP] [--resume]
 
 With --stop-at, the run saves a checkpoint at that step (mid-epoch), writes DIRECTORY/ready
 and then hangs until it is killed. With --resume it continues from DIRECTORY's latest
-checkpoint. The final variables go to OUT.npz.
+checkpoint. With --until it stops early (as a user would), for `graphmod resume`. The final
+variables go to OUT.npz.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--stop-at", type=int)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--until", type=int, help="stop (terminate) after this step")
     args = parser.parse_args()
     step, data, state = build()
     checkpoint = Checkpoint(args.directory, every=On("step", step=each(4)), keep=2)
@@ -65,6 +67,12 @@ def main() -> None:
         loop = gm.Loop(step, data, epochs=4, plugins=plugins[:1])
         if args.stop_at is not None:
             loop.on(On("step", step=at(args.stop_at)), plugins[1])
+        if args.until is not None:
+            def stop(event: gm.Event) -> None:  # a user stopping the run, after a save
+                checkpoint.save(event)
+                event.loop.terminate()
+
+            loop.on(On("step", step=at(args.until)), stop)
         state = loop.run(state)
     leaves = jax.tree_util.tree_flatten_with_path(state.variables)[0]
     np.savez(args.out, **{jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves},
