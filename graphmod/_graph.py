@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from graphmod import roles as _roles
@@ -40,49 +40,64 @@ class ComputationGraph:
     def __len__(self) -> int:
         return len(self.variables)
 
-    def _by_role(self, role: _roles.Role) -> list[Recorded]:
-        return [r for r in self.variables if r.tag.role.is_a(role)]
+    def _by_role(self, role: _roles.Role) -> Records:
+        return Records(r for r in self.variables if r.tag.role.is_a(role))
 
     @property
-    def inputs(self) -> list[Recorded]:
+    def inputs(self) -> Records:
         return self._by_role(_roles.INPUT)
 
     @property
-    def outputs(self) -> list[Recorded]:
+    def outputs(self) -> Records:
         return self._by_role(_roles.OUTPUT)
 
     @property
-    def parameters(self) -> list[Recorded]:
+    def parameters(self) -> Records:
         return self._by_role(_roles.PARAMETER)
 
     @property
-    def auxiliary_variables(self) -> list[Recorded]:
-        return [r for r in self.variables if not r.tag.role.is_a(_roles.INPUT)
-                and not r.tag.role.is_a(_roles.OUTPUT) and not r.tag.role.is_a(_roles.PERSISTENT)]
+    def auxiliary_variables(self) -> Records:
+        return Records(r for r in self.variables if not r.tag.role.is_a(_roles.INPUT)
+                       and not r.tag.role.is_a(_roles.OUTPUT)
+                       and not r.tag.role.is_a(_roles.PERSISTENT))
 
     @property
-    def rewritten(self) -> list[Recorded]:
+    def rewritten(self) -> Records:
         """The variables after a rewrite, each marked with its manager."""
-        return [r for r in self.variables if r.manager is not None]
+        return Records(r for r in self.variables if r.manager is not None)
 
-    def filter(self, variable_filter: VariableFilter) -> list[Recorded]:
-        """The recorded variables ``variable_filter`` selects."""
+    def filter(self, variable_filter: VariableFilter) -> Records:
+        """The recorded variables ``variable_filter`` selects (a list that prints as a
+        table)."""
         if not isinstance(variable_filter, VariableFilter):
             raise TypeError(f"filter: expected a VariableFilter, got {variable_filter!r}")
         self._layout.resolve(variable_filter.brick_instances(), "ComputationGraph.filter")
-        return [r for r in self.variables
-                if variable_filter.matches(r.tag, self._layout.instance_paths)]
-
-    def _rows(self) -> list[tuple[Any, ...]]:
-        return [(r.tag.role, r.tag.brick_path, r.tag.application, r.tag.call_id, r.tag.name,
-                 r.shape, r.dtype, r.manager or "") for r in self.variables]
+        return Records(r for r in self.variables
+                       if variable_filter.matches(r.tag, self._layout.instance_paths))
 
     def _caption(self) -> str:
         eqns = len(self.jaxpr.jaxpr.eqns)
         return f"{self.mode} graph: {len(self.variables)} tagged variables, {eqns} equations"
 
     def __str__(self) -> str:
-        return self._caption() + "\n" + text_table(_HEADERS, self._rows())
+        return self._caption() + "\n" + str(Records(self.variables))
 
     def _repr_html_(self) -> str:
-        return html_table(_HEADERS, self._rows(), self._caption())
+        return html_table(_HEADERS, _rows(self.variables), self._caption())
+
+
+def _rows(records: Iterable[Recorded]) -> list[tuple[Any, ...]]:
+    return [(r.tag.role, r.tag.brick_path, r.tag.application, r.tag.call_id, r.tag.name,
+             r.shape, r.dtype, r.manager or "") for r in records]
+
+
+class Records(list):
+    """A list of recorded variables that prints as a table (text and HTML)."""
+
+    def __str__(self) -> str:
+        return text_table(_HEADERS, _rows(self))
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        return html_table(_HEADERS, _rows(self), f"{len(self)} variables")

@@ -203,6 +203,14 @@ class Manager:
             )
         object.__setattr__(self, key, value)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The `with` blocks a manager is in belong to this context, not to its copies.
+        return {k: v for k, v in self.__dict__.items() if k != "_entered"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__["_entered"] = []
+
     def freeze(self) -> None:
         """Forbids changes from now on (called by ``compile``)."""
         self._frozen = True

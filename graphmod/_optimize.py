@@ -14,8 +14,9 @@ from graphmod._program import Program
 
 
 class TrainState(NamedTuple):
-    """What a train step carries: variables, optimizer state, step count, base key, and the
-    number of steps skipped for a non-finite loss or update."""
+    """What a train step carries: variables, optimizer state, step count, the base key's
+    data (``jax.random.key_data``: raw uint32 words dispatch faster than a typed key), and
+    the number of steps skipped for a non-finite loss or update."""
 
     variables: dict
     opt_state: Any
@@ -56,9 +57,9 @@ class TrainStep:
         """The first train state (copies ``variables``, so donation never frees yours)."""
         variables = jax.tree.map(lambda x: jnp.array(x, copy=True), variables)
         params, _ = self.program.split(variables, _roles.PARAMETER)
-        key = rng if jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key) \
-            else jax.random.wrap_key_data(rng)
-        return TrainState(variables, self.tx.init(params), jnp.int32(0), key, jnp.int32(0))
+        data = jax.random.key_data(rng) \
+            if jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key) else jnp.asarray(rng)
+        return TrainState(variables, self.tx.init(params), jnp.int32(0), data, jnp.int32(0))
 
     def abstract_state(self, *example_args: Any, **example_kwargs: Any) -> TrainState:
         """The shapes and dtypes of this step's train state (no array is computed)."""
@@ -70,7 +71,7 @@ class TrainStep:
 
     def _traced(self, state: TrainState, batch: tuple, kwargs: dict) -> tuple[TrainState, dict]:
         program = self.program
-        key = jax.random.fold_in(state.rng, state.step)
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         params, rest = program.split(state.variables, _roles.PARAMETER)
 
         def loss(params: dict) -> tuple[jax.Array, tuple[dict, dict]]:

@@ -239,13 +239,19 @@ class Program:
                 f"'managers': ...}}; got {_describe_keys(variables)}"
             )
         layout = self._shared.layout
-        missing, extra = tree_difference(set(layout.by_key), flat_keys(variables["model"]))
+        actual = flat_keys(variables["model"])
+        missing, extra = tree_difference(set(layout.by_key), actual)
         if missing or extra:
+            hint = ""
+            if {_int_keys(k) for k in actual} == set(layout.by_key):
+                hint = (". The paths differ only in key types ('0' for 0), as orbax returns "
+                        "them when restoring without a target: restore with one, e.g. the "
+                        "variables program.init returns")
             raise ValueError(
                 "variables['model'] does not match the model this program was compiled over: "
                 + "; ".join(part for part in (
                     missing and f"missing {', '.join(missing)}",
-                    extra and f"unexpected {', '.join(extra)}") if part)
+                    extra and f"unexpected {', '.join(extra)}") if part) + hint
             )
         owned: dict[OwnedKey, Any] = {}
         hparams: dict[tuple[str, str], Any] = {}
@@ -383,6 +389,10 @@ def _argument_names(fn: Callable[..., Any]) -> list[str]:
     positional = [p.name for p in parameters
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return positional[1:]
+
+
+def _int_keys(key: tuple) -> tuple:
+    return tuple(int(k) if isinstance(k, str) and k.isdigit() else k for k in key)
 
 
 def _as_key(rng: Any) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import jax
@@ -9,6 +11,11 @@ import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
+from managers._checks import require_floating
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 class BatchNorm(gm.Manager):
@@ -36,10 +43,12 @@ class BatchNorm(gm.Manager):
     def __init__(self, *, momentum: float = 0.99, epsilon: float = 1e-5, axis: int = -1,
                  use_scale: bool = True, use_bias: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"BatchNorm(momentum={momentum!r}): must be in [0, 1]")
-        if epsilon <= 0:
-            raise ValueError(f"BatchNorm(epsilon={epsilon!r}): must be > 0")
+        if not _is_real(momentum) or not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"BatchNorm(momentum={momentum!r}): must be a float in [0, 1]")
+        if not _is_real(epsilon) or not 0 < epsilon < math.inf:
+            raise ValueError(f"BatchNorm(epsilon={epsilon!r}): must be a finite float > 0")
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise TypeError(f"BatchNorm(axis={axis!r}): expected an int (the feature axis)")
         self.momentum = momentum
         self.epsilon = epsilon
         self.axis = axis
@@ -47,6 +56,7 @@ class BatchNorm(gm.Manager):
         self.use_bias = use_bias
 
     def _normalize(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+        require_floating(self, call, name, value)
         ndim = jnp.ndim(value)
         if not -ndim <= self.axis < ndim:
             raise ValueError(f"BatchNorm(axis={self.axis}) is out of range for {call.path} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 import graphmod as gm
+from managers._checks import require_floating
 
 
 class Dropout(gm.Manager):
@@ -43,13 +45,19 @@ class Dropout(gm.Manager):
                  per_step: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         value = rate.value if isinstance(rate, gm.Dynamic) else rate
-        if not isinstance(value, int | float) or not 0.0 <= float(value) <= 1.0:
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                or not 0.0 <= value <= 1.0):
             raise ValueError(f"Dropout(rate={rate!r}): rate must be a float in [0, 1]")
+        if isinstance(broadcast_dims, int) or not all(
+                isinstance(d, int) for d in broadcast_dims):
+            raise TypeError(f"Dropout(broadcast_dims={broadcast_dims!r}): expected a sequence "
+                            "of axis indices (ints)")
         self.rate = rate
         self.broadcast_dims = tuple(broadcast_dims)
         self.per_step = per_step
 
-    def _drop(self, call: gm.ApplicationCall, value: jax.Array) -> jax.Array:
+    def _drop(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+        require_floating(self, call, name, value)
         if not call.training or (not isinstance(self.rate, gm.Dynamic) and self.rate == 0):
             return value
         keep = 1.0 - jnp.asarray(self.hp("rate"), jnp.float32)
@@ -61,15 +69,17 @@ class Dropout(gm.Manager):
                                  f"{tuple(jnp.shape(value))}")
             shape[axis] = 1
         mask = jax.random.bernoulli(call.rng(per_step=self.per_step), keep, shape)
-        scale = jnp.where(keep > 0, 1.0 / jnp.maximum(keep, 1e-30), 0.0)
+        # The double where keeps the gradient with respect to a dynamic rate finite at 1.
+        safe_keep = jnp.where(keep > 0, keep, 1.0)
+        scale = jnp.where(keep > 0, 1.0 / safe_keep, 0.0)
         return jnp.where(mask, value * scale.astype(value.dtype), jnp.zeros((), value.dtype))
 
     def rewrite_input(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
-        return self._drop(call, value)
+        return self._drop(call, name, value)
 
     def rewrite_output(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
-        return self._drop(call, value)
+        return self._drop(call, name, value)
 
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
-        return self._drop(call, value)
+        return self._drop(call, name, value)

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 import graphmod as gm
+from managers._checks import require_floating
 
 
 def _check_std(cls: str, std: Any) -> None:
     value = std.value if isinstance(std, gm.Dynamic) else std
-    if not isinstance(value, int | float) or float(value) < 0:
-        raise ValueError(f"{cls}(std={std!r}): std must be a float >= 0")
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value < 0):
+        raise ValueError(f"{cls}(std={std!r}): std must be a finite float >= 0")
 
 
 class _AdditiveNoise(gm.Manager):
@@ -26,7 +30,8 @@ class _AdditiveNoise(gm.Manager):
         _check_std(type(self).__name__, std)
         self.std = std
 
-    def _noise(self, call: gm.ApplicationCall, value: jax.Array) -> jax.Array:
+    def _noise(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+        require_floating(self, call, name, value)
         if not call.training or (not isinstance(self.std, gm.Dynamic) and self.std == 0):
             return value
         dtype = jnp.result_type(value)
@@ -53,7 +58,7 @@ class WeightNoise(_AdditiveNoise):
 
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
-        return self._noise(call, value)
+        return self._noise(call, name, value)
 
 
 class GaussianNoise(_AdditiveNoise):
@@ -66,7 +71,7 @@ class GaussianNoise(_AdditiveNoise):
     """
 
     def rewrite_input(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
-        return self._noise(call, value)
+        return self._noise(call, name, value)
 
     def rewrite_output(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
-        return self._noise(call, value)
+        return self._noise(call, name, value)

@@ -148,3 +148,13 @@ def test_a_wrong_feature_size_in_a_sequence_names_the_argument() -> None:
     variables = program.init(jnp.ones((2, 7, 3)))
     with pytest.raises(ValueError, match=r"argument 'x': expected shape \(batch, \*, 3\)"):
         program.infer(variables, jnp.ones((2, 7, 4)))
+
+
+def test_variables_with_string_list_keys_get_a_restore_hint() -> None:
+    program = gm.compile(_cost, _mlp())
+    variables = program.init(X, Y)
+    layers = variables["model"]["linear_layers"]
+    as_restored = {"model": {"linear_layers": {"0": layers[0], "1": layers[1]}},
+                   "managers": variables["managers"]}
+    with pytest.raises(ValueError, match=r"differ only in key types.*restore with one"):
+        program.update_model(as_restored)

@@ -17,7 +17,10 @@ from tests.managers.helpers import (
     Pair,
     Scale,
     apply_model,
+    array,
+    full,
     key,
+    linear,
     normal,
     ones,
     rewritten_by,
@@ -25,163 +28,160 @@ from tests.managers.helpers import (
 )
 
 
-def _identity_program(dropout: managers.Dropout, **kwargs) -> gm.Program:
-    return gm.compile(apply_model, Identity(), managers=[dropout], **kwargs)
+def _identity_program(dropout: managers.Dropout, fn=apply_model) -> gm.Program:
+    return gm.compile(fn, Identity(), managers=[dropout])
 
 
-# -- the rate and the expected value ------------------------------------------------------------
-
-@pytest.mark.parametrize("rate", [0.2, 0.5, 0.8])
-def test_dropout_drops_at_the_rate_and_keeps_the_expected_value(rate: float) -> None:
-    program = _identity_program(managers.Dropout(rate, roles=[roles.INPUT]))
-    x = ones(200, 100)
-    out, _ = program.train(program.init(x), x, rng=key(1))
-    n = x.size
-    sigma = np.sqrt(rate * (1 - rate) / n)  # of the fraction of zeros
-    zeros = float(jnp.mean(out == 0))
-    assert abs(zeros - rate) < 5 * sigma
-    assert abs(float(out.mean()) - 1.0) < 5 * sigma / (1 - rate)
+def _check_rate(out: jax.Array, rate: float) -> None:
+    """The fraction of zeros is ``rate`` and the mean of dropped ones is 1 (5 sigma)."""
+    out = array(out)
+    sigma = np.sqrt(rate * (1 - rate) / out.size)  # of the fraction of zeros
+    assert abs(np.mean(out == 0) - rate) < 5 * sigma
+    assert abs(out.mean() - 1.0) < 5 * sigma / (1 - rate)
     # inverted scaling: every kept element is scaled by 1 / (1 - rate)
-    np.testing.assert_allclose(np.unique(np.asarray(out[out != 0])), [1 / (1 - rate)],
-                               rtol=1e-6)
+    np.testing.assert_allclose(np.unique(out[out != 0]), [1 / (1 - rate)], rtol=1e-5)
+
+
+# -- the rate and the expected value --------------------------------------------------------------
+
+def test_dropout_drops_at_the_rate_and_keeps_the_expected_value() -> None:
+    program = _identity_program(managers.Dropout(0.3, roles=[roles.INPUT]))
+    x = ones(100, 100)
+    out, _ = program.train(program.init(x), x, rng=key(1))
+    _check_rate(out, 0.3)
 
 
 @pytest.mark.parametrize("rate", [0.0, gm.dynamic(0.0)], ids=["static", "dynamic"])
 def test_rate_zero_is_the_identity(rate: float | gm.Dynamic) -> None:
-    lin = gm.bricks.Linear(5, 3, rngs=nnx.Rngs(0))
+    lin = linear()
     program = gm.compile(apply_model, lin,
                          managers=[managers.Dropout(rate, roles=[roles.INPUT, roles.WEIGHT])])
-    x = normal(1, 4, 5)
+    x = normal(1, 5, 3)
     out, _ = program.train(program.init(x), x, rng=key(0))
-    np.testing.assert_array_equal(out, lin(x))
+    np.testing.assert_allclose(out, lin(x), rtol=1e-6)
 
 
 @pytest.mark.parametrize("rate", [1.0, gm.dynamic(1.0)], ids=["static", "dynamic"])
 def test_rate_one_gives_zeros_with_zero_finite_gradients(rate: float | gm.Dynamic) -> None:
-    lin = gm.bricks.Linear(5, 3, rngs=nnx.Rngs(0))
-    program = gm.compile(lambda m, x: m(x),
-                         lin, managers=[managers.Dropout(rate, roles=[roles.OUTPUT])])
-    x = normal(1, 4, 5)
-    variables = program.init(x)
-    out, _ = program.train(variables, x, rng=key(0))
-    np.testing.assert_array_equal(out, jnp.zeros_like(out))
+    program = gm.compile(apply_model, linear(),
+                         managers=[managers.Dropout(rate, roles=[roles.OUTPUT])])
+    x = normal(1, 5, 3)
 
-    def cost(variables: dict, x: jax.Array) -> jax.Array:
-        return jnp.sum(jnp.sin(program.train(variables, x, rng=key(0))[0]))
+    def cost(variables: dict, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        out, _ = program.train(variables, x, rng=key(0))
+        return jnp.sum(jnp.sin(out) + out), out
 
-    grads = jax.grad(cost, argnums=(0, 1))(variables, x)
-    for leaf in jax.tree.leaves(grads):
-        assert bool(jnp.all(jnp.isfinite(leaf)))
-        np.testing.assert_array_equal(leaf, jnp.zeros_like(leaf))
+    grads, out = jax.grad(cost, argnums=(0, 1), has_aux=True)(program.init(x), x)
+    np.testing.assert_array_equal(out, np.zeros((5, 4)))
+    leaves = [array(leaf) for leaf in jax.tree.leaves(grads)]
+    assert len(leaves) == 3 + isinstance(rate, gm.Dynamic)  # W, b, x (and the rate)
+    for leaf in leaves:
+        assert np.all(np.isfinite(leaf))
+        np.testing.assert_array_equal(leaf, np.zeros_like(leaf))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-def test_dropout_keeps_the_input_dtype(dtype) -> None:
-    program = _identity_program(managers.Dropout(0.5, roles=[roles.INPUT, roles.OUTPUT]))
-    x = ones(8, 16, dtype=dtype)
-    out, _ = program.train(program.init(x), x, rng=key(0))
-    assert out.dtype == dtype
-    assert {(r.dtype_in, r.dtype_out) for r in program.rewrites.train} == {
-        (jnp.dtype(dtype).name, jnp.dtype(dtype).name)}
-    # two masks of rate 0.5 and scale 2 each: the kept elements are exactly 4
-    assert set(np.unique(np.asarray(out, np.float32)).tolist()) <= {0.0, 4.0}
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_dropout_of_a_parameter_keeps_its_dtype(dtype) -> None:
-    model = Scale(16, rngs=nnx.Rngs(0), dtype=dtype)
-    program = gm.compile(apply_model, model,
-                         managers=[managers.Dropout(0.5, roles=[roles.WEIGHT])])
-    x = ones(16, dtype=dtype)
+def test_dropout_keeps_the_dtype_of_inputs_outputs_and_parameters(dtype) -> None:
+    model = Scale(256, dtype=dtype)
+    dropout = managers.Dropout(0.5, roles=[roles.INPUT, roles.WEIGHT, roles.OUTPUT])
+    program = gm.compile(apply_model, model, managers=[dropout])
+    x = ones(256, dtype=dtype)
     out, variables = program.train(program.init(x), x, rng=key(0))
     assert out.dtype == dtype
     assert variables["model"]["W"].dtype == dtype
-    [rewrite] = program.rewrites.train
-    assert (rewrite.name, rewrite.dtype_out) == ("W", jnp.dtype(dtype).name)
+    name = jnp.dtype(dtype).name
+    assert [(r.role, r.dtype_in, r.dtype_out) for r in program.rewrites.train] == [
+        ("INPUT", name, name), ("WEIGHT", name, name), ("OUTPUT", name, name)]
+    # three masks of rate 0.5, each scaling by exactly 2
+    ratio = array(out) / array(model.W[...])
+    assert set(np.unique(ratio).tolist()) <= {0.0, 8.0}
+    assert 0.8 < np.mean(ratio == 0) < 0.95  # 1 - 1/8 of them dropped
 
 
-# -- what the masks depend on ----------------------------------------------------------------------
+# -- what the masks depend on ---------------------------------------------------------------------
 
-def _pair_masks(pair: Pair, managers_: list[gm.Manager], x: jax.Array, rng: jax.Array) -> dict:
-    program = gm.compile(apply_model, pair, managers=managers_,
+def _pair_masks(pair: Pair, chosen: list[gm.Manager], rng: jax.Array) -> dict:
+    """The dropped inputs of both Scale children (inputs of ones: 0 or 2)."""
+    program = gm.compile(apply_model, pair, managers=chosen,
                          monitor=watch(roles.INPUT, bricks=[Scale]))
+    x = ones(4, 64)
     _, _, monitored = program.train(program.init(x), x, rng=rng)
-    return monitored
+    return {k: array(v) for k, v in monitored.items()}
 
 
-def _dropout() -> managers.Dropout:
-    return managers.Dropout(0.5, bricks=[Scale], roles=[roles.INPUT])
+def _dropout(**kwargs) -> managers.Dropout:
+    return managers.Dropout(0.5, bricks=[Scale], roles=[roles.INPUT], **kwargs)
 
 
-def test_masks_do_not_change_when_other_managers_are_added_or_reordered() -> None:
-    pair = Pair(64, rngs=nnx.Rngs(0))
-    x = ones(4, 64)
-    alone = _pair_masks(pair, [_dropout()], x, key(3))
-    assert set(alone) == {"/a.apply.input_", "/b.apply.input_"}
-    others = lambda: [managers.GaussianNoise(0.3, bricks=[pair.a], roles=[roles.OUTPUT]),
-                      managers.WeightNoise(0.1, roles=[roles.WEIGHT])]
-    for chosen in ([_dropout(), *others()], [*others(), _dropout()],
-                   [managers.GaussianNoise(0.3, roles=[roles.INPUT], priority=1), _dropout()]):
-        masks = _pair_masks(pair, chosen, x, key(3))
-        if any(isinstance(m, managers.GaussianNoise) and m.priority for m in chosen):
-            # outer noise on the input: the mask is where the input became zero
-            masks = {k: (v != 0) for k, v in masks.items()}
-            expected = {k: (v != 0) for k, v in alone.items()}
-        else:
-            expected = alone
-        assert set(masks) == set(expected)
-        for name in expected:
-            np.testing.assert_array_equal(masks[name], expected[name], err_msg=name)
+@pytest.fixture(scope="module")
+def pair() -> Pair:
+    return Pair(64)
 
 
-def test_masks_are_the_same_for_a_copy_of_the_model_and_a_new_manager() -> None:
-    pair = Pair(64, rngs=nnx.Rngs(0))
-    x = ones(4, 64)
-    first = _pair_masks(pair, [_dropout()], x, key(3))
-    second = _pair_masks(nnx.clone(pair), [_dropout()], x, key(3))
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), first, second))
+@pytest.fixture(scope="module")
+def alone(pair: Pair) -> dict:
+    """The masks of a Dropout alone in its program, key 3."""
+    return _pair_masks(pair, [_dropout()], key(3))
 
 
-def test_masks_differ_by_path_call_and_manager_name() -> None:
-    pair = Pair(256, rngs=nnx.Rngs(0))
+def _assert_same(masks: dict, expected: dict) -> None:
+    assert set(masks) == set(expected) == {"/a.apply.input_", "/b.apply.input_"}
+    for name in expected:
+        np.testing.assert_array_equal(masks[name], expected[name], err_msg=name)
+
+
+def test_masks_do_not_change_when_other_managers_are_added(pair, alone) -> None:
+    # one manager listed before and one after, both rewriting the same bricks
+    chosen = [managers.GaussianNoise(0.3, bricks=[pair.a], roles=[roles.OUTPUT]), _dropout(),
+              managers.WeightNoise(0.1, roles=[roles.WEIGHT], priority=2)]
+    _assert_same(_pair_masks(pair, chosen, key(3)), alone)
+
+
+def test_masks_are_the_same_for_a_copy_of_the_model_and_a_new_manager(pair, alone) -> None:
+    _assert_same(_pair_masks(nnx.clone(pair), [_dropout()], key(3)), alone)
+
+
+def test_masks_differ_by_path_and_manager_name(pair, alone) -> None:
+    a, b = alone["/a.apply.input_"], alone["/b.apply.input_"]
+    assert set(np.unique(a).tolist()) == {0.0, 2.0}
+    assert np.any(a != b)  # two paths
+    renamed = _pair_masks(pair, [_dropout(name="other")], key(3))
+    assert np.any(a != renamed["/a.apply.input_"])  # another manager name
+
+
+def test_masks_differ_by_call_id() -> None:
+    program = _identity_program(managers.Dropout(0.5, roles=[roles.INPUT]),
+                                fn=lambda m, x: (m(x), m(x)))
     x = ones(256)
-    masks = _pair_masks(pair, [_dropout()], x, key(0))
-    renamed = _pair_masks(
-        pair, [managers.Dropout(0.5, bricks=[Scale], roles=[roles.INPUT], name="other")],
-        x, key(0))
-    a, b = masks["/a.apply.input_"], masks["/b.apply.input_"]
-    assert not bool(jnp.all(a == b))  # two paths
-    assert not bool(jnp.all(a == renamed["/a.apply.input_"]))  # another manager name
-
-    program = gm.compile(lambda m, x: (m(x), m(x)), Identity(),
-                         managers=[managers.Dropout(0.5, roles=[roles.INPUT])])
     (first, second), _ = program.train(program.init(x), x, rng=key(0))
     assert [r.call_id for r in program.rewrites.train] == [0, 1]
-    assert not bool(jnp.all(first == second))  # two call ids
+    assert np.any(array(first) != array(second))
 
 
-def test_different_keys_give_different_masks_and_the_same_key_the_same() -> None:
-    program = _identity_program(managers.Dropout(0.5, roles=[roles.INPUT]))
-    x = ones(256)
-    variables = program.init(x)
-    one, _ = program.train(variables, x, rng=key(0))
-    again, _ = program.train(variables, x, rng=key(0))
-    other, _ = program.train(variables, x, rng=key(1))
-    np.testing.assert_array_equal(one, again)
-    assert not bool(jnp.all(one == other))
+# -- the same masks under every transformation ----------------------------------------------------
 
+INPUT = "/.apply.input_"
 
-# -- the same masks under every transformation ---------------------------------------------------
 
 @pytest.fixture(scope="module")
 def masked() -> tuple[gm.Program, dict, jax.Array]:
     """Dropout on the inputs of a Linear brick, masks monitored."""
-    lin = gm.bricks.Linear(6, 3, rngs=nnx.Rngs(0))
-    program = gm.compile(lambda m, x: m(x), lin,
-                         managers=[managers.Dropout(0.5, roles=[roles.INPUT])],
+    lin = linear()
+    program = gm.compile(apply_model, lin, managers=[managers.Dropout(0.5, roles=[roles.INPUT])],
                          monitor=watch(roles.INPUT))
-    x = normal(1, 4, 6)
+    x = normal(1, 5, 3)
     return program, program.init(x), x
+
+
+def test_different_keys_give_different_masks_and_the_same_key_the_same(masked) -> None:
+    program, variables, x = masked
+    one = program.train(variables, x, rng=key(0))[2][INPUT]
+    again = program.train(variables, x, rng=key(0))[2][INPUT]
+    other = program.train(variables, x, rng=key(1))[2][INPUT]
+    np.testing.assert_array_equal(one, again)
+    assert np.any(array(one) != array(other))
+    kept = array(one) != 0
+    np.testing.assert_allclose(array(one)[kept], 2 * array(x)[kept], rtol=1e-6)
 
 
 def test_same_key_same_masks_in_eager_mode(masked) -> None:
@@ -189,7 +189,7 @@ def test_same_key_same_masks_in_eager_mode(masked) -> None:
     out, _, jitted = program.train(variables, x, rng=key(0))
     with jax.disable_jit():
         eager_out, _, eager = program.train(variables, x, rng=key(0))
-    np.testing.assert_array_equal(eager["/.apply.input_"], jitted["/.apply.input_"])
+    np.testing.assert_array_equal(eager[INPUT], jitted[INPUT])
     np.testing.assert_allclose(eager_out, out, rtol=1e-6, atol=1e-6)
 
 
@@ -202,20 +202,20 @@ def test_masks_inside_grad_equal_those_of_the_forward_pass(masked) -> None:
         return out.sum(), monitored
 
     grads, inside = jax.grad(cost, has_aux=True)(variables)
-    dropped = forward["/.apply.input_"]
-    np.testing.assert_array_equal(inside["/.apply.input_"], dropped)
-    # d cost / d W = sum over the batch of the dropped inputs
-    np.testing.assert_allclose(grads["model"]["W"],
-                               jnp.broadcast_to(dropped.sum(0)[:, None], (6, 3)), rtol=1e-6)
+    dropped = array(forward[INPUT])
+    np.testing.assert_array_equal(inside[INPUT], dropped)
+    # d cost / d W = sum over the batch of the dropped inputs, for every output
+    np.testing.assert_allclose(grads["model"]["W"], np.repeat(dropped.sum(0)[:, None], 4, 1),
+                               rtol=1e-5)
 
 
 def test_vmap_over_inputs_with_one_key_gives_the_masks_of_single_calls(masked) -> None:
     program, variables, x = masked
-    xs = jnp.stack([x, 2 * x, x - 1])
+    xs = jnp.stack([x, normal(2, 5, 3), normal(3, 5, 3)])
     outs, _, monitored = jax.vmap(lambda x: program.train(variables, x, rng=key(0)))(xs)
     for i in range(3):
         out, _, single = program.train(variables, xs[i], rng=key(0))
-        np.testing.assert_array_equal(monitored["/.apply.input_"][i], single["/.apply.input_"])
+        np.testing.assert_array_equal(monitored[INPUT][i], single[INPUT])
         np.testing.assert_allclose(outs[i], out, rtol=1e-6)
 
 
@@ -224,42 +224,38 @@ def test_lax_scan_over_steps_gives_the_masks_of_single_calls(masked) -> None:
     keys = jax.random.split(key(0), 3)
 
     def body(carry: None, k: jax.Array) -> tuple[None, jax.Array]:
-        return carry, program.train(variables, x, rng=k)[2]["/.apply.input_"]
+        return carry, program.train(variables, x, rng=k)[2][INPUT]
 
     _, scanned = jax.lax.scan(body, None, keys)
     for i in range(3):
-        _, _, single = program.train(variables, x, rng=keys[i])
-        np.testing.assert_array_equal(scanned[i], single["/.apply.input_"])
-    assert not bool(jnp.all(scanned[0] == scanned[1]))
+        single = program.train(variables, x, rng=keys[i])[2][INPUT]
+        np.testing.assert_array_equal(scanned[i], single)
+    assert np.any(array(scanned[0]) != array(scanned[1]))
 
 
-# -- inference ---------------------------------------------------------------------------------------
-
-def test_inference_is_the_plain_eager_model() -> None:
-    mlp = gm.bricks.MLP([5, 8, 3], activation=jax.nn.tanh, rngs=nnx.Rngs(0))
-    with managers.Dropout(0.5, bricks=mlp.linear_layers, roles=[roles.INPUT, roles.OUTPUT]), \
-            managers.Dropout(0.3, roles=[roles.WEIGHT], name="weight_dropout"):
-        program = gm.compile(apply_model, mlp)
-    x = normal(1, 4, 5)
-    variables = program.init(x)
-    trained, _ = program.train(variables, x, rng=key(0))
-    assert not bool(jnp.allclose(trained, mlp(x)))  # the managers do act in training
-    np.testing.assert_array_equal(program.infer(variables, x), mlp(x))
+def test_inference_is_the_plain_eager_model(masked) -> None:
+    program, variables, x = masked
+    trained, _, _ = program.train(variables, x, rng=key(0))
+    plain = array(program.model(x))
+    assert not np.allclose(array(trained), plain)  # the manager does act in training
+    inferred, monitored = program.infer(variables, x)
+    np.testing.assert_allclose(inferred, plain, rtol=1e-6)
+    np.testing.assert_array_equal(monitored[INPUT], x)
     assert list(program.rewrites.infer) == []
 
 
-# -- broadcast_dims -----------------------------------------------------------------------------------
+# -- broadcast_dims -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dims", [(1,), (-2,), (0, 2)])
+@pytest.mark.parametrize("dims", [(-2,), (0, 2)])
 def test_broadcast_dims_share_one_mask_value_along_the_axes(dims: tuple[int, ...]) -> None:
-    program = _identity_program(managers.Dropout(0.5, roles=[roles.INPUT],
-                                                 broadcast_dims=dims))
+    program = _identity_program(managers.Dropout(0.5, roles=[roles.INPUT], broadcast_dims=dims))
     x = ones(32, 32, 32)
     out, _ = program.train(program.init(x), x, rng=key(0))
+    out = array(out)
     axes = tuple(d % 3 for d in dims)
     first = out[tuple(slice(0, 1) if a in axes else slice(None) for a in range(3))]
-    np.testing.assert_array_equal(out, jnp.broadcast_to(first, out.shape))
-    assert 0.2 < float(jnp.mean(first == 0)) < 0.8  # the mask still varies elsewhere
+    np.testing.assert_array_equal(out, np.broadcast_to(first, out.shape))
+    assert 0.2 < np.mean(first == 0) < 0.8  # the mask still varies along the other axes
 
 
 def test_broadcast_dims_out_of_range_raise_naming_the_argument() -> None:
@@ -268,12 +264,12 @@ def test_broadcast_dims_out_of_range_raise_naming_the_argument() -> None:
         program.init(ones(2, 3))
 
 
-# -- dynamic rate --------------------------------------------------------------------------------------
+# -- dynamic rate ---------------------------------------------------------------------------------
 
 def test_dynamic_rate_is_a_float32_scalar_changed_without_retrace() -> None:
     dropout = managers.Dropout(gm.dynamic(0.5), roles=[roles.INPUT])
     fn = Counted(apply_model)
-    program = gm.compile(fn, Identity(), managers=[dropout])
+    program = _identity_program(dropout, fn)
     x = ones(100, 100)
     variables = program.init(x)
     rate = variables["managers"]["dropout"]["hparams"]["rate"]
@@ -281,17 +277,15 @@ def test_dynamic_rate_is_a_float32_scalar_changed_without_retrace() -> None:
     assert float(rate) == 0.5
     out, variables = program.train(variables, x, rng=key(0))
     traces = fn.count
-    assert abs(float(jnp.mean(out == 0)) - 0.5) < 0.03
+    _check_rate(out, 0.5)
 
     handle = dropout.hparam("rate")
-    for new in (0.1, 0.9):
+    for new in (0.1, 0.8):
         changed = handle.set(variables, new)
         stored = changed["managers"]["dropout"]["hparams"]["rate"]
         assert (stored.dtype, stored.weak_type) == (jnp.float32, False)
         out, _ = program.train(changed, x, rng=key(0))
-        assert abs(float(jnp.mean(out == 0)) - new) < 0.03
-        np.testing.assert_allclose(np.unique(np.asarray(out[out != 0])), [1 / (1 - new)],
-                                   rtol=1e-5)
+        _check_rate(out, new)
     assert fn.count == traces
     assert program._train._cache_size() == 1
 
@@ -305,17 +299,26 @@ def test_a_constant_rate_is_not_stored_and_has_no_handle() -> None:
         dropout.hparam("rate")
 
 
-# -- bad arguments --------------------------------------------------------------------------------------
+def test_rewrites_record_each_dropout() -> None:
+    program = gm.compile(apply_model, Pair(4), managers=[_dropout()])
+    program.init(full(2.0, 4))
+    assert rewritten_by(program, "init") == [("dropout", "/a", 0, "input_"),
+                                              ("dropout", "/b", 0, "input_")]
 
-@pytest.mark.parametrize("rate", [1.5, -0.1, float("nan"), "0.5", gm.dynamic(2.0)])
+
+# -- bad arguments --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rate", [1.5, -0.1, float("nan"), "0.5", True, gm.dynamic(2.0)])
 def test_a_bad_rate_raises_naming_the_argument(rate) -> None:
     with pytest.raises(ValueError, match=r"Dropout\(rate="):
         managers.Dropout(rate)
 
 
-def test_rewrites_record_each_dropout() -> None:
-    pair = Pair(4, rngs=nnx.Rngs(0))
-    program = gm.compile(apply_model, pair, managers=[_dropout()])
-    program.init(ones(4))
-    assert rewritten_by(program, "init") == [("dropout", "/a", 0, "input_"),
-                                              ("dropout", "/b", 0, "input_")]
+@pytest.mark.parametrize("dims", [1, ("1",)])
+def test_bad_broadcast_dims_raise_naming_the_argument(dims) -> None:
+    with pytest.raises(TypeError, match=r"Dropout\(broadcast_dims="):
+        managers.Dropout(0.5, broadcast_dims=dims)
+
+
+def test_numpy_scalars_are_accepted_as_rates() -> None:
+    assert managers.Dropout(np.float32(0.25)).rate == 0.25

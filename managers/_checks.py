@@ -1,0 +1,27 @@
+"""Checks shared by the built-in managers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+import graphmod as gm
+
+
+def require_floating(manager: gm.Manager, call: gm.ApplicationCall, name: str,
+                     value: Any) -> None:
+    """Raises a TypeError naming the manager, variable and path if ``value`` is not floating.
+
+    Dropout, noise and normalization of integer values (token ids, counters) are undefined;
+    a filter that selects them is too broad.
+    """
+    dtype = jnp.result_type(value)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        role = call.role.name if call.role is not None else "variable"
+        raise TypeError(
+            f"{type(manager).__name__} {manager.name!r} selected {role} {name!r} of "
+            f"application {call.application!r} at {call.path}, of dtype {dtype}: it rewrites "
+            "floating-point values only. Narrow its filter (bricks=, roles=, name=, path=) to "
+            "leave this variable out."
+        )

@@ -1,0 +1,228 @@
+"""One contract suite over every built-in manager (optax's ``_common_test`` pattern).
+
+Each manager, on a small Linear brick: eager vs jit vs vmap vs grad agree; one trace per input
+signature; hashable, picklable, deep-copyable; unique names; strictness; frozen after compile.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import graphmod as gm
+import managers
+from graphmod import roles
+from tests.managers.helpers import Counted, apply_model, array, key, linear, normal
+
+MAKERS: dict[str, Callable[..., gm.Manager]] = {
+    "dropout": lambda **kw: managers.Dropout(0.5, roles=[roles.INPUT], **kw),
+    "weight_noise": lambda **kw: managers.WeightNoise(0.1, roles=[roles.WEIGHT], **kw),
+    "gaussian_noise": lambda **kw: managers.GaussianNoise(0.1, roles=[roles.OUTPUT], **kw),
+    "batch_norm": lambda **kw: managers.BatchNorm(roles=[roles.OUTPUT], **kw),
+}
+
+
+def cost(model: gm.bricks.Linear, x: jax.Array) -> tuple[jax.Array, dict]:
+    y = model(x)
+    return jnp.mean(jnp.sin(y) + y ** 2), {"y": y}
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    manager: gm.Manager
+    model: gm.bricks.Linear
+    program: gm.Program
+    fn: Counted
+    variables: dict
+    x: jax.Array
+    out: Any
+    new: dict
+
+
+@pytest.fixture(scope="module", params=sorted(MAKERS))
+def case(request: pytest.FixtureRequest) -> Case:
+    manager = MAKERS[request.param]()
+    model = linear()
+    fn = Counted(cost)
+    program = gm.compile(fn, model, managers=[manager])
+    x = normal(1, 5, 3)
+    variables = program.init(x)
+    out, new = program.train(variables, x, rng=key(0))
+    return Case(request.param, manager, model, program, fn, variables, x, out, new)
+
+
+def assert_trees_close(a: Any, b: Any, **tolerance: float) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for left, right in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(array(left), array(right),
+                                   **(tolerance or {"rtol": 1e-5, "atol": 1e-6}))
+
+
+# -- transformations agree ------------------------------------------------------------------------
+
+def plain_cost(model: gm.bricks.Linear, x: jax.Array) -> float:
+    """``cost`` without managers, in NumPy."""
+    y = array(x).astype(np.float64) @ array(model.W[...]) + array(model.b[...])
+    return float(np.mean(np.sin(y) + y ** 2))
+
+
+def test_the_manager_rewrites_in_training(case: Case) -> None:
+    assert not np.isclose(float(case.out[0]), plain_cost(case.model, case.x), rtol=1e-4)
+    assert [r.manager for r in case.program.rewrites.train] == [case.name]
+
+
+def test_eager_and_jit_agree(case: Case) -> None:
+    with jax.disable_jit():
+        eager = case.program.train(case.variables, case.x, rng=key(0))
+    assert_trees_close(eager, (case.out, case.new))
+
+
+def test_grad_agrees_with_the_forward_pass_and_finite_differences(case: Case) -> None:
+    def loss(variables: dict) -> tuple[jax.Array, Any]:
+        (value, metrics), new = case.program.train(variables, case.x, rng=key(0))
+        return value, (metrics, new)
+
+    (value, (metrics, new)), grads = jax.value_and_grad(loss, has_aux=True)(case.variables)
+    # the forward pass inside grad is the one of train (same rewrites, masks, statistics)
+    assert_trees_close(((value, metrics), new), (case.out, case.new))
+    for leaf in jax.tree.leaves(grads):
+        assert np.all(np.isfinite(array(leaf)))
+    assert np.abs(array(grads["model"]["W"])).sum() > 0
+    # a central difference along a random direction of the parameters, same key
+    rng = np.random.default_rng(0)
+    direction = jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32),
+                             case.variables["model"])
+    eps = 1e-2
+
+    def moved(sign: float) -> float:
+        model = jax.tree.map(lambda p, d: p + sign * eps * d, case.variables["model"], direction)
+        return float(loss({**case.variables, "model": model})[0])
+
+    numeric = (moved(1.0) - moved(-1.0)) / (2 * eps)
+    analytic = sum(float(np.vdot(array(g), d)) for g, d in zip(
+        jax.tree.leaves(grads["model"]), jax.tree.leaves(direction), strict=True))
+    np.testing.assert_allclose(numeric, analytic, rtol=2e-2, atol=1e-3)
+
+
+def test_vmap_agrees_with_single_calls(case: Case) -> None:
+    xs = jnp.stack([case.x, normal(2, 5, 3), normal(3, 5, 3)])
+    outs, news = jax.vmap(lambda x: case.program.train(case.variables, x, rng=key(0)))(xs)
+    for i in range(3):
+        single = case.program.train(case.variables, xs[i], rng=key(0))
+        assert_trees_close(jax.tree.map(lambda leaf, i=i: leaf[i], (outs, news)), single)
+
+
+# -- tracing --------------------------------------------------------------------------------------
+
+def test_traces_once_per_input_signature(case: Case) -> None:
+    program, fn = case.program, case.fn
+    traces, cached = fn.count, program._train._cache_size()
+    program.train(case.new, normal(4, 5, 3), rng=key(7))  # the fixture traced this signature
+    assert (fn.count, program._train._cache_size()) == (traces, cached)
+    program.infer(case.variables, case.x)
+    traces = fn.count
+    program.infer(case.new, normal(5, 5, 3))
+    assert fn.count == traces
+    # another batch size: one new trace, then none
+    program.infer(case.variables, normal(2, 9, 3))
+    program.infer(case.new, normal(3, 9, 3))
+    assert fn.count == traces + 1
+    assert program._train._cache_size() == cached
+
+
+# -- the manager as an object ---------------------------------------------------------------------
+
+def _config(manager: gm.Manager) -> dict:
+    return {k: repr(v) for k, v in vars(manager).items()}
+
+
+def test_manager_is_hashable_picklable_and_deep_copyable(case: Case) -> None:
+    assert hash(case.manager) == hash(case.manager)
+    assert case.manager in {case.manager}
+    for original in (case.manager, MAKERS[case.name]()):  # compiled (frozen) and fresh
+        for clone in (pickle.loads(pickle.dumps(original)), copy.deepcopy(original)):
+            assert clone is not original
+            assert type(clone) is type(original)
+            assert _config(clone) == _config(original)
+            assert clone in {clone}
+    # an unpickled copy compiled over the same model rewrites what the original rewrites,
+    # and owns variables of the same layout
+    clone = pickle.loads(pickle.dumps(case.manager))
+    program = gm.compile(cost, case.model, managers=[clone])
+    variables = program.init(case.x)
+    assert list(program.rewrites["init"]) == list(case.program.rewrites["init"])
+    assert jax.tree.structure(variables) == jax.tree.structure(case.variables)
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_an_active_manager_is_picklable_and_deep_copyable(name: str) -> None:
+    manager = MAKERS[name]()
+    with manager:
+        clones = [pickle.loads(pickle.dumps(manager)), copy.deepcopy(manager)]
+    assert [_config(c)["name"] for c in clones] == [repr(name)] * 2
+    for clone in clones:  # a copy is in no with block: it can enter and leave its own
+        with clone:
+            pass
+
+
+def test_a_duplicate_name_raises_at_compile_unless_renamed(case: Case) -> None:
+    model = case.model
+    with pytest.raises(ValueError, match=repr(case.name)):
+        gm.compile(cost, model, managers=[MAKERS[case.name](), MAKERS[case.name]()])
+    with pytest.raises(ValueError, match=repr(case.name)), MAKERS[case.name](), \
+            MAKERS[case.name]():
+        gm.compile(cost, model)
+    program = gm.compile(cost, model, managers=[MAKERS[case.name](),
+                                                MAKERS[case.name](name="another")])
+    assert [m.name for m in program.managers] == [case.name, "another"]
+
+
+def test_a_filter_matching_nothing_raises_naming_the_manager(case: Case) -> None:
+    strict = MAKERS[case.name](path="/nowhere*")
+    program = gm.compile(cost, case.model, managers=[strict])
+    with pytest.raises(ValueError, match=rf"{case.name!r}.*matched nothing"):
+        program.init(case.x)
+    lenient = MAKERS[case.name](path="/nowhere*", strict=False)
+    program = gm.compile(cost, case.model, managers=[lenient])
+    variables = program.init(case.x)
+    (value, _), _ = program.train(variables, case.x, rng=key(0))
+    np.testing.assert_allclose(float(value), plain_cost(case.model, case.x), rtol=1e-5)
+    assert list(program.rewrites.train) == []
+
+
+def test_the_manager_is_frozen_after_compile(case: Case) -> None:
+    fresh = MAKERS[case.name]()
+    fresh.priority = 1  # allowed before compile
+    gm.compile(cost, case.model, managers=[fresh])
+    with pytest.raises(AttributeError, match=repr(case.name)):
+        fresh.priority = 2
+    with pytest.raises(AttributeError, match="frozen"):
+        case.manager.strict = False
+    assert fresh.priority == 1 and case.manager.strict
+
+
+class Ints(gm.Brick):
+    """Integer input, weight and output (token ids, counters)."""
+
+    def __init__(self) -> None:
+        self.W = gm.Weight(jnp.asarray(np.arange(3), jnp.int32))
+
+    @gm.application(inputs=["input_"], outputs=["output"])
+    def apply(self, input_: jax.Array) -> jax.Array:
+        return input_ + self.W
+
+
+def test_an_integer_variable_selected_raises_naming_manager_variable_and_path(
+        case: Case) -> None:
+    program = gm.compile(apply_model, Ints(), managers=[MAKERS[case.name]()])
+    with pytest.raises(TypeError, match=rf"{case.name!r} selected .* at /, of dtype int32"):
+        program.init(jnp.asarray(np.arange(15).reshape(5, 3), jnp.int32))
