@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from graphmod._events import Event, On, Template, Time, as_template, plugin_name
+from graphmod._events import AnyOf, Event, On, Template, Time, as_template, plugin_name
 from graphmod._plugin import Plugin
 from graphmod._table import text_table
 
@@ -84,6 +84,9 @@ class DispatchTrace:
 
     def __len__(self) -> int:
         return len(self._records)
+
+    def __reversed__(self) -> Iterator[Dispatch]:
+        return reversed(self._records)
 
     def __str__(self) -> str:
         rows = [(d.event, d.step, d.order, d.plugin, f"{d.seconds * 1e3:.3f}") for d in self]
@@ -170,14 +173,18 @@ class Loop:
         self._current: _Entry | None = None
         self._started = False
         for plugin in plugins:
-            self.on(plugin.every if isinstance(plugin, Plugin) else None, plugin)
+            self.on(None, plugin)
 
     # -- registration -------------------------------------------------------------------------
     def on(self, template: Template | str | None, plugin: Any, *,
            priority: int | None = None) -> Any:
-        """Registers ``plugin`` for events matching ``template`` (None: every event)."""
+        """Registers ``plugin`` for events matching ``template``; None: a :class:`Plugin`'s
+        own ``every`` (its ``on_<type>`` methods when that is None), every event for a
+        plain callable."""
         if not callable(plugin):
             raise TypeError(f"loop.on: plugin must be callable, got {plugin!r}")
+        if template is None and isinstance(plugin, Plugin):
+            template = plugin.every
         template = None if template is None else as_template(template, "loop.on(template)")
         name = plugin_name(plugin)
         taken = {e.name for e in self._entries}
@@ -222,6 +229,11 @@ class Loop:
             return jnp.asarray(n, dtype=dtype)
 
         self.state = jax.tree.map(cast, new, old)
+
+    @property
+    def start_time(self) -> Time:
+        """The time at which the current run started (or resumed)."""
+        return self._clock[1] if self._clock is not None else self.time
 
     @property
     def metrics(self) -> Any:
@@ -379,7 +391,8 @@ class Loop:
             limit = min(limit, self.max_steps - self.time.step)
         if limit <= 1:
             return 1
-        templates = [e.template for e in self._entries if e.template is not None]
+        templates = [part for e in self._entries if e.template is not None
+                     for part in _parts(e.template)]
         step_templates = [t for t in templates if "step" in t.types()]
         plans = []
         for t in step_templates:
@@ -421,9 +434,11 @@ class Loop:
         if self._clock is not None:
             self.time = self._now()
         # The first event of a type covers the range since the run started.
-        start = self._clock[1] if self._clock is not None else self.time
+        start = self.start_time
+        # An event fired with metrics (e.g. "validated") carries them as its metrics.
+        metrics = data.pop("metrics") if "metrics" in data else self._metrics
         return Event(type, issuer, self.time, self._prev.get((id(issuer), type), start), self,
-                     self.state, self._metrics, data)
+                     self.state, metrics, data)
 
     def _emit(self, type: str, **data: Any) -> None:
         self._dispatch(self._event(type, self, data))
@@ -482,6 +497,13 @@ class Loop:
                 self._call_plugin(entry, event, order, handler)
             except (PluginError, KeyboardInterrupt):
                 continue  # the original error is what the user needs to see
+
+
+def _parts(template: Template) -> list[Template]:
+    """The alternatives of a template (``On(...) | On(...)``), planned one by one."""
+    if isinstance(template, AnyOf):
+        return [part for t in template.templates for part in _parts(t)]
+    return [template]
 
 
 def _call(step: Callable[..., Any], state: Any, batch: Any) -> Any:

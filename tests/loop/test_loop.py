@@ -202,3 +202,43 @@ def test_plain_iterables_and_dict_or_tuple_batches(problem: Problem) -> None:
     state = gm.Loop(problem.step, batches, epochs=2).run(problem.state())
     assert int(state.step) == 8
     assert always(0, 1)
+
+
+def test_step_middleware_setup_and_teardown_on_keyboard_interrupt(problem: Problem) -> None:
+    log: list = []
+
+    class Middleware(gm.Plugin):
+        def setup(self, loop: gm.Loop) -> None:
+            log.append("setup")
+
+        def teardown(self, loop: gm.Loop, error: BaseException | None) -> None:
+            log.append(("teardown", type(error).__name__))
+
+        def wrap_step(self, step: object) -> object:
+            def wrapped(state: object, **batch: object) -> object:
+                log.append("step")
+                return step(state, **batch)  # type: ignore[operator]
+            return wrapped
+
+    def interrupt(event: gm.Event) -> None:
+        raise KeyboardInterrupt
+
+    loop = gm.Loop(problem.step, problem.source(8), epochs=1, plugins=[Middleware()])
+    loop.on(On("step", step=at(2)), interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        loop.run(problem.state())
+    assert log == ["setup", "step", "step", ("teardown", "KeyboardInterrupt")]
+
+
+def test_a_plugin_can_run_a_nested_loop(problem: Problem) -> None:
+    inner_steps: list = []
+
+    def nested(event: gm.Event) -> None:
+        inner = gm.Loop(problem.step, problem.source(32), steps=2)
+        inner.on(On("step"), lambda e: inner_steps.append((e.issuer is inner, e.time.step)))
+        inner.run(problem.state())
+
+    loop = gm.Loop(problem.step, problem.source(32), epochs=1)
+    loop.on(On("epoch_end"), nested)
+    loop.run(problem.state())
+    assert inner_steps == [(True, 1), (True, 2)] and loop.time.step == 3

@@ -1,0 +1,95 @@
+"""``Anneal``: sets a dynamic manager hyperparameter from the loop's time, without retracing."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from graphmod._events import Event, On, Template, Time
+from graphmod._manager import HParam
+from graphmod._plugin import Plugin
+from graphmod.plugins._common import template_or
+
+
+class Anneal(Plugin):
+    """Sets ``hparam`` to ``fn(time)`` on every due event, and before the first step.
+
+    ``hparam`` is the handle of a *dynamic* manager hyperparameter
+    (``managers.Dropout(gm.dynamic(0.5), ...).hparam("rate")``), a float32 scalar in the
+    train state's variables; the new value goes in through ``loop.update_state``, cast to
+    the stored dtype, so the compiled step never retraces. The value set on an event is
+    the one the following steps use. With ``steps_per_call=k`` a plain ``On("step")``
+    sees one event per fused dispatch, so the value changes every k steps.
+
+    Args:
+        hparam: a :class:`graphmod.HParam`, from ``manager.hparam(name)``.
+        fn: ``fn(time) -> value``, ``time`` a :class:`graphmod.Time` (``.step``, ``.epoch``,
+            ``.examples``, ...).
+        every: the events on which the value is set (default: every step event).
+        name: the plugin's name (default: ``anneal_<manager>_<hyperparameter>``).
+
+    Examples:
+        >>> import jax, numpy as np, optax, graphmod as gm, managers
+        >>> from flax import nnx
+        >>> from graphmod.data import ArraySource
+        >>> from graphmod.plugins import Anneal
+        >>> mlp = gm.bricks.MLP([2, 8, 1], activation=jax.nn.relu, rngs=nnx.Rngs(0))
+        >>> dropout = managers.Dropout(gm.dynamic(0.5), bricks=mlp.linear_layers[1:])
+        >>> program = gm.compile(lambda m, x, y: ((m(x) - y) ** 2).mean(), mlp,
+        ...                      managers=[dropout])
+        >>> x, y = np.ones((32, 2), np.float32), np.zeros((32, 1), np.float32)
+        >>> step = gm.optimize(program, optax.sgd(0.1))
+        >>> state = step.init(program.init(x[:1], y[:1]), jax.random.key(0))
+        >>> rate = dropout.hparam("rate")
+        >>> anneal = Anneal(rate, lambda t: 0.5 * (1 - t.step / 8))
+        >>> state = gm.Loop(step, ArraySource((x, y), batch_size=8), epochs=2,
+        ...                 plugins=[anneal]).run(state)
+        >>> float(rate.get(state.variables))
+        0.0
+    """
+
+    def __init__(self, hparam: HParam, fn: Callable[[Time], Any], *,
+                 every: Template | str | None = None, name: str | None = None) -> None:
+        if not isinstance(hparam, HParam):
+            raise TypeError(f"Anneal(hparam): expected a graphmod.HParam from "
+                            f"manager.hparam(name), got {hparam!r}")
+        if not callable(fn):
+            raise TypeError(f"Anneal(hparam, fn): fn must be callable as fn(time), got {fn!r}")
+        super().__init__(name=name or f"anneal_{hparam.manager}_{hparam.name}",
+                         every=template_or(every, On("step"), "Anneal"))
+        self.hparam = hparam
+        self.fn = fn
+        self.value: Any = None
+
+    def setup(self, loop: Any) -> None:
+        self.set(loop, loop.time)  # the value the run's first step uses
+
+    def __call__(self, event: Event) -> None:
+        self.set(event.loop, event.time)
+
+    def set(self, loop: Any, time: Time) -> None:
+        """Writes ``fn(time)`` into the loop's train state."""
+        value = self.fn(time)
+        if value is None:
+            raise ValueError(f"{self.name}: fn({time}) returned None; it must return the "
+                             f"value of {self.hparam.manager}.{self.hparam.name}")
+        loop.update_state(lambda state: _with_variables(
+            state, self.hparam.set(_variables(state, self.name), value)))
+        self.value = value
+
+
+def _variables(state: Any, who: str) -> dict:
+    variables = getattr(state, "variables", state)
+    if not isinstance(variables, dict) or "managers" not in variables:
+        raise TypeError(f"{who}: the loop's train state has no program variables (expected "
+                        f"a graphmod.TrainState with .variables, got {type(state).__name__})")
+    return variables
+
+
+def _with_variables(state: Any, variables: dict) -> Any:
+    if hasattr(state, "_replace"):  # graphmod.TrainState and other NamedTuples
+        return state._replace(variables=variables)
+    if dataclasses.is_dataclass(state):
+        return dataclasses.replace(state, variables=variables)
+    return variables  # the state is the variables themselves

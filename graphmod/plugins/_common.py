@@ -1,0 +1,59 @@
+"""Helpers shared by the built-in plugins: schedule arguments, metric lookup, host reads."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from graphmod._events import Event, Template, as_template
+
+
+def template_or(every: Template | str | None, default: Template, who: str) -> Template:
+    """``every`` as a template (an ``On(...)`` or an event type name), else ``default``."""
+    if every is None:
+        return default
+    return as_template(every, f"{who}(every=...)")
+
+
+def metric_names(names: Iterable[Any], who: str) -> tuple[str, ...]:
+    """Metric names checked to be non-empty strings."""
+    names = tuple(names)
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{who}: metric names must be non-empty strings, got {name!r}")
+    return names
+
+
+def event_metrics(event: Event) -> dict[str, Any]:
+    """The metrics of an event: those it was fired with (a ``validated`` event's), else
+    the latest step's (the loop puts them in ``event.metrics`` either way)."""
+    return dict(event.metrics) if event.metrics else {}
+
+
+def host_value(value: Any) -> float | np.ndarray:
+    """A metric on the host (this syncs the device): a float for a scalar, else an array."""
+    array = np.asarray(value)
+    return float(array) if array.ndim == 0 else array
+
+
+def scalar_metrics(metrics: Mapping[str, Any], names: tuple[str, ...] = ()) -> dict[str, float]:
+    """The scalar metrics among ``names`` (all when empty) as Python floats, in order."""
+    chosen = names or tuple(metrics)
+    out: dict[str, float] = {}
+    for name in chosen:
+        if name in metrics and np.ndim(metrics[name]) == 0:
+            out[name] = float(np.asarray(metrics[name]))
+    return out
+
+
+def planned_steps(loop: Any) -> int | None:
+    """The step at which ``loop`` stops unless terminated (None when unknown)."""
+    limits = []
+    if getattr(loop, "max_steps", None) is not None:
+        limits.append(loop.max_steps)
+    epochs = getattr(loop, "epochs", None)
+    if epochs is not None and hasattr(loop.data, "__len__"):
+        limits.append(epochs * len(loop.data))
+    return min(limits) if limits else None

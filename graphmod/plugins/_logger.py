@@ -1,0 +1,204 @@
+"""``Logger``: one row per due event (times on every timeline, metrics) to CSV or JSON lines.
+
+Rows go to a file that is appended to; a checkpointed run that resumes first cuts the file
+back to the rows it had when saved (``state_dict`` holds the row count), so a resumed run
+logs every step once. TensorBoard scalars are written too when ``tensorboardX`` is
+importable.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import io
+import json
+import os
+from collections.abc import Iterable
+from typing import Any, TextIO
+
+from graphmod._events import TIMELINES, Event, On, Template
+from graphmod._plugin import Plugin
+from graphmod._schedule import each
+from graphmod.plugins._common import event_metrics, metric_names, scalar_metrics, template_or
+
+_FORMATS = {".csv": "csv", ".jsonl": "jsonl"}
+
+
+class Logger(Plugin):
+    """Appends one row per due event: its type, its time on every timeline, its metrics.
+
+    Metrics (an event's own when it was fired with some, such as a ``validated`` event's,
+    else the latest step's) are written as Python floats; non-scalar metrics and those
+    the event lacks are left out (an empty CSV cell). A CSV file has a header; when a
+    later row brings a new metric, the file is rewritten once with the wider header
+    (earlier rows get empty cells). JSON lines hold one object per row. Rows are flushed
+    as written and the file is closed when the run ends.
+
+    Args:
+        directory_or_path: a ``.csv`` or ``.jsonl`` file, or a directory to hold
+            ``log.csv`` / ``log.jsonl`` (created when missing).
+        format: ``"csv"`` or ``"jsonl"`` (default: from the file's suffix, else CSV).
+        metrics: names of the metrics to log (default: every scalar metric).
+        every: the events to log (default: every 100 steps).
+        tensorboard: also write TensorBoard scalars next to the log (default: when
+            ``tensorboardX`` is importable; True requires it).
+        name: the plugin's name.
+
+    Examples:
+        >>> import jax, numpy as np, optax, tempfile, graphmod as gm
+        >>> from flax import nnx
+        >>> from graphmod.data import ArraySource
+        >>> from graphmod.plugins import Logger
+        >>> lin = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> program = gm.compile(lambda m, x, y: ((m(x) - y) ** 2).mean(), lin)
+        >>> x, y = np.ones((32, 2), np.float32), np.zeros((32, 1), np.float32)
+        >>> step = gm.optimize(program, optax.sgd(0.1))
+        >>> state = step.init(program.init(x[:1], y[:1]), jax.random.key(0))
+        >>> log = Logger(tempfile.mkdtemp(), every=gm.On("epoch_end"), tensorboard=False)
+        >>> state = gm.Loop(step, ArraySource((x, y), batch_size=8), epochs=2,
+        ...                 plugins=[log]).run(state)
+        >>> print(open(log.path).read().splitlines()[0])
+        event,step,epoch,examples,seconds,train_seconds,loss
+        >>> log.rows
+        2
+    """
+
+    def __init__(self, directory_or_path: str | os.PathLike, *, format: str | None = None,
+                 metrics: Iterable[str] | None = None, every: Template | str | None = None,
+                 tensorboard: bool | None = None, name: str = "logger") -> None:
+        super().__init__(name=name,
+                         every=template_or(every, On("step", step=each(100)), "Logger"))
+        if format is not None and format not in ("csv", "jsonl"):
+            raise ValueError(f"Logger(format={format!r}): must be 'csv' or 'jsonl'")
+        try:
+            location = os.fspath(directory_or_path)
+        except TypeError:
+            raise TypeError(f"Logger(directory_or_path): expected a path, got "
+                            f"{directory_or_path!r}") from None
+        suffix = os.path.splitext(location)[1].lower()
+        if suffix in _FORMATS:
+            if format is not None and format != _FORMATS[suffix]:
+                raise ValueError(f"Logger({location!r}, format={format!r}): the file's suffix "
+                                 f"says {_FORMATS[suffix]!r}; pass a matching path or format")
+            self.format = _FORMATS[suffix]
+            self.path = os.path.abspath(location)
+        else:
+            self.format = format or "csv"
+            self.path = os.path.join(os.path.abspath(location), f"log.{self.format}")
+        if isinstance(metrics, str):
+            metrics = (metrics,)
+        self.metrics = metric_names(metrics or (), "Logger(metrics=...)")
+        if tensorboard is None:
+            tensorboard = importlib.util.find_spec("tensorboardX") is not None
+        elif tensorboard and importlib.util.find_spec("tensorboardX") is None:
+            raise ImportError("Logger(tensorboard=True) needs tensorboardX: "
+                              "pip install tensorboardX (or pass tensorboard=False)")
+        self.tensorboard = bool(tensorboard)
+        self.rows = 0  # rows in the file, earlier runs included
+        self._keep: int | None = None  # rows to keep when resuming from a checkpoint
+        self._file: TextIO | None = None
+        self._columns: list[str] = []
+        self._writer: Any = None
+
+    # -- plugin protocol ------------------------------------------------------------------------
+    def __call__(self, event: Event) -> None:
+        self.write(self.row(event))
+
+    def teardown(self, loop: Any, error: BaseException | None) -> None:
+        self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rows": self.rows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._keep = int(state["rows"])
+        self.close()  # reopened (and cut back) at the next row
+
+    # -- rows -----------------------------------------------------------------------------------
+    def row(self, event: Event) -> dict[str, Any]:
+        """The row for ``event``: type, times and scalar metrics as Python numbers."""
+        row: dict[str, Any] = {"event": event.type, **event.time.to_dict()}
+        row.update(scalar_metrics(event_metrics(event), self.metrics))  # a device sync
+        return row
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Appends ``row`` to the log (and TensorBoard) and flushes it."""
+        if self._file is None:
+            self._open()
+        assert self._file is not None
+        if self.format == "jsonl":
+            self._file.write(json.dumps(row) + "\n")
+        else:
+            new = [k for k in row if k not in self._columns]
+            if new and self.rows:
+                self._widen(new)
+            elif new:
+                self._columns += new
+                self._file.write(_csv_line(self._columns))
+            self._file.write(_csv_line([row.get(k, "") for k in self._columns]))
+        self._file.flush()
+        self.rows += 1
+        if self.tensorboard:
+            self._tensorboard(row)
+
+    def close(self) -> None:
+        """Flushes and closes the log (the next row reopens it)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    # -- files ----------------------------------------------------------------------------------
+    def _open(self) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        lines = _read_lines(self.path)
+        header = 1 if self.format == "csv" and lines else 0
+        if self._keep is not None and len(lines) - header > self._keep:
+            lines = lines[:header + self._keep]
+            _write_lines(self.path, lines)
+        self._keep = None
+        self._columns = next(csv.reader(lines[:1])) if header else []
+        self.rows = len(lines) - header
+        self._file = open(self.path, "a", encoding="utf-8", newline="")  # noqa: SIM115
+
+    def _widen(self, new: list[str]) -> None:
+        """Rewrites the CSV file with ``new`` columns added to its header."""
+        assert self._file is not None
+        self._file.close()
+        lines = _read_lines(self.path)
+        self._columns += new
+        body = [line.rstrip("\r\n") + "," * len(new) + "\n" for line in lines[1:]]
+        _write_lines(self.path, [_csv_line(self._columns), *body])
+        self._file = open(self.path, "a", encoding="utf-8", newline="")  # noqa: SIM115
+
+    def _tensorboard(self, row: dict[str, Any]) -> None:
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(logdir=os.path.dirname(self.path))
+        for key, value in row.items():
+            if key != "event" and key not in TIMELINES:
+                self._writer.add_scalar(key, value, global_step=row["step"])
+        self._writer.flush()
+
+
+def _csv_line(values: list[Any]) -> str:
+    text = io.StringIO()
+    csv.writer(text, lineterminator="\n").writerow(values)
+    return text.getvalue()
+
+
+def _read_lines(path: str) -> list[str]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8", newline="") as f:
+        return [line if line.endswith("\n") else line + "\n" for line in f]
+
+
+def _write_lines(path: str, lines: list[str]) -> None:
+    temporary = f"{path}.tmp"
+    with open(temporary, "w", encoding="utf-8", newline="") as f:
+        f.writelines(lines)
+    os.replace(temporary, path)

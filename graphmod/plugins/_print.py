@@ -1,0 +1,90 @@
+"""``Print``: prints the times and chosen metrics of the events it is due on."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any, TextIO
+
+import numpy as np
+
+from graphmod._events import Event, On, Template
+from graphmod._plugin import Plugin
+from graphmod._schedule import each
+from graphmod.plugins._common import event_metrics, host_value, metric_names, template_or
+
+
+class Print(Plugin):
+    """Prints the step, epoch, examples and the named metrics on each event it is due on.
+
+    This is the plugin that reads metrics, so it waits on the device only when due. It
+    prints on whatever event it receives, so it can be registered for any template:
+    ``loop.on(On("step", examples=each(10_000)), Print("loss"))``, or
+    ``Print("valid/accuracy", every=On("validated"))`` for the metrics a ``validated``
+    event carries. A named metric the event lacks is left out of that line; one that no
+    event had by the end of the run gets a warning (a misspelt name prints nothing).
+
+    Args:
+        *metric_names: metrics to print, in order (none: every scalar metric).
+        every: the events to print on (default: every 100 steps).
+        file: where to print (default: ``sys.stdout`` at the time of printing).
+        name: the plugin's name.
+
+    Examples:
+        >>> import jax, numpy as np, optax, graphmod as gm
+        >>> from flax import nnx
+        >>> from graphmod.data import ArraySource
+        >>> from graphmod.plugins import Print
+        >>> lin = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> program = gm.compile(lambda m, x, y: ((m(x) - y) ** 2).mean(), lin)
+        >>> x, y = np.ones((32, 2), np.float32), np.zeros((32, 1), np.float32)
+        >>> step = gm.optimize(program, optax.sgd(0.1))
+        >>> state = step.init(program.init(x[:1], y[:1]), jax.random.key(0))
+        >>> loop = gm.Loop(step, ArraySource((x, y), batch_size=8), epochs=2)
+        >>> _ = loop.on(gm.On("step", examples=gm.each(32)), Print("loss"))
+        >>> state = loop.run(state)  # doctest: +ELLIPSIS
+        step 4  epoch 0  examples 32  loss ...
+        step 8  epoch 1  examples 64  loss ...
+    """
+
+    def __init__(self, *metric_names_: str, every: Template | str | None = None,
+                 file: TextIO | None = None, name: str = "print") -> None:
+        super().__init__(name=name,
+                         every=template_or(every, On("step", step=each(100)), "Print"))
+        self.metric_names = metric_names(metric_names_, "Print(*metric_names)")
+        self.file = file
+        self._seen: set[str] = set()
+        self._printed = 0
+
+    def setup(self, loop: Any) -> None:
+        self._seen = set()
+        self._printed = 0
+
+    def __call__(self, event: Event) -> None:
+        self._printed += 1
+        print(self.format(event), file=self.file or sys.stdout, flush=True)
+
+    def format(self, event: Event) -> str:
+        """The line printed for ``event`` (reads its metrics: a device sync)."""
+        t = event.time
+        parts = [] if event.type == "step" else [event.type]
+        parts += [f"step {t.step}", f"epoch {t.epoch}", f"examples {t.examples}"]
+        metrics = event_metrics(event)
+        names = self.metric_names or tuple(k for k in metrics if np.ndim(metrics[k]) == 0)
+        for name in names:
+            if name in metrics:
+                self._seen.add(name)
+                parts.append(f"{name} {_format(host_value(metrics[name]))}")
+        return "  ".join(parts)
+
+    def teardown(self, loop: Any, error: BaseException | None) -> None:
+        missing = [n for n in self.metric_names if n not in self._seen]
+        if error is None and missing and self._printed:
+            warnings.warn(f"{self.name}: no event it printed had the metric(s) {missing}; "
+                          f"check the names (e.g. {sorted(loop.metrics)[:8]})", stacklevel=2)
+
+
+def _format(value: float | np.ndarray) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return np.array2string(value, precision=4, threshold=8)

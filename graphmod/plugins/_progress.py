@@ -1,0 +1,129 @@
+"""``ProgressBar``: a tqdm bar over the run's steps that reads metrics only now and then."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from graphmod._events import Event, On, Template
+from graphmod._plugin import Plugin
+from graphmod.plugins._common import metric_names, planned_steps, scalar_metrics, template_or
+
+
+class ProgressBar(Plugin):
+    """A ``tqdm.auto`` progress bar (a widget in Jupyter) over the steps of a run.
+
+    The bar advances on every ``step`` event by the steps the event covers (a fused
+    ``steps_per_call`` dispatch moves it by k at once), which never waits on the device.
+    The ``metrics`` are read (one device sync) and shown only on the step events matching
+    ``every`` (by default at most once a second of wall time), and once more when the run
+    ends. The bar closes at the end of the run, also on an error or an interrupt.
+
+    Args:
+        total: the bar's length in steps (default: the loop's ``steps``, or ``epochs``
+            times the length of its data; open-ended when neither is known).
+        metrics: names of step metrics to show beside the bar (those present are shown).
+        every: the step events on which the metrics are read and shown (default: at most
+            once a second).
+        name: the plugin's name.
+        **tqdm_kwargs: passed to ``tqdm`` (``desc``, ``file``, ``leave``, ``disable``, ...).
+
+    Examples:
+        >>> import io, jax, numpy as np, optax, graphmod as gm
+        >>> from flax import nnx
+        >>> from graphmod.data import ArraySource
+        >>> from graphmod.plugins import ProgressBar
+        >>> lin = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> program = gm.compile(lambda m, x, y: ((m(x) - y) ** 2).mean(), lin)
+        >>> x, y = np.ones((32, 2), np.float32), np.zeros((32, 1), np.float32)
+        >>> step = gm.optimize(program, optax.sgd(0.1))
+        >>> state = step.init(program.init(x[:1], y[:1]), jax.random.key(0))
+        >>> bar = ProgressBar(every=gm.On("step", step=gm.each(4)), file=io.StringIO())
+        >>> state = gm.Loop(step, ArraySource((x, y), batch_size=8), epochs=2,
+        ...                 plugins=[bar]).run(state)
+        >>> bar.position, bar.total, sorted(bar.postfix)
+        (8, 8, ['loss'])
+    """
+
+    def __init__(self, total: int | None = None, metrics: Iterable[str] | str = ("loss",), *,
+                 every: Template | str | None = None, name: str = "progress_bar",
+                 **tqdm_kwargs: Any) -> None:
+        # The bar sees every step event (a catch-all step template never blocks fusing
+        # steps); ``every`` only decides when the metrics are read.
+        super().__init__(name=name, every=On("step"))
+        if total is not None and (isinstance(total, bool) or not isinstance(total, int)
+                                  or total < 1):
+            raise ValueError(f"ProgressBar(total={total!r}): must be a positive int or None")
+        if isinstance(metrics, str):
+            metrics = (metrics,)
+        self.metrics = metric_names(metrics, "ProgressBar(metrics=...)")
+        # None: at most once a second, checked with a clock read (cheaper than a template).
+        self.show_every = None if every is None else template_or(every, On("step"),
+                                                                 "ProgressBar")
+        self.tqdm_kwargs = tqdm_kwargs
+        self.total = total
+        self.position = 0
+        self.postfix: dict[str, float] = {}
+        self._requested_total = total
+        self._bar: Any = None
+        self._shown_at = -math.inf
+
+    def setup(self, loop: Any) -> None:
+        self.total = self._requested_total or planned_steps(loop)
+        self._bar = None
+        self._shown_at = -math.inf
+
+    def __call__(self, event: Event) -> None:
+        if event.type != "step":
+            return
+        if self._bar is None:
+            start = event.loop.start_time.step
+            self._bar = self._open(start)
+        self._advance(event.time.step, event.time.epoch)
+        if self.metrics and self._due(event):
+            self._show(event.metrics)
+
+    def _due(self, event: Event) -> bool:
+        if self.show_every is not None:
+            return self.show_every.matches(event)
+        now = time.perf_counter()
+        if now - self._shown_at < 1.0:
+            return False
+        self._shown_at = now
+        return True
+
+    def _open(self, start: int) -> Any:
+        from tqdm.auto import tqdm
+
+        options = {"unit": "step", "dynamic_ncols": True, **self.tqdm_kwargs}
+        self.position = start
+        return tqdm(total=self.total, initial=start, **options)
+
+    def _advance(self, step: int, epoch: int | None) -> None:
+        if step > self.position:
+            self._bar.update(step - self.position)
+            self.position = step
+        if epoch is not None and "desc" not in self.tqdm_kwargs:
+            desc = f"epoch {epoch}"
+            if self._bar.desc != desc:
+                self._bar.set_description_str(desc, refresh=False)
+
+    def _show(self, metrics: Any) -> None:
+        values = scalar_metrics(metrics, self.metrics)  # the one sync
+        if values:
+            self.postfix = values
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()})
+
+    def teardown(self, loop: Any, error: BaseException | None) -> None:
+        if self._bar is None:
+            return
+        try:
+            if error is None:  # not when stopping on an error: reading could raise again
+                self._advance(loop.time.step, None)  # the description keeps the last epoch
+                if self.metrics and loop.metrics:
+                    self._show(loop.metrics)
+        finally:
+            self._bar.close()
+            self._bar = None

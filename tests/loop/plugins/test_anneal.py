@@ -1,0 +1,81 @@
+"""Anneal: a dynamic hyperparameter follows fn(time), changes training, never retraces."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import graphmod as gm
+from graphmod.plugins import Anneal
+from tests.loop.conftest import Problem
+from tests.loop.plugins.conftest import host
+
+
+@pytest.fixture(scope="module")
+def annealed() -> Problem:
+    # Every test of this module feeds batches of 8 only, so the step has one signature.
+    return Problem(dropout=gm.dynamic(0.5))
+
+
+def _rate(problem: Problem, state: gm.TrainState) -> float:
+    return float(problem.dropout.hparam("rate").get(state.variables))
+
+
+def test_the_rate_follows_fn_of_time_and_changes_training_without_retrace(
+        annealed: Problem) -> None:
+    fn = lambda t: 0.3 * (1 - t.step / 24)
+    anneal = Anneal(annealed.dropout.hparam("rate"), fn)
+    seen: list[tuple[str, int, float]] = []
+    loop = gm.Loop(annealed.step, annealed.source(8), epochs=2, plugins=[anneal])
+    loop.on(gm.On("begin") | gm.On("step"),
+            lambda e: seen.append((e.type, e.time.step, _rate(annealed, e.loop.state))))
+    state = loop.run(annealed.state())
+    assert anneal.name == "anneal_dropout_rate"
+    assert seen[0] == ("begin", 0, pytest.approx(0.3))  # set before the first step
+    np.testing.assert_allclose([r for _, _, r in seen[1:]],
+                               np.float32([fn(gm.Time(step=s)) for s in range(1, 25)]))
+    assert _rate(annealed, state) == np.float32(fn(loop.time)) == 0.0
+    assert annealed.dropout.hparam("rate").get(state.variables).dtype == jnp.float32
+    plain = gm.Loop(annealed.step, annealed.source(8), epochs=2).run(annealed.state())
+    assert _rate(annealed, plain) == 0.5
+    differs = jax.tree.map(lambda a, b: not np.array_equal(a, b), host(state.variables["model"]),
+                           host(plain.variables["model"]))
+    assert all(jax.tree.leaves(differs))
+    assert annealed.step._step._cache_size() == 1
+
+
+def test_a_constant_anneal_trains_exactly_like_no_anneal(annealed: Problem) -> None:
+    rate = annealed.dropout.hparam("rate")
+    kept = gm.Loop(annealed.step, annealed.source(8), epochs=1,
+                   plugins=[Anneal(rate, lambda t: 0.5)]).run(annealed.state())
+    plain = gm.Loop(annealed.step, annealed.source(8), epochs=1).run(annealed.state())
+    jax.tree.map(np.testing.assert_array_equal, host(kept.variables), host(plain.variables))
+
+
+def test_every_chooses_when_the_value_changes(annealed: Problem) -> None:
+    fn = lambda t: 0.1 * t.epoch
+    seen: list[float] = []
+    loop = gm.Loop(annealed.step, annealed.source(8), epochs=3,
+                   plugins=[Anneal(annealed.dropout.hparam("rate"), fn, every="epoch_end")])
+    loop.on("epoch_begin", lambda e: seen.append(_rate(annealed, e.loop.state)))
+    loop.run(annealed.state())
+    np.testing.assert_allclose(seen, np.float32([0.0, 0.1, 0.2]))
+
+
+def test_bad_arguments_are_named(annealed: Problem) -> None:
+    rate = annealed.dropout.hparam("rate")
+    with pytest.raises(TypeError, match=r"Anneal\(hparam\): expected a graphmod.HParam"):
+        Anneal("rate", lambda t: 0.1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"fn must be callable"):
+        Anneal(rate, 0.1)  # type: ignore[arg-type]
+    loop = gm.Loop(annealed.step, annealed.source(8), epochs=1,
+                   plugins=[Anneal(rate, lambda t: None)])
+    with pytest.raises(ValueError, match=r"returned None"):
+        loop.run(annealed.state())
+    loop = gm.Loop(annealed.step, annealed.source(8), epochs=1,
+                   plugins=[Anneal(gm.HParam("noise", "std"), lambda t: 0.1)])
+    with pytest.raises(KeyError, match=r"noise.std.*compiled into the program"):
+        loop.run(annealed.state())
+
