@@ -63,7 +63,11 @@ class Anneal(Plugin):
         self.value: Any = None
 
     def setup(self, loop: Any) -> None:
-        self.set(loop, loop.time)  # the value the run's first step uses
+        # A fresh run's first step uses fn(start). A resumed run keeps the value its
+        # checkpoint holds: recomputing it from the restored time would differ from the
+        # uninterrupted run (which last set it at a step event).
+        if loop.time.step == 0:
+            self.set(loop, loop.time)
 
     def __call__(self, event: Event) -> None:
         self.set(event.loop, event.time)

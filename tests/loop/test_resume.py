@@ -136,3 +136,24 @@ def test_resuming_another_programs_checkpoint_names_the_differing_paths(tmp_path
         gm.Loop.resume(str(tmp_path), step, problem.source(8))
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):
         gm.Loop.resume(str(tmp_path / "empty"), step, problem.source(8))
+
+
+def test_resume_at_an_epoch_end_keeps_an_epoch_annealed_rate(tmp_path) -> None:
+    from graphmod.plugins import Anneal
+
+    problem = Problem(dropout=gm.dynamic(0.5))
+    rate = problem.dropout.hparam("rate")
+
+    def schedule(t: gm.Time) -> float:
+        return 0.5 if t.epoch < 1 else 0.1
+
+    full = gm.Loop(problem.step, problem.source(8), epochs=2,
+                   plugins=[Anneal(rate, schedule)]).run(problem.state())
+    loop = gm.Loop(problem.step, problem.source(8), epochs=2,
+                   plugins=[Anneal(rate, schedule), Checkpoint(tmp_path)])
+    loop.on(On("epoch_end", epoch=at(1)), lambda e: e.loop.terminate())
+    loop.run(problem.state())
+    resumed = gm.Loop.resume(str(tmp_path), problem.step, problem.source(8),
+                             plugins=[Anneal(rate, schedule), Checkpoint(tmp_path)])
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, full.variables),
+                 jax.tree.map(np.asarray, resumed.variables))
