@@ -12,10 +12,15 @@ Examples:
 
 from graphmod import (
     bricks,
+    data,
+    metrics,
+    plugins,
+    provenance,
     roles,
 )
 from graphmod._application import ApplicationCall, OwnedVariable, application
 from graphmod._brick import Brick
+from graphmod._evaluate import Evaluation, evaluate
 from graphmod._events import Event, On, Template, Time
 from graphmod._filter import VariableFilter
 from graphmod._graph import ComputationGraph
@@ -27,6 +32,7 @@ from graphmod._program import Program, compile
 from graphmod._scan import scan
 from graphmod._schedule import Schedule, after, always, at, before, each, never
 from graphmod._variables import Bias, Filter, Parameter, State, Weight
+from graphmod.provenance import Provenance, rebuild
 
 __version__ = "0.1.0"
 
@@ -36,6 +42,7 @@ __all__ = [
     "Brick",
     "ComputationGraph",
     "Dynamic",
+    "Evaluation",
     "Event",
     "Filter",
     "HParam",
@@ -47,6 +54,7 @@ __all__ = [
     "Plugin",
     "PluginError",
     "Program",
+    "Provenance",
     "Schedule",
     "State",
     "Template",
@@ -65,8 +73,13 @@ __all__ = [
     "data",
     "dynamic",
     "each",
+    "evaluate",
+    "metrics",
     "never",
     "optimize",
+    "plugins",
+    "provenance",
+    "rebuild",
     "roles",
     "scan",
 ]

@@ -6,17 +6,23 @@ from typing import Any
 
 from flax import nnx
 
+from graphmod.provenance._capture import recorded_init
+
 
 class Brick(nnx.Module):
     """Base class of bricks: an ``nnx.Module`` with tagged applications.
 
     Bricks hold their parameters as NNX variables (graphmod's role-carrying types or plain
     Flax ones), display in notebooks, run eagerly, and may contain any Flax NNX layer.
-    Calling a brick calls its ``apply`` application.
+    Calling a brick calls its ``apply`` application. Constructing a brick records its
+    configuration (class, arguments, the RNG key data it was given) for provenance, with
+    no code of yours: ``graphmod.rebuild`` constructs it again from that record.
 
     Examples:
         >>> import jax.numpy as jnp, graphmod as gm
         >>> from flax import nnx
+
+from graphmod.provenance._capture import recorded_init
         >>> class Affine(gm.Brick):
         ...     def __init__(self, n, *, rngs):
         ...         self.W = gm.Weight(jnp.ones((n, n)))
@@ -30,8 +36,20 @@ class Brick(nnx.Module):
 
     __graphmod_brick__ = True
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None:  # record the configuration of each construction
+            cls.__init__ = recorded_init(init, by_path=False)  # type: ignore[method-assign]
+
+    def __init__(self) -> None:
+        pass
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         apply = getattr(self, "apply", None)
         if apply is None:
             raise TypeError(f"{type(self).__name__} has no `apply` application to call")
         return apply(*args, **kwargs)
+
+
+Brick.__init__ = recorded_init(Brick.__init__, by_path=False)  # type: ignore[method-assign]

@@ -3,8 +3,9 @@
 A checkpoint directory holds one sub-directory per saved step, written by orbax's
 ``CheckpointManager``: ``state`` (the train state's arrays; PRNG keys stored as their key
 data) and ``meta`` (JSON: loop counters and timelines, data position, plugin states, the
-state's leaf paths, shapes and dtypes). Orbax writes into a temporary directory and
-renames it when complete, so a save cut off half-way leaves the previous checkpoint intact.
+state's leaf paths, shapes and dtypes, and the provenance record when there is one). Orbax
+writes into a temporary directory and renames it when complete, so a save cut off half-way
+leaves the previous checkpoint intact.
 """
 
 from __future__ import annotations
@@ -126,6 +127,13 @@ class Checkpointer:
         step = self._step(step)
         return self._manager.restore(
             step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def provenance(self, step: int | None = None) -> Any:
+        """The provenance record saved at ``step`` (default: the latest), or None."""
+        from graphmod.provenance._record import Provenance
+
+        record = self.meta(step).get("provenance")
+        return None if record is None else Provenance.from_dict(record)
 
     def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """The state saved at ``step`` (default: the latest) shaped like ``template``."""

@@ -56,7 +56,9 @@ def _resume(args: argparse.Namespace) -> int:
 
 
 def describe_run(directory: str) -> str:
-    """What a run directory holds: checkpoints, counters, timelines, plugins, metrics."""
+    """What a run directory holds: checkpoints, counters, timelines, plugins, metrics, and
+    a summary of the provenance record (model, managers, optimizer, data, seeds,
+    fingerprint, versions)."""
     reader = _checkpointer(directory)
     try:
         steps = reader.steps()
@@ -65,11 +67,12 @@ def describe_run(directory: str) -> str:
         reader.close()
     lines = [f"run directory: {os.path.abspath(directory)}",
              f"checkpoints: {', '.join(map(str, steps)) if steps else 'none'}"]
-    if meta:
+    if meta.get("time"):
         time = meta["time"]
         lines.append("latest: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                             for k, v in time.items()))
         lines.append(f"loop: {json.dumps(meta['loop'])}; position in epoch: {meta['position']}")
+    if meta:
         tree = meta.get("tree", {})
         size = sum(_count(shape) for shape, _ in tree.values())
         lines.append(f"state: {len(tree)} arrays, {size:,} numbers")
@@ -77,11 +80,27 @@ def describe_run(directory: str) -> str:
             lines.append(f"plugin {name}: {json.dumps(state)}")
         if meta.get("command"):
             lines.append(f"command: {' '.join(map(str, meta['command'].get('argv', [])))}")
+        lines += _provenance_lines(meta)
     for log in sorted(pathlib.Path(directory).glob("*.jsonl")):
         rows = log.read_text().splitlines()
         if rows:
             lines.append(f"metrics ({log.name}, {len(rows)} rows), last: {rows[-1]}")
     return "\n".join(lines)
+
+
+def _provenance_lines(meta: dict[str, Any]) -> list[str]:
+    if "provenance" not in meta:
+        error = meta.get("provenance_error")
+        return [f"provenance: not recorded ({error})"] if error else []
+    from graphmod.provenance._record import Provenance
+
+    try:
+        record = Provenance.from_dict(meta["provenance"])
+    except (TypeError, ValueError) as error:
+        return [f"provenance: unreadable ({error})"]
+    summary = record.summary()
+    width = max(len(k) for k, _ in summary)
+    return ["provenance:"] + [f"  {k.ljust(width)}  {v}" for k, v in summary]
 
 
 def _count(shape: Sequence[int]) -> int:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from graphmod import _context
 from graphmod._filter import Tag, VariableFilter
+from graphmod.provenance._capture import recorded_init
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,8 @@ class Dynamic:
     """
 
     value: float
+
+    __graphmod_dynamic__ = True
 
 
 def dynamic(value: float) -> Dynamic:
@@ -138,7 +141,9 @@ class Manager:
 
     Subclasses override ``rewrite_input``/``rewrite_output``/``rewrite_parameter`` (each
     returns the new value) or ``wrap``. Hyperparameters that may be :func:`dynamic` are
-    listed in ``hparams`` and read with ``self.hp(name)`` inside hooks.
+    listed in ``hparams`` and read with ``self.hp(name)`` inside hooks. Constructing a
+    manager records its configuration for provenance (bricks it names are recorded by path
+    at compile).
 
     Examples:
         >>> import jax, jax.numpy as jnp, graphmod as gm
@@ -157,6 +162,12 @@ class Manager:
 
     exclusive: ClassVar[bool] = False
     hparams: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None:  # record the configuration of each construction
+            cls.__init__ = recorded_init(init, by_path=True)  # type: ignore[method-assign]
 
     def __init__(
         self,
@@ -286,3 +297,6 @@ class Manager:
 
     def selects(self, tag: Tag) -> bool:
         return self.filter.matches_variable(tag)
+
+
+Manager.__init__ = recorded_init(Manager.__init__, by_path=True)  # type: ignore[method-assign]

@@ -11,6 +11,8 @@ import optax
 
 from graphmod import roles as _roles
 from graphmod._program import Program
+from graphmod.provenance._capture import key_record
+from graphmod.provenance._optimizer import optimizer_record
 
 
 class TrainState(NamedTuple):
@@ -37,11 +39,12 @@ class TrainStep:
     Optax sees exactly the PARAMETER leaves of the variables, in their original nesting.
     Each step's key is ``fold_in(state.rng, state.step)``, so a resumed run draws the same
     randomness. Metrics are ``{"loss": cost, **metrics, **monitored}`` (plus
-    ``"skipped_steps"`` with ``skip_nonfinite=True``).
+    ``"skipped_steps"`` with ``skip_nonfinite=True``). ``provenance`` is the training
+    record: the program's, with the optimizer and the train seed.
     """
 
     def __init__(self, program: Program, tx: optax.GradientTransformation,
-                 skip_nonfinite: bool) -> None:
+                 skip_nonfinite: bool, config: Mapping[str, Any] | None = None) -> None:
         if not isinstance(program, Program):
             raise TypeError(f"optimize(program, tx): expected a graphmod Program, got "
                             f"{type(program).__name__}")
@@ -51,7 +54,28 @@ class TrainStep:
         self.program = program
         self.tx = tx
         self.skip_nonfinite = skip_nonfinite
+        self.optimizer_record = optimizer_record(tx, config)
+        self._train_seed: dict | None = None
         self._step = jax.jit(self._traced, donate_argnums=0)
+
+    @property
+    def provenance(self) -> Any:
+        """The training record (no data or loop: see ``graphmod.provenance.capture(loop)``).
+
+        Examples:
+            >>> import jax, jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> program = gm.compile(lambda m, x: (m(x) ** 2).mean(),
+            ...                      gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0)))
+            >>> step = gm.optimize(program, gm.provenance.optimizer("sgd", 0.1))
+            >>> _ = step.init(program.init(jnp.ones((4, 2))), jax.random.key(3))
+            >>> prov = step.provenance
+            >>> prov["optimizer"]["name"], prov["seeds"]["train"]["data"]
+            ('sgd', (0, 3))
+        """
+        from graphmod.provenance._collect import training_provenance
+
+        return training_provenance(self)
 
     def init(self, variables: dict, rng: Any) -> TrainState:
         """The first train state (copies ``variables``, so donation never frees yours)."""
@@ -59,6 +83,9 @@ class TrainStep:
         params, _ = self.program.split(variables, _roles.PARAMETER)
         data = jax.random.key_data(rng) \
             if jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key) else jnp.asarray(rng)
+        seed = key_record(rng)
+        if seed is not None:  # not under a trace (abstract_state)
+            self._train_seed = seed
         return TrainState(variables, self.tx.init(params), jnp.int32(0), data, jnp.int32(0))
 
     def abstract_state(self, *example_args: Any, **example_kwargs: Any) -> TrainState:
@@ -106,7 +133,8 @@ class TrainStep:
 
 
 def optimize(program: Program, tx: optax.GradientTransformation, *,
-             skip_nonfinite: bool = False) -> TrainStep:
+             skip_nonfinite: bool = False, config: Mapping[str, Any] | None = None
+             ) -> TrainStep:
     """A jitted, buffer-donating train step for ``program`` with optax optimizer ``tx``.
 
     Args:
@@ -115,6 +143,9 @@ def optimize(program: Program, tx: optax.GradientTransformation, *,
         tx: an optax gradient transformation.
         skip_nonfinite: leave the state unchanged for a step whose loss or update is not
             finite, and count it in ``metrics["skipped_steps"]``.
+        config: the optimizer's name and hyperparameters for the provenance record, e.g.
+            ``{"name": "adam", "learning_rate": 1e-3}``, when ``tx`` was not made with
+            :func:`graphmod.provenance.optimizer` (which records them itself).
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, graphmod as gm
@@ -128,4 +159,4 @@ def optimize(program: Program, tx: optax.GradientTransformation, *,
         >>> int(state.step), sorted(metrics)
         (1, ['loss'])
     """
-    return TrainStep(program, tx, skip_nonfinite)
+    return TrainStep(program, tx, skip_nonfinite, config)

@@ -40,6 +40,8 @@ from graphmod._layout import Layout
 from graphmod._manager import Manager
 from graphmod._rewrites import Rewrites, RewriteTrace
 from graphmod._validation import check_arguments, flat_keys, tree_difference
+from graphmod.provenance._capture import key_record
+from graphmod.provenance._environment import now
 
 
 class _Shared:
@@ -147,6 +149,13 @@ class Program:
         self.rewrites = Rewrites()
         self._train = jax.jit(self._train_traced)
         self._infer = jax.jit(self._infer_traced)
+        # Provenance: recorded when cheap, assembled only when asked for.
+        self._created = now()
+        self._example: tuple[tuple, dict] | None = None
+        self._abstract_variables: dict | None = None
+        self._init_rng: dict | None = None
+        self._provenance: Any = None
+        self._origin: Program | None = None  # the program this one was derived from
 
     # -- public properties ------------------------------------------------------------------
     @property
@@ -163,6 +172,39 @@ class Program:
     def layout(self) -> Layout:
         """Paths, identities and roles of the model's variables."""
         return self._shared.layout
+
+    @property
+    def provenance(self) -> Any:
+        """How this program came to be: a :class:`graphmod.Provenance` record.
+
+        Holds the bricks (class, configuration, RNG key data, parameter shapes and dtypes),
+        the managers (class, configuration, filter, order, priority), the function, init's
+        example shapes and seed, library versions and platform; derived: the graph
+        fingerprint and the training-mode rewrite trace (both need ``init`` to have run:
+        before it they are empty). Assembled when first asked for, then kept.
+
+        Examples:
+            >>> import jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> program = gm.compile(lambda m, x: m(x).sum(),
+            ...                      gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0)))
+            >>> _ = program.init(jnp.ones((1, 2)))
+            >>> program.provenance["parameters"]["/.W"]["shape"]
+            (2, 3)
+        """
+        if self._provenance is None:
+            from graphmod.provenance._collect import program_provenance
+
+            self._provenance = program_provenance(self)
+        return self._provenance
+
+    def _training_jaxpr(self) -> Any:
+        """The training-mode jaxpr for init's example shapes (None before init)."""
+        if self._example is None or self._abstract_variables is None:
+            return None
+        args, kwargs = self._example
+        return jax.make_jaxpr(self._train_traced)(self._abstract_variables, jax.random.key(0),
+                                                  args, kwargs)
 
     # -- the three functions --------------------------------------------------------------
     def init(self, *example_args: Any, rng: Any = None, **example_kwargs: Any) -> dict:
@@ -193,7 +235,18 @@ class Program:
         self._shared.owned_roles = found["roles"]
         for name in found["managers"]:
             managers.setdefault(name, {"hparams": {}})
-        return {"model": model, "managers": managers}
+        variables = {"model": model, "managers": managers}
+        self._remember_example(example_args, example_kwargs, variables, key)
+        return variables
+
+    def _remember_example(self, args: tuple, kwargs: dict, variables: dict, key: Any) -> None:
+        """Keeps the shapes of init's examples and variables, and its seed, for provenance."""
+        self._example = (jax.tree.map(_abstract, args), jax.tree.map(_abstract, kwargs))
+        self._abstract_variables = jax.tree.map(_abstract, variables)
+        seed = key_record(_as_key(key))
+        if seed is not None or self._init_rng is None:  # traced (eval_shape): keep the last
+            self._init_rng = seed
+        self._provenance = None
 
     def train(self, variables: dict, *args: Any, rng: Any, **kwargs: Any) -> Any:
         """Runs ``fn`` in training mode: ``(out, variables)`` (``+ monitored`` with monitor=)."""
@@ -276,6 +329,53 @@ class Program:
         for identity, value in values.items():
             layout.objects[identity].set_raw_value(jnp.array(value, copy=True))
 
+    def save(self, directory: Any, variables: dict, *, step: int = 0) -> None:
+        """Writes ``variables`` and this program's provenance record to ``directory``.
+
+        The directory is an orbax checkpoint like the loop's (``graphmod inspect DIR``
+        prints it; ``graphmod.provenance.read(DIR)`` returns the record); :meth:`load`
+        reads the variables back.
+
+        Examples:
+            >>> import tempfile, jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> program = gm.compile(lambda m, x: m(x).sum(),
+            ...                      gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0)))
+            >>> variables = program.init(jnp.ones((1, 2)))
+            >>> directory = tempfile.mkdtemp()
+            >>> program.save(directory, variables)
+            >>> loaded = program.load(directory)
+            >>> bool((loaded["model"]["W"] == variables["model"]["W"]).all())
+            True
+            >>> gm.provenance.read(directory) == program.provenance
+            True
+        """
+        from graphmod._checkpoint import Checkpointer
+
+        self._unpack(variables)  # checked before anything is written
+        writer = Checkpointer(directory, keep=None, asynchronous=False)
+        try:
+            writer.save(step, variables, {"kind": "program",
+                                          "provenance": self.provenance.to_dict()})
+            writer.wait()
+        finally:
+            writer.close()
+
+    def load(self, directory: Any, *, step: int | None = None) -> dict:
+        """The variables :meth:`save` wrote to ``directory`` (checked against this program's
+        layout; ``init`` must have run, to know the shapes)."""
+        from graphmod._checkpoint import Checkpointer
+
+        if self._abstract_variables is None:
+            raise RuntimeError("program.load: call program.init(*example_args) first, so the "
+                               "program knows its variables' shapes")
+        reader = Checkpointer(directory, keep=None)
+        try:
+            variables, _ = reader.restore(self._abstract_variables, step)
+        finally:
+            reader.close()
+        return variables
+
     def roles(self, variables: dict) -> dict:
         """The tree of roles of ``variables`` (same nesting, a Role per leaf)."""
         layout = self._shared.layout
@@ -342,8 +442,10 @@ class Program:
         Examples:
             >>> # predict = program.derive(lambda m, x: m(x)); predict.infer(variables, x)
         """
-        return Program(fn, self._shared, self._managers, self._monitor, self._axis_name,
-                       strict=False)
+        derived = Program(fn, self._shared, self._managers, self._monitor, self._axis_name,
+                          strict=False)
+        derived._origin = self._origin or self
+        return derived
 
     def graph(self, *args: Any, mode: str = "train", **kwargs: Any) -> ComputationGraph:
         """The :class:`ComputationGraph` of ``fn`` on these arguments in ``mode``."""
@@ -389,6 +491,11 @@ def _argument_names(fn: Callable[..., Any]) -> list[str]:
     positional = [p.name for p in parameters
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return positional[1:]
+
+
+def _abstract(value: Any) -> jax.ShapeDtypeStruct:
+    aval = jax.typeof(value)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
 def _int_keys(key: tuple) -> tuple:

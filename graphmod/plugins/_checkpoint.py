@@ -16,12 +16,14 @@ class Checkpoint(Plugin):
     """Saves the train state and everything the loop needs to continue exactly.
 
     A checkpoint holds the variables, optimizer state, RNG, loop counters and timelines,
-    data position and every plugin's ``state_dict()``. Writes are asynchronous (the arrays
-    are copied to the host first, since the next step donates them) and atomic (orbax
-    renames a finished write into place); the latest ``keep`` are kept. The run is also
-    saved when it stops on an error or a KeyboardInterrupt. With ``resume=True`` (or when
-    ``graphmod resume DIR`` runs the script) a run continues from the latest checkpoint in
-    ``directory`` if there is one.
+    data position, every plugin's ``state_dict()`` and, when the step is a
+    :func:`graphmod.optimize` step, the run's provenance record (read it back with
+    ``graphmod.provenance.read(directory)``; ``graphmod inspect DIR`` prints it). Writes
+    are asynchronous (the arrays are copied to the host first, since the next step donates
+    them) and atomic (orbax renames a finished write into place); the latest ``keep`` are
+    kept. The run is also saved when it stops on an error or a KeyboardInterrupt. With
+    ``resume=True`` (or when ``graphmod resume DIR`` runs the script) a run continues from
+    the latest checkpoint in ``directory`` if there is one.
 
     Examples:
         >>> import tempfile, graphmod as gm
@@ -44,6 +46,7 @@ class Checkpoint(Plugin):
         self.asynchronous = asynchronous
         self._writer: Checkpointer | None = None
         self._saved_step: int | None = None
+        self._inputs: Any = None  # the run's provenance inputs, assembled at the first save
 
     def _wants_resume(self) -> bool:
         forced = os.environ.get(RESUME_VARIABLE)
@@ -71,8 +74,25 @@ class Checkpoint(Plugin):
         loop = event.loop
         if self._writer is None or loop.state is None or self._saved_step == loop.time.step:
             return
-        self._writer.save(loop.time.step, loop.state, loop.state_dict())
+        self._writer.save(loop.time.step, loop.state, {**loop.state_dict(),
+                                                       **self._provenance(loop)})
         self._saved_step = loop.time.step
+
+    def _provenance(self, loop: Any) -> dict[str, Any]:
+        """``{"provenance": record}`` for a graphmod.optimize step (inputs kept from the
+        first save: the data are hashed once); a failure is noted, never raised."""
+        from graphmod._optimize import TrainStep
+        from graphmod.provenance._collect import training_inputs, training_provenance
+
+        if not isinstance(loop.step, TrainStep):
+            return {}
+        try:
+            if self._inputs is None:
+                self._inputs = training_inputs(loop.step, loop)
+            record = training_provenance(loop.step, loop, self._inputs)
+        except Exception as error:  # a checkpoint matters more than its record
+            return {"provenance_error": f"{type(error).__name__}: {error}"}
+        return {"provenance": record.to_dict()}
 
     def wait(self) -> None:
         """Blocks until every started save is on disk."""
@@ -84,6 +104,7 @@ class Checkpoint(Plugin):
             self._writer.wait()
             self._writer.close()
             self._writer = None
+        self._inputs = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"directory": self.directory}

@@ -1,0 +1,67 @@
+"""Evaluation metrics for :func:`graphmod.evaluate`.
+
+Metrics are named by string (``"accuracy"``, ``"cross_entropy"``, ``"mean_squared_error"``
+or ``"mse"``, ``"precision"``, ``"recall"``, ``"f1"`` per class, ``"macro_precision"``,
+``"macro_recall"``, ``"macro_f1"``, ``"confusion_matrix"``) or given as instances.
+
+Examples:
+    >>> from graphmod import metrics
+    >>> metrics.get("f1"), metrics.get("mse").name
+    (F1(name='f1'), 'mean_squared_error')
+"""
+
+from typing import Any
+
+from graphmod.metrics._base import Metric
+from graphmod.metrics._classification import (
+    F1,
+    Accuracy,
+    ConfusionMatrix,
+    CrossEntropy,
+    Precision,
+    Recall,
+)
+from graphmod.metrics._regression import MeanSquaredError
+
+_NAMED = {
+    "accuracy": Accuracy,
+    "cross_entropy": CrossEntropy,
+    "mean_squared_error": MeanSquaredError,
+    "mse": MeanSquaredError,
+    "confusion_matrix": ConfusionMatrix,
+    "precision": Precision,
+    "recall": Recall,
+    "f1": F1,
+    "macro_precision": lambda: Precision(average="macro"),
+    "macro_recall": lambda: Recall(average="macro"),
+    "macro_f1": lambda: F1(average="macro"),
+}
+
+
+def get(metric: Any) -> Metric:
+    """A :class:`Metric` from its name or itself.
+
+    Examples:
+        >>> from graphmod import metrics
+        >>> metrics.get("macro_f1").name
+        'macro_f1'
+    """
+    if isinstance(metric, Metric):
+        return metric
+    if isinstance(metric, str) and metric in _NAMED:
+        return _NAMED[metric]()
+    raise ValueError(f"unknown metric {metric!r}: use a graphmod.metrics.Metric or one of "
+                     f"{', '.join(sorted(_NAMED))}")
+
+
+__all__ = [
+    "F1",
+    "Accuracy",
+    "ConfusionMatrix",
+    "CrossEntropy",
+    "MeanSquaredError",
+    "Metric",
+    "Precision",
+    "Recall",
+    "get",
+]

@@ -1,0 +1,65 @@
+"""``Metric``: a quantity computed from sums over the batches of an evaluation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+
+class Metric:
+    """Base class of evaluation metrics, computed from sums over batches.
+
+    ``statistics(predictions, targets, weights)`` runs inside ``jax.jit`` on one batch
+    (``weights`` is 1 for real examples and 0 for the padding of a short final batch,
+    broadcast against the targets' leading axes) and returns a dict of sums;
+    :func:`graphmod.evaluate` adds them up over the batches in float64 and calls
+    ``result(totals)``. ``check`` runs first on the shapes of the first batch and raises
+    a clear error when predictions and targets cannot be compared.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from graphmod import metrics
+        >>> class MeanPrediction(metrics.Metric):
+        ...     name = "mean_prediction"
+        ...     needs_targets = False
+        ...     def statistics(self, predictions, targets, weights):
+        ...         return {"sum": (predictions * weights).sum(), "count": weights.sum()}
+        ...     def result(self, totals):
+        ...         return float(totals["sum"] / totals["count"])
+        >>> m = MeanPrediction()
+        >>> m.result(m.statistics(jnp.array([1.0, 3.0]), None, jnp.ones(2)))
+        2.0
+    """
+
+    name: str = "metric"
+    needs_targets: bool = True
+
+    def check(self, predictions: jax.ShapeDtypeStruct, targets: jax.ShapeDtypeStruct | None,
+              field: str) -> None:
+        """Raises if predictions and targets of these shapes cannot be compared."""
+
+    def statistics(self, predictions: jax.Array, targets: jax.Array | None,
+                   weights: jax.Array) -> dict[str, jax.Array]:
+        """Sums over one batch (traced)."""
+        raise NotImplementedError
+
+    def result(self, totals: dict[str, np.ndarray]) -> Any:
+        """The metric from the sums over every batch."""
+        raise NotImplementedError
+
+    def config(self) -> dict[str, Any]:
+        """What the evaluation's provenance records about this metric."""
+        from graphmod.provenance._capture import class_path
+
+        settings = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return {"name": self.name, "class": class_path(type(self)), **settings}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def weights_like(weights: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Per-example ``weights`` (batch,) broadcast to ``shape`` (batch, ...)."""
+    return weights.reshape(weights.shape + (1,) * (len(shape) - 1)) * np.ones(shape, np.float32)

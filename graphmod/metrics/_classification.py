@@ -1,0 +1,228 @@
+"""Classification metrics: accuracy, cross-entropy, per-class precision, recall and F1."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from graphmod.metrics._base import Metric, weights_like
+
+
+def check_classification(name: str, predictions: Any, targets: Any, field: str) -> None:
+    """Raises unless predictions are class scores ``(batch, ..., classes)`` and targets are
+    integer labels ``(batch, ...)`` or class probabilities ``(batch, ..., classes)``."""
+    shape = tuple(predictions.shape)
+    if len(shape) < 2 or shape[-1] < 2 or not jnp.issubdtype(predictions.dtype, jnp.floating):
+        raise ValueError(
+            f"metric {name!r}: predictions must be floating class scores of shape (batch, "
+            f"..., classes) with at least 2 classes; got shape {shape} and dtype "
+            f"{predictions.dtype}. Pass predict= a function returning logits"
+        )
+    labels, probabilities = shape[:-1], shape
+    got = tuple(targets.shape)
+    fits = got == (labels if jnp.issubdtype(targets.dtype, jnp.integer) else probabilities)
+    if not fits:
+        raise ValueError(
+            f"metric {name!r}: predictions of shape {shape} and targets {field!r} of shape "
+            f"{got} ({targets.dtype}) disagree in shape: expected integer class labels of "
+            f"shape {labels} or class probabilities (one-hot) of shape {probabilities}"
+        )
+
+
+def _labels(predictions: jax.Array, targets: jax.Array) -> jax.Array:
+    if jnp.issubdtype(targets.dtype, jnp.integer):
+        return targets
+    return jnp.argmax(targets, axis=-1)
+
+
+class Accuracy(Metric):
+    """The fraction of examples whose highest-scoring class is the target class.
+
+    Targets are integer labels, or class probabilities / one-hot (their argmax is the
+    label).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from graphmod import metrics
+        >>> m = metrics.Accuracy()
+        >>> m.result(m.statistics(jnp.array([[2.0, 1.0], [0.0, 1.0]]), jnp.array([0, 0]),
+        ...                       jnp.ones(2)))
+        0.5
+    """
+
+    name = "accuracy"
+
+    def check(self, predictions: Any, targets: Any, field: str) -> None:
+        check_classification(self.name, predictions, targets, field)
+
+    def statistics(self, predictions: jax.Array, targets: jax.Array,
+                   weights: jax.Array) -> dict[str, jax.Array]:
+        labels = _labels(predictions, targets)
+        w = weights_like(weights, labels.shape)
+        hit = (jnp.argmax(predictions, axis=-1) == labels).astype(jnp.float32)
+        return {"correct": (hit * w).sum(), "count": w.sum()}
+
+    def result(self, totals: dict[str, np.ndarray]) -> float:
+        return float(totals["correct"] / totals["count"])
+
+
+class CrossEntropy(Metric):
+    """The mean cross-entropy between the predicted class distribution and the targets.
+
+    Args:
+        from_logits: predictions are logits (default) rather than probabilities.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from graphmod import metrics
+        >>> m = metrics.CrossEntropy()
+        >>> round(m.result(m.statistics(jnp.zeros((1, 2)), jnp.array([1]), jnp.ones(1))), 4)
+        0.6931
+    """
+
+    name = "cross_entropy"
+
+    def __init__(self, *, from_logits: bool = True) -> None:
+        self.from_logits = from_logits
+
+    def check(self, predictions: Any, targets: Any, field: str) -> None:
+        check_classification(self.name, predictions, targets, field)
+
+    def statistics(self, predictions: jax.Array, targets: jax.Array,
+                   weights: jax.Array) -> dict[str, jax.Array]:
+        scores = predictions.astype(jnp.float32)
+        log_p = jax.nn.log_softmax(scores) if self.from_logits \
+            else jnp.log(jnp.clip(scores, 1e-12, 1.0))
+        if jnp.issubdtype(targets.dtype, jnp.integer):
+            loss = -jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]
+        else:
+            loss = -(targets.astype(jnp.float32) * log_p).sum(-1)
+        w = weights_like(weights, loss.shape)
+        return {"sum": (loss * w).sum(), "count": w.sum()}
+
+    def result(self, totals: dict[str, np.ndarray]) -> float:
+        return float(totals["sum"] / totals["count"])
+
+
+class ConfusionMatrix(Metric):
+    """Counts of (target class, predicted class): rows are targets, columns predictions.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from graphmod import metrics
+        >>> m = metrics.ConfusionMatrix()
+        >>> m.result(m.statistics(jnp.array([[2.0, 1.0], [0.0, 1.0]]), jnp.array([0, 0]),
+        ...                       jnp.ones(2))).tolist()
+        [[1, 1], [0, 0]]
+    """
+
+    name = "confusion_matrix"
+
+    def check(self, predictions: Any, targets: Any, field: str) -> None:
+        check_classification(self.name, predictions, targets, field)
+
+    def statistics(self, predictions: jax.Array, targets: jax.Array,
+                   weights: jax.Array) -> dict[str, jax.Array]:
+        classes = predictions.shape[-1]
+        labels = _labels(predictions, targets)
+        w = weights_like(weights, labels.shape)
+        truth = jax.nn.one_hot(labels, classes) * w[..., None]
+        guess = jax.nn.one_hot(jnp.argmax(predictions, axis=-1), classes)
+        return {"counts": jnp.einsum("...i,...j->ij", truth, guess)}
+
+    def result(self, totals: dict[str, np.ndarray]) -> np.ndarray:
+        return np.rint(totals["counts"]).astype(np.int64)
+
+
+_AVERAGES = (None, "macro", "micro", "weighted")
+
+
+class _PerClass(ConfusionMatrix):
+    average: str | None
+
+    def __init__(self, *, average: str | None = None) -> None:
+        if average not in _AVERAGES:
+            raise ValueError(f"{type(self).__name__}(average={average!r}): must be one of "
+                             f"{_AVERAGES}")
+        self.average = average
+        base = type(self).__name__.lower()
+        self.name = base if average is None else f"{average}_{base}"
+
+    def _per_class(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per class: true positives, predicted counts, target counts (support)."""
+        return np.diag(counts), counts.sum(0), counts.sum(1)
+
+    def _score(self, tp: np.ndarray, predicted: np.ndarray, support: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def result(self, totals: dict[str, np.ndarray]) -> Any:
+        counts = np.asarray(totals["counts"], np.float64)
+        tp, predicted, support = self._per_class(counts)
+        if self.average == "micro":
+            return float(self._score(tp.sum(keepdims=True), predicted.sum(keepdims=True),
+                                     support.sum(keepdims=True))[0])
+        scores = self._score(tp, predicted, support)
+        if self.average is None:
+            return scores
+        if self.average == "macro":
+            return float(scores.mean())
+        return float((scores * support).sum() / max(support.sum(), 1.0))
+
+
+def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.divide(a, b, out=np.zeros_like(a, dtype=np.float64), where=b > 0)
+
+
+class Precision(_PerClass):
+    """Per class: of the examples predicted as the class, the fraction that are (0 where
+    nothing was predicted as it). ``average="macro"``, ``"micro"`` or ``"weighted"``
+    (by support) gives one number.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from graphmod import metrics
+        >>> m = metrics.Precision()
+        >>> m.result(m.statistics(jnp.array([[2.0, 1.0], [3.0, 1.0]]), jnp.array([0, 1]),
+        ...                       jnp.ones(2))).tolist()
+        [0.5, 0.0]
+    """
+
+    def _score(self, tp: np.ndarray, predicted: np.ndarray, support: np.ndarray) -> np.ndarray:
+        return _ratio(tp, predicted)
+
+
+class Recall(_PerClass):
+    """Per class: of the examples of the class, the fraction predicted as it (0 for a class
+    with no example). ``average=`` as for :class:`Precision`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from graphmod import metrics
+        >>> m = metrics.Recall()
+        >>> m.result(m.statistics(jnp.array([[2.0, 1.0], [3.0, 1.0]]), jnp.array([0, 1]),
+        ...                       jnp.ones(2))).tolist()
+        [1.0, 0.0]
+    """
+
+    def _score(self, tp: np.ndarray, predicted: np.ndarray, support: np.ndarray) -> np.ndarray:
+        return _ratio(tp, support)
+
+
+class F1(_PerClass):
+    """Per class: the harmonic mean of precision and recall (0 where both are 0).
+    ``average=`` as for :class:`Precision`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from graphmod import metrics
+        >>> m = metrics.F1()
+        >>> m.result(m.statistics(jnp.array([[2.0, 1.0], [3.0, 1.0]]), jnp.array([0, 1]),
+        ...                       jnp.ones(2))).round(4).tolist()
+        [0.6667, 0.0]
+    """
+
+    def _score(self, tp: np.ndarray, predicted: np.ndarray, support: np.ndarray) -> np.ndarray:
+        return _ratio(2 * tp, predicted + support)

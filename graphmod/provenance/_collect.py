@@ -1,0 +1,271 @@
+"""Assembling records: a program's, a training run's (step and loop), ``capture``."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from graphmod._layout import Layout, _walk, brick_path_string
+from graphmod.provenance._capture import BRICK_REFS, class_path, config_of, key_record
+from graphmod.provenance._environment import ago, host, now, platform_record, versions
+from graphmod.provenance._fingerprint import fingerprint
+from graphmod.provenance._record import Provenance
+
+
+def modules(model: Any) -> dict[str, Any]:
+    """Path → module (bricks and other NNX modules, not containers), first path each."""
+    found = {"/": model}
+    seen = {id(model)}
+    for key, node in _walk(model, (), frozenset({id(model)})):
+        if isinstance(node, nnx.Module) and not isinstance(node, nnx.List | nnx.Dict) \
+                and id(node) not in seen:
+            seen.add(id(node))
+            found[brick_path_string(key)] = node
+    return found
+
+
+def brick_records(model: Any) -> dict[str, Any]:
+    """Per module path: class, and the recorded arguments and defaults of bricks."""
+    out: dict[str, Any] = {}
+    for path, node in modules(model).items():
+        config = config_of(node) if getattr(node, "__graphmod_brick__", False) else None
+        if config is None:
+            out[path] = {"class": class_path(type(node)), "recorded": False}
+        else:
+            out[path] = {"class": config["class"], **{k: v for k, v in config.items()
+                                                     if k != "class"}}
+    return out
+
+
+def parameter_records(layout: Layout) -> dict[str, Any]:
+    """Per variable path: shape, dtype, role, variable type and aliases."""
+    return {
+        info.path: {"shape": list(info.shape), "dtype": info.dtype, "role": info.role.name,
+                    "type": type(layout.objects[info.identity]).__name__,
+                    "aliases": list(info.aliases)}
+        for info in layout.variables
+    }
+
+
+def filter_record(variable_filter: Any, layout: Layout) -> dict[str, Any]:
+    """A filter's fields, brick instances by path, brick classes by import path."""
+    out: dict[str, Any] = {}
+    if variable_filter.roles is not None:
+        out["roles"] = [r.name for r in variable_filter.roles]
+    if variable_filter.bricks is not None:
+        out["bricks"] = [
+            {"$class": class_path(b)} if isinstance(b, type)
+            else {"$brick_path": layout.brick_path(b) or "?"} for b in variable_filter.bricks]
+    for field in ("applications", "name", "name_regex", "path", "call_id"):
+        value = getattr(variable_filter, field)
+        if value is not None:
+            out[field] = list(value) if isinstance(value, tuple) else value
+    if variable_filter.each_role:
+        out["each_role"] = True
+    return out
+
+
+def _resolve_bricks(value: Any, refs: tuple[Any, ...], layout: Layout) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"$brick_instance"}:
+            brick = refs[value["$brick_instance"]]
+            path = layout.brick_path(brick)
+            if path is None:
+                return {"$opaque": {"kind": "brick", "type": class_path(type(brick)),
+                                    "repr": "a brick outside the compiled model"}}
+            return {"$brick_path": path}
+        return {k: _resolve_bricks(v, refs, layout) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_resolve_bricks(v, refs, layout) for v in value]
+    return value
+
+
+def manager_records(managers: tuple[Any, ...], layout: Layout) -> dict[str, Any]:
+    """Per manager name, in chain order: class, order, priority, configuration, filter."""
+    out: dict[str, Any] = {}
+    for order, manager in enumerate(managers):
+        config = config_of(manager) or {"class": class_path(type(manager)), "recorded": False}
+        refs = vars(manager).get(BRICK_REFS, ())
+        out[manager.name] = {
+            "class": config.pop("class"),
+            "order": order,
+            "priority": manager.priority,
+            "strict": manager.strict,
+            **_resolve_bricks(config, refs, layout),
+            "filter": filter_record(manager.filter, layout),
+        }
+    return out
+
+
+def function_record(fn: Any) -> dict[str, Any]:
+    """The compiled function's module, name and a hash of its source (None if unknown)."""
+    target = getattr(fn, "func", fn)  # functools.partial
+    try:
+        source = inspect.getsource(target)
+        digest = "sha256:" + hashlib.sha256(source.encode()).hexdigest()
+    except (OSError, TypeError):
+        digest = None
+    return {"module": getattr(target, "__module__", None),
+            "name": getattr(target, "__qualname__", type(target).__qualname__),
+            "source_sha256": digest}
+
+
+def _tree(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _tree(v) for k, v in value.items()}
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return [_tree(v) for v in value]
+    leaves = jax.tree.leaves(value)
+    if len(leaves) == 1 and leaves[0] is value:
+        return {"shape": list(np.shape(value)), "dtype": str(value.dtype)}
+    return [_tree(leaf) for leaf in leaves]
+
+
+def examples_record(program: Any) -> dict[str, Any] | None:
+    """The shapes and dtypes of ``init``'s example arguments, by argument name."""
+    example = program._example
+    if example is None:
+        return None
+    args, kwargs = example
+    bound = program._bind(args, kwargs, lambda x: x)
+    positional = list(bound)[:len(args)]
+    return {"positional": positional, "arguments": {k: _tree(v) for k, v in bound.items()}}
+
+
+def _rewrites(program: Any) -> list[dict[str, Any]]:
+    return [{"manager": r.manager, "path": r.path, "application": r.application,
+             "call_id": r.call_id, "role": r.role, "variable": r.name,
+             "shape_in": list(r.shape_in), "dtype_in": r.dtype_in,
+             "shape_out": list(r.shape_out), "dtype_out": r.dtype_out}
+            for r in program.rewrites.train]
+
+
+def program_provenance(program: Any) -> Provenance:
+    """The record of a program: bricks, parameters, managers, function, examples, seeds,
+    environment; fingerprint and rewrite trace (computed from ``init``'s examples)."""
+    layout = program.layout
+    derived: dict[str, Any] = {"fingerprint": None}
+    jaxpr = None
+    try:
+        jaxpr = program._training_jaxpr()
+    except Exception as error:  # a record must not fail because one derived field did
+        derived["fingerprint_error"] = f"{type(error).__name__}: {error}"
+    if jaxpr is not None:
+        derived["fingerprint"] = fingerprint(jaxpr)
+    derived["rewrites"] = _rewrites(program) if jaxpr is not None else []
+    derived["created"] = program._created
+    derived["host"] = host()
+    inputs = {
+        "bricks": brick_records(layout.model),
+        "parameters": parameter_records(layout),
+        "managers": manager_records(program.managers, layout),
+        "function": function_record(program.fn),
+        "monitor": {label: filter_record(f, layout) for label, f in program._monitor.items()},
+        "axis_name": None if program._axis_name is None else str(program._axis_name),
+        "example_shapes": examples_record(program),
+        "seeds": {"init": program._init_rng},
+        "versions": versions(),
+        "platform": platform_record(),
+    }
+    return Provenance("program", inputs, derived)
+
+
+def data_record(data: Any) -> dict[str, Any]:
+    """A data source's own description (name, size, shapes, dtypes, content hash), or its
+    type when it cannot describe itself."""
+    describe = getattr(data, "describe", None)
+    if callable(describe):
+        return dict(describe())
+    return {"name": class_path(type(data)), "described": False}
+
+
+def training_inputs(step: Any, loop: Any = None) -> dict[str, Any]:
+    """The inputs of a training run: the program's, optimizer, data, loop settings, seeds."""
+    base = step.program.provenance.inputs
+    seeds = dict(base["seeds"])
+    state = getattr(loop, "state", None)
+    # The train state keeps the base key's data for the whole run (resumed runs too); the
+    # step knows its implementation when it made the first state in this process.
+    from_state = key_record(getattr(state, "rng", None))
+    known = step._train_seed
+    seeds["train"] = known if from_state is None or (
+        known is not None and list(known["data"]) == list(from_state["data"])) else from_state
+    inputs = {k: v for k, v in base.items() if k not in ("seeds", "versions", "platform")}
+    inputs["optimizer"] = step.optimizer_record
+    inputs["skip_nonfinite"] = step.skip_nonfinite
+    if loop is not None:
+        inputs["data"] = data_record(loop.data)
+        inputs["loop"] = {"epochs": loop.epochs, "steps": loop.max_steps,
+                          "steps_per_call": loop.steps_per_call,
+                          "plugins": [{"name": getattr(p, "name", None),
+                                       "class": class_path(type(p))} for p in loop.plugins]}
+    inputs["seeds"] = seeds
+    inputs["versions"] = base["versions"]
+    inputs["platform"] = base["platform"]
+    return inputs
+
+
+def training_derived(step: Any, loop: Any = None) -> dict[str, Any]:
+    """The derived fields of a training run: the program's, counts and times."""
+    derived = dict(step.program.provenance.derived)
+    if loop is not None:
+        time = loop.time
+        derived.update({"steps": time.step, "examples": time.examples, "epochs": time.epoch,
+                        "seconds": round(time.seconds, 6),
+                        "train_seconds": round(time.train_seconds, 6),
+                        "started": ago(time.seconds), "ended": now()})
+    return derived
+
+
+def training_provenance(step: Any, loop: Any = None,
+                        inputs: Mapping[str, Any] | None = None) -> Provenance:
+    """The record of a training run (``inputs`` may be a cached :func:`training_inputs`)."""
+    return Provenance("training", inputs if inputs is not None else training_inputs(step, loop),
+                      training_derived(step, loop))
+
+
+def capture(obj: Any) -> Provenance:
+    """The provenance of a program, a train step, a loop or an evaluation.
+
+    A program's record holds its bricks, parameters, managers, function, example shapes,
+    seeds and environment, with the graph fingerprint and rewrite trace; a train step's
+    adds the optimizer and the train seed; a loop's (whose step is a
+    :func:`graphmod.optimize` step) adds the data, the loop's settings and what happened:
+    steps, examples, epochs, times.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm
+        >>> from flax import nnx
+        >>> lin = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> program = gm.compile(lambda m, x: (m(x) ** 2).mean(), lin)
+        >>> _ = program.init(jnp.ones((4, 2)))
+        >>> prov = gm.provenance.capture(program)
+        >>> prov.kind, prov["bricks"]["/"]["class"], prov.fingerprint[:7]
+        ('program', 'graphmod.bricks.Linear', 'sha256:')
+    """
+    from graphmod._loop import Loop
+    from graphmod._optimize import TrainStep
+    from graphmod._program import Program
+
+    if isinstance(obj, Provenance):
+        return obj
+    if isinstance(obj, Program):
+        return obj.provenance
+    if isinstance(obj, TrainStep):
+        return training_provenance(obj)
+    if isinstance(obj, Loop):
+        if not isinstance(obj.step, TrainStep):
+            raise TypeError("capture(loop): the loop's step is not a graphmod.optimize step, "
+                            "so its model is unknown; capture the program instead")
+        return training_provenance(obj.step, obj)
+    provenance = getattr(obj, "provenance", None)
+    if isinstance(provenance, Provenance):
+        return provenance
+    raise TypeError(f"capture: expected a Program, a train step, a Loop or an Evaluation, got "
+                    f"{type(obj).__name__}")

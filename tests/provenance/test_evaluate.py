@@ -1,0 +1,150 @@
+"""evaluate: metrics against references, every example once, provenance, clear errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from sklearn import metrics as reference
+
+import graphmod as gm
+import managers
+from graphmod import roles
+from graphmod.data import ArraySource
+
+
+class Classifier:
+    """A 3-class MLP with dropout; data with 50 examples (not a multiple of the batch)."""
+
+    def __init__(self) -> None:
+        rng = np.random.default_rng(1)
+        self.x = rng.normal(size=(50, 4)).astype(np.float32)
+        self.y = rng.integers(0, 3, size=50).astype(np.int32)
+        mlp = gm.bricks.MLP([4, 8, 3], rngs=nnx.Rngs(0))
+        self.program = gm.compile(
+            lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean(),
+            mlp, managers=[managers.Dropout(0.5, bricks=mlp.linear_layers, roles=[roles.INPUT])])
+        self.variables = self.program.init(self.x[:2], self.y[:2])
+        self.predict = self.program.derive(lambda m, x: m(x))
+        self.logits = np.asarray(self.predict.infer(self.variables, self.x))
+
+
+@pytest.fixture(scope="module")
+def task() -> Classifier:
+    return Classifier()
+
+
+def test_classification_metrics_match_references(task: Classifier) -> None:
+    source = ArraySource({"x": task.x, "y": task.y}, batch_size=16, name="toy")
+    result = gm.evaluate(task.program, task.variables, source, predict=lambda m, x: m(x),
+                         metrics=["accuracy", "cross_entropy", "precision", "recall", "f1",
+                                  "macro_f1", "confusion_matrix"], predictions=True)
+    guess = task.logits.argmax(-1)
+    assert result.examples == 50
+    np.testing.assert_allclose(result["accuracy"], reference.accuracy_score(task.y, guess))
+    expected_ce = optax.softmax_cross_entropy_with_integer_labels(task.logits, task.y).mean()
+    np.testing.assert_allclose(result["cross_entropy"], expected_ce, rtol=1e-5)
+    for name, fn in (("precision", reference.precision_score),
+                     ("recall", reference.recall_score), ("f1", reference.f1_score)):
+        np.testing.assert_allclose(result[name], fn(task.y, guess, average=None,
+                                                    labels=[0, 1, 2], zero_division=0))
+    np.testing.assert_allclose(result["macro_f1"], reference.f1_score(
+        task.y, guess, average="macro", zero_division=0))
+    np.testing.assert_array_equal(result["confusion_matrix"],
+                                  reference.confusion_matrix(task.y, guess, labels=[0, 1, 2]))
+    np.testing.assert_allclose(result.predictions, task.logits, rtol=1e-6)
+    text = str(result)
+    assert "evaluation of 50 examples of 'toy'" in text and "precision" in text
+
+
+def test_one_hot_targets_and_regression(task: Classifier) -> None:
+    one_hot = np.eye(3, dtype=np.float32)[task.y]
+    result = gm.evaluate(task.predict, task.variables, {"x": task.x, "targets": one_hot},
+                         metrics=["accuracy", "mse"], batch_size=7)
+    np.testing.assert_allclose(result["accuracy"], (task.logits.argmax(-1) == task.y).mean())
+    np.testing.assert_allclose(result["mean_squared_error"],
+                               ((task.logits - one_hot) ** 2).mean(), rtol=1e-5)
+
+
+def test_the_evaluation_provenance_holds_the_model_and_the_data(task: Classifier) -> None:
+    source = ArraySource((task.x, task.y), batch_size=10, name="toy-tuple")
+    result = gm.evaluate(task.predict, task.variables, source, metrics=["accuracy"])
+    prov = result.provenance
+    assert prov.kind == "evaluation"
+    assert prov.model.inputs_hash == task.program.provenance.inputs_hash
+    assert prov.fingerprint == task.program.provenance.fingerprint
+    assert prov["data"] == source.describe() | {"shapes": ((4,), ()), "dtypes": (
+        "float32", "int32")}
+    assert prov["fields"] == {"inputs": ("0",), "targets": "1"}
+    assert prov["metrics"][0]["class"] == "graphmod.metrics.Accuracy"
+    assert prov["variables"]["sha256"].startswith("sha256:")
+    assert prov.derived["examples"] == 50 and prov.derived["batches"] == 5
+    again = gm.Provenance.from_json(prov.to_json())
+    assert again == prov and again.model == task.program.provenance
+    trained = jax.tree.map(lambda a: a + 1, task.variables)
+    other = gm.evaluate(task.predict, trained, source, metrics=["accuracy"]).provenance
+    assert gm.provenance.diff(prov, other).fields == ["variables.sha256"]
+
+
+def test_data_without_targets_is_refused_naming_the_metrics(task: Classifier) -> None:
+    with pytest.raises(ValueError, match=r"metrics accuracy, cross_entropy need targets, but "
+                                         r"the source 'arrays' has no field.*fields: 'x'"):
+        gm.evaluate(task.predict, task.variables, {"x": task.x},
+                    metrics=["accuracy", "cross_entropy"])
+    only = gm.evaluate(task.predict, task.variables, {"x": task.x}, metrics=[],
+                       predictions=True)  # predictions alone need no targets
+    assert only.predictions.shape == (50, 3)
+
+
+def test_predictions_and_targets_of_other_shapes_are_refused(task: Classifier) -> None:
+    with pytest.raises(ValueError, match=r"metric 'accuracy': predictions of shape \(16, 3\) "
+                                         r"and targets 'y' of shape \(16, 2\).*disagree in "
+                                         r"shape.*labels of shape \(16,\)"):
+        gm.evaluate(task.predict, task.variables,
+                    {"x": task.x, "y": np.zeros((50, 2), np.int32)},
+                    metrics=["accuracy"], batch_size=16)
+    with pytest.raises(ValueError, match=r"'mean_squared_error': predictions of shape "
+                                         r"\(50, 3\) and targets 'y' of shape \(50,\)"):
+        gm.evaluate(task.predict, task.variables, {"x": task.x, "y": task.y.astype("f4")},
+                    metrics=["mse"])
+
+
+def test_features_that_do_not_fit_the_inputs_are_refused(task: Classifier) -> None:
+    with pytest.raises(ValueError, match=r"the data of source 'arrays' do not fit the "
+                                         r"program's inputs.*argument 'x'.*expected shape "
+                                         r"\(batch, 4\).*got shape \(50, 5\)"):
+        gm.evaluate(task.predict, task.variables,
+                    {"x": np.zeros((50, 5), np.float32), "y": task.y}, metrics=["accuracy"])
+    with pytest.raises(ValueError, match=r"program's inputs \['x'\] are not all fields of the "
+                                         r"source 'arrays' \(fields: 'features', 'y'"):
+        gm.evaluate(task.predict, task.variables, {"features": task.x, "y": task.y},
+                    metrics=["accuracy"])
+
+
+def test_an_empty_source_is_refused(task: Classifier) -> None:
+    with pytest.raises(ValueError, match=r"the source is empty \(0 examples\)"):
+        gm.evaluate(task.predict, task.variables,
+                    {"x": np.zeros((0, 4), np.float32), "y": np.zeros(0, np.int32)},
+                    metrics=["accuracy"])
+
+    class Nothing:
+        def iter_padded(self) -> Any:
+            return iter(())
+
+        def describe(self) -> dict:
+            return {"name": "nothing", "size": 0}
+
+    with pytest.raises(ValueError, match=r"the source 'nothing' is empty"):
+        gm.evaluate(task.predict, task.variables, Nothing(), metrics=["accuracy"])
+
+
+def test_a_cost_program_needs_predict(task: Classifier) -> None:
+    with pytest.raises(ValueError, match=r"predictions have shape \(\).*pass predict="):
+        gm.evaluate(task.program, task.variables, {"x": task.x, "y": task.y},
+                    metrics=["accuracy"], targets="y", inputs=["x", "y"])
+    with pytest.raises(ValueError, match=r"unknown metric 'auc'"):
+        gm.evaluate(task.predict, task.variables, {"x": task.x, "y": task.y}, metrics=["auc"])

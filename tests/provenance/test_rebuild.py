@@ -1,0 +1,213 @@
+"""rebuild: the same bricks, managers and optimizer, the same fingerprint; safe by default."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from provenance_workload import cost, flat, train
+
+import graphmod as gm
+import managers
+from graphmod import roles
+from graphmod.provenance import RebuildError
+from graphmod.provenance._fingerprint import canonical_text
+
+ROOT = pathlib.Path(__file__).parents[2]
+WORKLOAD = pathlib.Path(__file__).with_name("provenance_workload.py")
+
+
+def _program(**dropout: Any) -> tuple[gm.Program, gm.bricks.MLP]:
+    mlp = gm.bricks.MLP([3, 5, 2], activation=jax.nn.relu, rngs=nnx.Rngs(0))
+    program = gm.compile(cost, mlp, managers=[
+        managers.Dropout(dropout.pop("rate", 0.5), bricks=mlp.linear_layers[1:],
+                         roles=[roles.INPUT], **dropout),
+        managers.WeightNoise(gm.dynamic(0.01), roles=[roles.WEIGHT], priority=2)])
+    program.init(jnp.ones((2, 3)), jnp.ones((2, 2)))
+    return program, mlp
+
+
+def _crafted(program: gm.Program, edit: Any) -> gm.Provenance:
+    record = program.provenance.to_dict()
+    edit(record)
+    return gm.Provenance.from_json(json.dumps(record))
+
+
+def test_rebuild_gives_the_same_model_managers_and_fingerprint() -> None:
+    program, mlp = _program(rate=0.3, broadcast_dims=(0,))
+    again = gm.rebuild(gm.Provenance.from_json(program.provenance.to_json()))
+    assert type(again.model) is gm.bricks.MLP and again.model is not mlp
+    for path, leaf in flat(nnx.state(mlp)).items():
+        np.testing.assert_array_equal(flat(nnx.state(again.model))[path], leaf)
+    dropout, noise = again.managers
+    assert (dropout.name, dropout.rate, dropout.broadcast_dims) == ("dropout", 0.3, (0,))
+    assert dropout.filter.bricks == tuple(again.model.linear_layers[1:])
+    assert noise.priority == 2 and isinstance(noise.std, gm.Dynamic)
+    twin = again.compile(cost)
+    twin.init(*again.example_arguments()[0])
+    assert twin.provenance.fingerprint == program.provenance.fingerprint
+    assert twin.provenance.inputs_hash == program.provenance.inputs_hash
+
+
+def test_rebuild_makes_the_recorded_optimizer_and_seeds() -> None:
+    loop, _ = train(epochs=1)
+    record = gm.provenance.capture(loop)
+    again = gm.rebuild(record)
+    assert again.optimizer.config["name"] == "adam"
+    assert again.optimizer.config["arguments"] == {"learning_rate": 1e-2}
+    assert jax.random.key_data(again.seeds["train"]).tolist() == [0, 7]
+    assert set(again.seeds) == {"init", "train"}
+
+
+def test_rebuild_from_an_evaluation_uses_its_model() -> None:
+    program, _ = _program()
+    predict = program.derive(lambda m, x: m(x))
+    x = np.ones((4, 3), np.float32)
+    evaluation = gm.evaluate(predict, program.init(x, np.ones((4, 2), np.float32)),
+                             {"x": x, "y": np.zeros((4, 2), np.float32)},
+                             metrics=["mse"], model_provenance=program.provenance)
+    assert type(gm.rebuild(evaluation.provenance).model) is gm.bricks.MLP
+
+
+def test_a_record_naming_another_package_is_refused_before_any_import(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = tmp_path / "imported"
+    (tmp_path / "evilmod.py").write_text(
+        "import pathlib\n"
+        f"pathlib.Path({str(marker)!r}).write_text('pwned')\n"
+        "import jax\n"
+        "def run(x):\n    return jax.nn.relu(x)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    program, _ = _program()
+
+    def activation(record: dict) -> None:
+        record["inputs"]["bricks"]["/"]["arguments"]["activation"] = {"$callable": "evilmod.run"}
+
+    crafted = _crafted(program, activation)
+    str(crafted), gm.provenance.diff(crafted, program.provenance)  # reading is harmless
+    with pytest.raises(RebuildError, match=r"'evilmod\.run'.*outside the allowed packages.*"
+                                           r"nothing was imported.*allow=\['evilmod'\]"):
+        gm.rebuild(crafted)
+    assert not marker.exists() and "evilmod" not in sys.modules
+    rebuilt = gm.rebuild(crafted, allow=["evilmod"])  # the caller vouches for it
+    assert marker.exists() and rebuilt.model.activation.__module__ == "evilmod"
+    monkeypatch.delitem(sys.modules, "evilmod")
+
+
+@pytest.mark.parametrize("path, message", [
+    ("os.system", r"'os\.system'.*outside the allowed packages"),
+    ("graphmod._cli.os.system", r"which is os's, outside the allowed packages"),
+    ("graphmod.__builtins__", r"dunder attributes are never resolved"),
+    ("jax.nn.relu; import os", r"not a dotted import path"),
+])
+def test_crafted_paths_are_refused(path: str, message: str) -> None:
+    program, _ = _program()
+
+    def manager_class(record: dict) -> None:
+        record["inputs"]["managers"]["dropout"]["class"] = path
+
+    with pytest.raises(RebuildError, match=message):
+        gm.rebuild(_crafted(program, manager_class))
+
+
+def test_classes_must_be_bricks_and_managers() -> None:
+    program, _ = _program()
+
+    def brick_class(record: dict) -> None:
+        record["inputs"]["bricks"]["/"]["class"] = "jax.numpy.ndarray"
+
+    with pytest.raises(RebuildError, match=r"'jax\.numpy\.ndarray', which is not a graphmod "
+                                           r"Brick"):
+        gm.rebuild(_crafted(program, brick_class), verify=False)
+
+
+def test_opaque_values_cannot_be_rebuilt_and_the_error_says_where() -> None:
+    mlp = gm.bricks.MLP([3, 2], activation=lambda x: x, rngs=nnx.Rngs(0))
+    program = gm.compile(lambda m, x: m(x).sum(), mlp)
+    with pytest.raises(RebuildError, match=r"bricks\['/'\]\.arguments\.activation was "
+                                           r"recorded as opaque.*module level"):
+        gm.rebuild(program.provenance)
+
+
+def test_a_model_changed_after_construction_is_caught() -> None:
+    mlp = gm.bricks.MLP([3, 4, 2], rngs=nnx.Rngs(0))
+    mlp.linear_layers[1] = gm.bricks.Linear(4, 6, rngs=nnx.Rngs(1))
+    program = gm.compile(lambda m, x: m(x).sum(), mlp)
+    with pytest.raises(RebuildError, match=r"/linear_layers/1\.W: shape recorded \[4, 6\], "
+                                           r"rebuilt \[4, 2\]"):
+        gm.rebuild(program.provenance)
+
+
+def test_initializers_and_custom_roles_round_trip() -> None:
+    gate = roles.add_role("PROVENANCE_GATE", roles.INPUT)
+    lin = gm.bricks.Linear(3, 4, kernel_init=nnx.initializers.normal(0.5), rngs=nnx.Rngs(2))
+    program = gm.compile(lambda m, x: m(x).sum(), lin, managers=[
+        managers.Dropout(0.5, roles=[gate], strict=False)])
+    config = program.provenance["bricks"]["/"]["arguments"]["kernel_init"]["$call"]
+    assert config["function"] == "jax.nn.initializers.normal"
+    assert config["kwargs"]["stddev"] == 0.5
+    again = gm.rebuild(program.provenance)
+    np.testing.assert_array_equal(again.model.W[...], lin.W[...])
+    assert again.managers[0].filter.roles == (gate,)
+
+
+@pytest.mark.slow
+def test_rebuild_in_a_fresh_process_trains_to_the_same_variables_bitwise(
+        tmp_path: pathlib.Path) -> None:
+    loop, state = train(epochs=2)
+    record = gm.provenance.capture(loop)
+    (tmp_path / "record.json").write_text(record.to_json())
+    np.savez(tmp_path / "here.npz", **flat(state.variables))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(WORKLOAD.parent)])}
+    done = subprocess.run(
+        [sys.executable, str(WORKLOAD), "rebuild", str(tmp_path / "record.json"),
+         str(tmp_path / "there.npz"), str(tmp_path / "fingerprint.txt")],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "fingerprint.txt").read_text() == record.fingerprint
+    here, there = np.load(tmp_path / "here.npz"), np.load(tmp_path / "there.npz")
+    assert sorted(here.files) == sorted(there.files) and len(here.files) > 4
+    for name in here.files:
+        np.testing.assert_array_equal(here[name], there[name], err_msg=name)
+    assert int(record.derived["steps"]) == 12
+
+
+def test_the_fingerprint_is_independent_of_objects_and_trace_tokens() -> None:
+    a, _ = _program()
+    b, _ = _program()
+    assert a.provenance.fingerprint == b.provenance.fingerprint
+    text = canonical_text(a._training_jaxpr())
+    assert " at 0x" not in text
+    assert not re.search(r"[0-9a-f]{32}", text)  # no uuid trace token leaks into the text
+    c, _ = _program(rate=0.25)
+    assert c.provenance.fingerprint != a.provenance.fingerprint
+
+
+
+def test_monitor_filters_and_class_filters_are_rebuilt() -> None:
+    mlp = gm.bricks.MLP([3, 4, 2], rngs=nnx.Rngs(0))
+    program = gm.compile(
+        lambda m, x: m(x).sum(), mlp,
+        managers=[managers.BatchNorm(filter=gm.VariableFilter(bricks=[gm.bricks.Linear],
+                                                              roles=[roles.OUTPUT]))],
+        monitor={"first": gm.VariableFilter(bricks=[mlp.linear_layers[0]],
+                                            roles=[roles.OUTPUT])})
+    x = np.ones((2, 3), np.float32)
+    program.init(x)
+    again = gm.rebuild(program.provenance)
+    assert again.monitor["first"].bricks == (again.model.linear_layers[0],)
+    assert again.managers[0].filter.bricks == (gm.bricks.Linear,)
+    twin = again.compile(lambda m, x: m(x).sum())
+    twin.init(x)
+    assert twin.provenance.fingerprint == program.provenance.fingerprint
