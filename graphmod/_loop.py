@@ -412,6 +412,10 @@ class Loop:
         return limit
 
     def _multi_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        # A graphmod.optimize step keeps one fused function across loops and resumes.
+        if step is self.step and callable(getattr(step, "steps", None)):
+            return step.steps  # type: ignore[attr-defined]
+
         def run(state: Any, batches: Any) -> tuple[Any, Any]:
             return jax.lax.scan(lambda s, b: _call(step, s, b), state, batches)
 

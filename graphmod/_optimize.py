@@ -57,6 +57,7 @@ class TrainStep:
         self.optimizer_record = optimizer_record(tx, config)
         self._train_seed: dict | None = None
         self._step = jax.jit(self._traced, donate_argnums=0)
+        self._steps = jax.jit(self._scanned, donate_argnums=0)
 
     @property
     def provenance(self) -> Any:
@@ -95,6 +96,22 @@ class TrainStep:
 
     def __call__(self, state: TrainState, *batch: Any, **kwargs: Any) -> tuple[TrainState, dict]:
         return self._step(state, batch, kwargs)
+
+    def steps(self, state: TrainState, batches: Any) -> tuple[TrainState, dict]:
+        """Several steps in one ``lax.scan`` dispatch over ``batches`` stacked on a leading
+        axis (a tuple is passed positionally, a dict by name); metrics stacked per step.
+        One jitted function per train step, so the loop's fused runs compile once per
+        number of steps."""
+        return self._steps(state, batches)
+
+    def _scanned(self, state: TrainState, batches: Any) -> tuple[TrainState, dict]:
+        def one(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+            if isinstance(batch, dict):
+                return self._traced(state, (), batch)
+            return self._traced(state, tuple(batch) if isinstance(batch, tuple | list)
+                                else (batch,), {})
+
+        return jax.lax.scan(one, state, batches)
 
     def _traced(self, state: TrainState, batch: tuple, kwargs: dict) -> tuple[TrainState, dict]:
         program = self.program

@@ -52,10 +52,16 @@ class Checkpoint(Plugin):
         forced = os.environ.get(RESUME_VARIABLE)
         return self.resume or (forced is not None and os.path.abspath(forced) == self.directory)
 
+    def _open(self) -> Checkpointer:
+        # Opened on first use: a run that never saves pays nothing for orbax.
+        if self._writer is None:
+            self._writer = Checkpointer(self.directory, keep=self.keep,
+                                        asynchronous=self.asynchronous)
+        return self._writer
+
     def setup(self, loop: Any) -> None:
-        self._writer = Checkpointer(self.directory, keep=self.keep,
-                                    asynchronous=self.asynchronous)
-        if self._wants_resume() and self._writer.latest() is not None:
+        if self._wants_resume() and self._open().latest() is not None:
+            assert self._writer is not None
             state, meta = self._writer.restore(loop.state)
             loop.state = state
             loop.load_state_dict(meta)
@@ -72,9 +78,9 @@ class Checkpoint(Plugin):
     def save(self, event: Event) -> None:
         """Saves the loop's current state now (once per step)."""
         loop = event.loop
-        if self._writer is None or loop.state is None or self._saved_step == loop.time.step:
+        if loop.state is None or self._saved_step == loop.time.step:
             return
-        self._writer.save(loop.time.step, loop.state, {**loop.state_dict(),
+        self._open().save(loop.time.step, loop.state, {**loop.state_dict(),
                                                        **self._provenance(loop)})
         self._saved_step = loop.time.step
 
