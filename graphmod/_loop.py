@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import os
 import sys
 import time as _time
@@ -172,6 +173,8 @@ class Loop:
         self._metrics: Any = {}
         self._current: _Entry | None = None
         self._started = False
+        self.started_at: str | None = None  # wall-clock start of the run (UTC, ISO 8601)
+        self.ended_at: str | None = None
         for plugin in plugins:
             self.on(None, plugin)
 
@@ -247,6 +250,7 @@ class Loop:
         data = getattr(self.data, "state_dict", None)
         return {
             "time": self.time.to_dict(),
+            "started_at": self.started_at,
             "position": self.position,
             "loop": {"epochs": self.epochs, "steps": self.max_steps,
                      "steps_per_call": self.steps_per_call},
@@ -260,6 +264,7 @@ class Loop:
     def load_state_dict(self, meta: dict[str, Any]) -> None:
         """Continues from :meth:`state_dict`'s record (the run's ``begin`` is not repeated)."""
         self.time = Time(**meta["time"])
+        self.started_at = meta.get("started_at")
         self.position = int(meta["position"])
         self._started = True
         saved = meta.get("plugins", {})
@@ -314,6 +319,7 @@ class Loop:
             self._clock = (_time.perf_counter(), self.time)
             self._plugin_seconds = 0.0
             if not self._started:
+                self.started_at = _utc_now()
                 self._emit("begin")
                 self._started = True
             while not self._finished():
@@ -325,6 +331,7 @@ class Loop:
                 self.time = dataclasses.replace(self.time, epoch=self.time.epoch + 1)
                 self.position = 0
                 self._emit("epoch_end")
+            self.ended_at = _utc_now()
             self._emit("end")
         except BaseException as exc:
             error = exc
@@ -501,6 +508,10 @@ class Loop:
                 self._call_plugin(entry, event, order, handler)
             except (PluginError, KeyboardInterrupt):
                 continue  # the original error is what the user needs to see
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat()
 
 
 def _parts(template: Template) -> list[Template]:

@@ -13,7 +13,7 @@ from flax import nnx
 
 from graphmod._layout import Layout, _walk, brick_path_string
 from graphmod.provenance._capture import BRICK_REFS, class_path, config_of, key_record
-from graphmod.provenance._environment import ago, host, now, platform_record, versions
+from graphmod.provenance._environment import host, now, platform_record, versions
 from graphmod.provenance._fingerprint import fingerprint
 from graphmod.provenance._record import Provenance
 
@@ -219,7 +219,8 @@ def training_derived(step: Any, loop: Any = None) -> dict[str, Any]:
         derived.update({"steps": time.step, "examples": time.examples, "epochs": time.epoch,
                         "seconds": round(time.seconds, 6),
                         "train_seconds": round(time.train_seconds, 6),
-                        "started": ago(time.seconds), "ended": now()})
+                        # Wall-clock times the loop noted as they happened.
+                        "started": loop.started_at or now(), "ended": loop.ended_at or now()})
     return derived
 
 

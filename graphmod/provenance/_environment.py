@@ -54,12 +54,6 @@ def now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat()
 
 
-def ago(seconds: float) -> str:
-    """The UTC time ``seconds`` ago, ISO 8601."""
-    moment = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=seconds)
-    return moment.isoformat()
-
-
 def host() -> str:
     """The machine's network name."""
     return platform.node()
