@@ -256,9 +256,19 @@ def capture(cls: type, init: Callable[..., Any], instance: Any, args: tuple, kwa
     except (TypeError, ValueError) as error:  # the call itself will raise
         record["error"] = f"{type(error).__name__}: {error}"
         return json.dumps(record), ()
+    record["arguments"], record["defaults"] = encode_arguments(
+        list(signature.parameters.values())[1:], bound, encode, Encoder(by_path=by_path))
+    return json.dumps(record), tuple(encode.bricks)
+
+
+def encode_arguments(parameters: list[inspect.Parameter], bound: inspect.BoundArguments,
+                     encode: Callable[[Any], Any], encode_default: Callable[[Any], Any]
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(arguments, defaults)``: the call's arguments (``*args`` as a list, ``**kwargs``
+    spread) and the defaults it left, each encoded for a record."""
     arguments: dict[str, Any] = {}
     defaults: dict[str, Any] = {}
-    for parameter in list(signature.parameters.values())[1:]:
+    for parameter in parameters:
         if parameter.name in bound.arguments:
             value = bound.arguments[parameter.name]
             if parameter.kind is parameter.VAR_KEYWORD:
@@ -268,10 +278,8 @@ def capture(cls: type, init: Callable[..., Any], instance: Any, args: tuple, kwa
             else:
                 arguments[parameter.name] = encode(value)
         elif parameter.default is not parameter.empty:
-            defaults[parameter.name] = Encoder(by_path=by_path)(parameter.default)
-    record["arguments"] = arguments
-    record["defaults"] = defaults
-    return json.dumps(record), tuple(encode.bricks)
+            defaults[parameter.name] = encode_default(parameter.default)
+    return arguments, defaults
 
 
 def recorded_init(init: Callable[..., Any], *, by_path: bool) -> Callable[..., Any]:

@@ -9,11 +9,11 @@ from typing import Any
 
 import optax
 
-from graphmod.provenance._capture import CONFIG, Encoder
+from graphmod.provenance._capture import CONFIG, Encoder, encode_arguments
 
 
-class RecordedTransformation(optax.GradientTransformationExtraArgs):
-    """An optax transformation that remembers how it was made (see :func:`optimizer`)."""
+class _Recorded:
+    """The recorded configuration, kept as JSON text in the instance's ``__dict__``."""
 
     @property
     def config(self) -> dict[str, Any]:
@@ -25,7 +25,11 @@ class RecordedTransformation(optax.GradientTransformationExtraArgs):
         return vars(self)[CONFIG]
 
 
-class RecordedSchedule:
+class RecordedTransformation(_Recorded, optax.GradientTransformationExtraArgs):
+    """An optax transformation that remembers how it was made (see :func:`optimizer`)."""
+
+
+class RecordedSchedule(_Recorded):
     """An optax schedule (or any optax function's callable result) that remembers how it
     was made; calls the schedule."""
 
@@ -35,15 +39,6 @@ class RecordedSchedule:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._schedule(*args, **kwargs)
-
-    @property
-    def config(self) -> dict[str, Any]:
-        """``{"name": ..., "arguments": ..., "defaults": ...}`` as recorded."""
-        return json.loads(vars(self)[CONFIG])
-
-    @property
-    def _graphmod_optimizer(self) -> str:
-        return vars(self)[CONFIG]
 
     def __repr__(self) -> str:
         return f"RecordedSchedule({self.config['name']!r})"
@@ -111,19 +106,8 @@ def config_record(name: str, factory: Any, args: tuple, kwargs: Mapping[str, Any
     except (TypeError, ValueError):
         return {"name": name, "arguments": {"args": [encode(a) for a in args],
                                             **{k: encode(v) for k, v in kwargs.items()}}}
-    arguments: dict[str, Any] = {}
-    defaults: dict[str, Any] = {}
-    for parameter in inspect.signature(factory).parameters.values():
-        if parameter.name in bound.arguments:
-            value = bound.arguments[parameter.name]
-            if parameter.kind is parameter.VAR_KEYWORD:
-                arguments.update({k: encode(v) for k, v in value.items()})
-            elif parameter.kind is parameter.VAR_POSITIONAL:
-                arguments[parameter.name] = [encode(v) for v in value]
-            else:
-                arguments[parameter.name] = encode(value)
-        elif parameter.default is not parameter.empty:
-            defaults[parameter.name] = encode(parameter.default)
+    arguments, defaults = encode_arguments(
+        list(inspect.signature(factory).parameters.values()), bound, encode, encode)
     return {"name": name, "arguments": arguments, "defaults": defaults}
 
 
