@@ -185,8 +185,8 @@ class Frame:
             )
         if self.key is None:
             raise RuntimeError("this program was traced without a key: pass rng= to train")
-        key = jax.random.fold_in(self.key, crc32("|".join(parts)))
-        key = jax.random.fold_in(key, call_id)
+        # One fold for everything known at trace time (call ids are Python ints).
+        key = jax.random.fold_in(self.key, crc32("|".join(parts) + f"#{call_id}"))
         for index in self.scan_indices if per_step else ():
             key = jax.random.fold_in(key, index)
         if self.axis_name is not None:
