@@ -44,7 +44,14 @@ class Event:
     """One event dispatched by a loop to its plugins.
 
     ``state`` is valid while the event is dispatched (the next step donates it: copy what
-    you keep); ``metrics`` are the latest step's metrics, still on the device until read.
+    you keep); ``metrics`` are the latest step's metrics, still on the device until read
+    (or the metrics it was fired with); ``data`` entries read as attributes.
+
+    Examples:
+        >>> from graphmod import Event, Time
+        >>> e = Event("validated", None, Time(step=10), Time(step=5), None, data={"best": 1})
+        >>> e.type, e.time.step, e.best, e.field("step")
+        ('validated', 10, 1, 10)
     """
 
     type: str
@@ -70,7 +77,13 @@ class Event:
 
 
 class Template:
-    """Base of event templates; combine with ``|``."""
+    """Base of event templates; combine with ``|``.
+
+    Examples:
+        >>> from graphmod import On
+        >>> sorted((On("begin") | On("end")).types())
+        ['begin', 'end']
+    """
 
     def matches(self, event: Event) -> bool:
         raise NotImplementedError

@@ -40,7 +40,16 @@ _PLANNABLE = ("step", "epoch", "examples")
 
 
 class PluginError(RuntimeError):
-    """A plugin raised: the loop stopped (plugins saw an ``interrupt`` event) and re-raised."""
+    """A plugin raised: the loop stopped (plugins saw an ``interrupt`` event) and re-raised.
+
+    The message names the plugin, the event and the step; the plugin's own exception is
+    the ``__cause__``.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> issubclass(gm.PluginError, RuntimeError)
+        True
+    """
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,18 @@ from graphmod.provenance._optimizer import optimizer_record
 class TrainState(NamedTuple):
     """What a train step carries: variables, optimizer state, step count, the base key's
     data (``jax.random.key_data``: raw uint32 words dispatch faster than a typed key), and
-    the number of steps skipped for a non-finite loss or update."""
+    the number of steps skipped for a non-finite loss or update.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, graphmod as gm
+        >>> from flax import nnx
+        >>> program = gm.compile(lambda m, x: (m(x) ** 2).mean(),
+        ...                      gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0)))
+        >>> state = gm.optimize(program, optax.sgd(0.1)).init(
+        ...     program.init(jnp.ones((1, 2))), jax.random.key(0))
+        >>> int(state.step), state.rng.dtype
+        (0, dtype('uint32'))
+    """
 
     variables: dict
     opt_state: Any
@@ -41,6 +52,17 @@ class TrainStep:
     randomness. Metrics are ``{"loss": cost, **metrics, **monitored}`` (plus
     ``"skipped_steps"`` with ``skip_nonfinite=True``). ``provenance`` is the training
     record: the program's, with the optimizer and the train seed.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, graphmod as gm
+        >>> from flax import nnx
+        >>> program = gm.compile(lambda m, x: (m(x) ** 2).mean(),
+        ...                      gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0)))
+        >>> step = gm.optimize(program, optax.sgd(0.1))
+        >>> state = step.init(program.init(jnp.ones((1, 2))), jax.random.key(0))
+        >>> state, metrics = step.steps(state, (jnp.ones((3, 4, 2)),))  # 3 fused steps
+        >>> int(state.step), metrics["loss"].shape
+        (3, (3,))
     """
 
     def __init__(self, program: Program, tx: optax.GradientTransformation,

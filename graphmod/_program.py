@@ -132,9 +132,18 @@ def _monitors(monitor: Any) -> dict[str, VariableFilter]:
 class Program:
     """A compiled model function: pure, jitted ``train`` and ``infer`` over plain dicts.
 
-    Made by :func:`compile`; see its example. ``train(variables, *args, rng=key)`` returns
+    Made by :func:`compile`. ``train(variables, *args, rng=key)`` returns
     ``(out, variables)`` (and monitored values with ``monitor=``); ``infer(variables,
     *args)`` returns ``out`` (and monitored values).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm
+        >>> from flax import nnx
+        >>> program = gm.compile(lambda m, x: m(x), gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0)))
+        >>> variables = program.init(jnp.ones((1, 2)))
+        >>> out, variables = program.train(variables, jnp.ones((4, 2)), rng=jax.random.key(0))
+        >>> out.shape, sorted(variables["model"])
+        ((4, 3), ['W', 'b'])
     """
 
     def __init__(self, fn: Callable[..., Any], shared: _Shared, managers: tuple[Manager, ...],

@@ -152,6 +152,14 @@ class _Before(Schedule):
 
 @dataclasses.dataclass(frozen=True)
 class _Constant(Schedule):
+    """``always`` holds everywhere (fires on every non-empty range), ``never`` nowhere.
+
+    Examples:
+        >>> from graphmod import always, never
+        >>> always(3, 4), always(4, 4), never(0, 100)
+        (True, False, False)
+    """
+
     value: bool
 
     def holds(self, points: np.ndarray) -> np.ndarray:

@@ -13,7 +13,15 @@ from graphmod._table import html_table, text_table
 
 @dataclasses.dataclass
 class Tally:
-    """Calls and seconds summed over dispatches."""
+    """Calls and seconds summed over dispatches.
+
+    Examples:
+        >>> from graphmod.plugins import Tally
+        >>> tally = Tally()
+        >>> tally.add(0.5); tally.add(0.25)
+        >>> tally.calls, tally.seconds
+        (2, 0.75)
+    """
 
     calls: int = 0
     seconds: float = 0.0
