@@ -21,8 +21,6 @@ class Brick(nnx.Module):
     Examples:
         >>> import jax.numpy as jnp, graphmod as gm
         >>> from flax import nnx
-
-from graphmod.provenance._capture import recorded_init
         >>> class Affine(gm.Brick):
         ...     def __init__(self, n, *, rngs):
         ...         self.W = gm.Weight(jnp.ones((n, n)))

@@ -449,7 +449,14 @@ class Program:
         """A program for another function over the same model, managers and variables.
 
         Examples:
-            >>> # predict = program.derive(lambda m, x: m(x)); predict.infer(variables, x)
+            >>> import jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> program = gm.compile(lambda m, x, y: ((m(x) - y) ** 2).mean(),
+            ...                      gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0)))
+            >>> variables = program.init(jnp.ones((1, 2)), jnp.ones((1, 1)))
+            >>> predict = program.derive(lambda m, x: m(x))
+            >>> predict.infer(variables, jnp.ones((5, 2))).shape
+            (5, 1)
         """
         derived = Program(fn, self._shared, self._managers, self._monitor, self._axis_name,
                           strict=False)
