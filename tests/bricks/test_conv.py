@@ -13,6 +13,7 @@ from flax import nnx
 import graphmod as gm
 from graphmod import roles
 from graphmod.bricks import Conv
+from tests.bricks.conftest import model_gradients
 
 
 def twin(config: dict[str, Any]) -> tuple[nnx.Conv, Conv]:
@@ -122,13 +123,7 @@ def test_weight_managers_rewrite_the_filter() -> None:
 def test_train_gradients_match_flax() -> None:
     flax_conv, conv = twin(dict(in_features=3, out_features=4, kernel_size=(2, 2), strides=2))
     x = jax.random.normal(jax.random.key(0), (2, 6, 6, 3))
-    program = gm.compile(lambda m, x: (m(x) ** 2).mean(), conv)
-    variables = program.init(x)
-
-    def cost(model: dict) -> jax.Array:
-        return program.train({**variables, "model": model}, x, rng=jax.random.key(0))[0]
-
-    grads = jax.grad(cost)(variables["model"])
+    grads, _ = model_gradients(lambda m, x: (m(x) ** 2).mean(), conv, x)
     graphdef, state = nnx.split(flax_conv)
     expected = jax.grad(lambda s: (nnx.merge(graphdef, s)(x) ** 2).mean())(state)
     np.testing.assert_allclose(grads["W"], expected["kernel"][...], rtol=1e-5, atol=1e-7)

@@ -11,6 +11,7 @@ from flax import nnx
 import graphmod as gm
 from graphmod import roles
 from graphmod.bricks import LayerNorm
+from tests.bricks.conftest import model_gradients
 
 X = 3.0 + 2.0 * jax.random.normal(jax.random.key(0), (4, 5, 6))
 
@@ -77,13 +78,7 @@ def test_eager_compiled_and_jitted_agree() -> None:
 
 def test_train_gradients_match_flax() -> None:
     flax_norm, norm = twin()
-    program = gm.compile(lambda m, x: (m(x) ** 3).mean(), norm)
-    variables = program.init(X)
-
-    def cost(model: dict) -> jax.Array:
-        return program.train({**variables, "model": model}, X, rng=jax.random.key(0))[0]
-
-    grads = jax.grad(cost)(variables["model"])
+    grads, _ = model_gradients(lambda m, x: (m(x) ** 3).mean(), norm, X)
     graphdef, state = nnx.split(flax_norm)
     expected = jax.grad(lambda s: (nnx.merge(graphdef, s)(X) ** 3).mean())(state)
     np.testing.assert_allclose(grads["scale"], expected["scale"][...], rtol=1e-4, atol=1e-6)

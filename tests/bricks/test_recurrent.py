@@ -13,6 +13,7 @@ from flax import nnx
 import graphmod as gm
 from graphmod import roles
 from graphmod.bricks import LSTM, SimpleRecurrent
+from tests.bricks.conftest import model_gradients
 
 X = jax.random.normal(jax.random.key(0), (2, 7, 3))
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -165,13 +166,7 @@ def test_weight_managers_rewrite_the_recurrent_kernel_at_every_step() -> None:
 
 def test_train_gradients_match_flax() -> None:
     cell, lstm = lstm_twin()
-    program = gm.compile(lambda m, x: (m(x) ** 2).sum(), lstm)
-    variables = program.init(X)
-
-    def cost(model: dict) -> jax.Array:
-        return program.train({**variables, "model": model}, X, rng=jax.random.key(0))[0]
-
-    grads = jax.grad(cost)(variables["model"])
+    grads, _ = model_gradients(lambda m, x: (m(x) ** 2).sum(), lstm, X)
     graphdef, params, rest = nnx.split(cell, nnx.Param, ...)
     zeros = (jnp.zeros((2, 4)), jnp.zeros((2, 4)))
 

@@ -13,6 +13,7 @@ from flax import nnx
 import graphmod as gm
 from graphmod import roles
 from graphmod.bricks import Linear, Sequence
+from tests.bricks.conftest import model_gradients
 
 
 def make_sequence() -> Sequence:
@@ -113,14 +114,7 @@ def test_managers_select_layers_of_the_sequence() -> None:
 
 def test_train_is_differentiable_and_matches_plain_gradients() -> None:
     seq = make_sequence()
-    program = gm.compile(lambda m, x: (m(x) ** 2).sum(), seq)
-    variables = program.init(X)
-
-    def cost(model: dict) -> jax.Array:
-        out, _ = program.train({**variables, "model": model}, X, rng=jax.random.key(0))
-        return out
-
-    grads = jax.grad(cost)(variables["model"])
+    grads, variables = model_gradients(lambda m, x: (m(x) ** 2).sum(), seq, X)
 
     def plain(params: dict) -> jax.Array:
         hidden = jax.nn.relu(X @ params[0]["W"] + params[0]["b"])
