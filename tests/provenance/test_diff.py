@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-from provenance_workload import train
 
 import graphmod as gm
+from tests.provenance.provenance_workload import train
 
 
 def test_runs_differing_only_in_the_dropout_rate_differ_in_that_input_alone() -> None:

@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from provenance_workload import cost, flat, train
 
 import graphmod as gm
 import managers
 from graphmod import roles
 from graphmod.provenance import RebuildError
 from graphmod.provenance._fingerprint import canonical_text
+from tests.provenance.provenance_workload import cost, flat, train
 
 ROOT = pathlib.Path(__file__).parents[2]
 WORKLOAD = pathlib.Path(__file__).with_name("provenance_workload.py")

@@ -9,11 +9,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from provenance_workload import build, source
 
 import graphmod as gm
 from graphmod._cli import describe_run, main
 from graphmod.plugins import Checkpoint
+from tests.provenance.provenance_workload import build, source
 
 
 def test_loop_checkpoints_hold_the_training_provenance(tmp_path: pathlib.Path,
