@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from graphmod._events import Event, Template, as_template
@@ -40,12 +41,9 @@ def host_value(value: Any) -> float | np.ndarray:
 
 def scalar_metrics(metrics: Mapping[str, Any], names: tuple[str, ...] = ()) -> dict[str, float]:
     """The scalar metrics among ``names`` (all when empty) as Python floats, in order."""
-    chosen = names or tuple(metrics)
-    out: dict[str, float] = {}
-    for name in chosen:
-        if name in metrics and np.ndim(metrics[name]) == 0:
-            out[name] = float(np.asarray(metrics[name]))
-    return out
+    chosen = [name for name in (names or tuple(metrics)) if name in metrics]
+    values = jax.device_get([metrics[name] for name in chosen])  # one sync for all of them
+    return {name: float(v) for name, v in zip(chosen, values, strict=True) if np.ndim(v) == 0}
 
 
 def planned_steps(loop: Any) -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -70,6 +71,24 @@ def test_boolean_laws_on_ranges(a: Schedule, b: Schedule, lo: int, width: int) -
     assert (a | b)(lo, hi) == (a(lo, hi) or b(lo, hi))
     assert (a & ~a)(lo, hi) is False
     assert (a | ~a)(lo, hi) == (width > 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(schedules(), st.lists(st.integers(0, 400), min_size=1, max_size=20))
+def test_point_by_point_path_agrees_with_the_vectorised_one(rule: Schedule,
+                                                            points: list[int]) -> None:
+    # Short integer ranges (a step) are checked in Python, longer ones with NumPy.
+    assert [rule.holds_at(p) for p in points] == rule.holds(np.asarray(points)).tolist()
+    for p in points:
+        assert rule(p, p + 3) == bool(rule.holds(np.arange(p + 1, p + 4)).any())
+        assert rule(p, p + 40) == any(rule.holds_at(q) for q in range(p + 1, p + 41))
+
+
+def test_fractional_each_agrees_point_by_point() -> None:
+    rule = each(2.5, start=1)
+    points = list(range(0, 40))
+    assert [rule.holds_at(p) for p in points] == rule.holds(np.asarray(points)).tolist()
+    assert [p for p in points if rule.holds_at(p)] == [1, 6, 11, 16, 21, 26, 31, 36]
 
 
 def test_float_timelines_fire_at_the_right_ranges() -> None:
