@@ -8,6 +8,8 @@ wall time of each variant and its ratio to the bare loop.
 Variants:
 - ``bare``: ``for batch in source: state, _ = step(state, *batch)``.
 - ``bare+eval``: the bare loop plus the validation pass the plugin variant does, by hand.
+- ``bare+eval+ckpt``: that loop also saving the train state with orbax every 1000 steps, by
+  hand (what the Checkpoint plugin writes, less the loop record).
 - ``loop``: ``graphmod.Loop`` with no plugin (the machinery alone).
 - ``loop+plugins``: ProgressBar, Logger (every 100 steps), Validation every epoch and
   Checkpoint every 1000 steps (compare with ``bare+eval``: the same work by hand).
@@ -32,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from flax import nnx
 from sklearn.datasets import load_digits
 
@@ -73,11 +76,18 @@ def accuracy(logits: jax.Array, batch: dict) -> jax.Array:
     return (logits.argmax(-1) == batch["y"]).astype(jnp.float32)
 
 
-def bare(s: dict, epochs: int, evaluate: bool) -> gm.TrainState:
+def bare(s: dict, epochs: int, evaluate: bool, checkpoint: bool = False) -> gm.TrainState:
     state = s["step"].init(s["variables"], jax.random.key(0))
+    saver = ocp.CheckpointManager(tempfile.mkdtemp(), options=ocp.CheckpointManagerOptions(
+        max_to_keep=3, create=True)) if checkpoint else None
+    steps = 0
     for epoch in range(epochs):
         for x, y in s["train"].iter_epoch(epoch):
             state, _ = s["step"](state, x, y)
+            steps += 1
+            if saver is not None and steps % 1000 == 0:
+                host = jax.tree.map(np.array, state._asdict())  # the next step donates state
+                saver.save(steps, args=ocp.args.StandardSave(host))
         if evaluate:
             hits, count = 0.0, 0
             for batch, mask in s["valid"].iter_padded():
@@ -85,6 +95,9 @@ def bare(s: dict, epochs: int, evaluate: bool) -> gm.TrainState:
                 hits += float((accuracy(logits, batch) * mask).sum())
                 count += int(mask.sum())
             _ = hits / count
+    if saver is not None:
+        saver.wait_until_finished()
+        saver.close()
     return jax.block_until_ready(state)
 
 
@@ -115,6 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     variants: dict[str, Callable[[], Any]] = {
         "bare": lambda: bare(s, epochs, evaluate=False),
         "bare+eval": lambda: bare(s, epochs, evaluate=True),
+        "bare+eval+ckpt": lambda: bare(s, epochs, evaluate=True, checkpoint=True),
         "loop": lambda: looped(s, epochs, with_plugins=False),
         "loop+plugins": lambda: looped(s, epochs, with_plugins=True),
         "loop k=50": lambda: looped(s, epochs, with_plugins=False, steps_per_call=50),
@@ -133,6 +147,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = [
         ("loop (no plugin) / bare", medians["loop"] / medians["bare"]),
         ("loop+plugins / bare+eval", medians["loop+plugins"] / medians["bare+eval"]),
+        ("loop+plugins / bare+eval+ckpt",
+         medians["loop+plugins"] / medians["bare+eval+ckpt"]),
         ("loop k=50 / bare", medians["loop k=50"] / medians["bare"]),
     ]
     lines = [f"{steps} steps ({epochs} epochs of {len(s['train'])}), {repeats} repeats, "
