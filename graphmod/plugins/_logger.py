@@ -2,7 +2,9 @@
 
 Rows go to a file that is appended to; a checkpointed run that resumes first cuts the file
 back to the rows it had when saved (``state_dict`` holds the row count), so a resumed run
-logs every step once. TensorBoard scalars are written too when ``tensorboardX`` is
+logs every step once. A due event never waits on the device: its metrics start copying to
+the host and the row is written once they are there (at a later due event, or when the run
+ends or saves a checkpoint). TensorBoard scalars are written too when ``tensorboardX`` is
 importable.
 """
 
@@ -15,6 +17,9 @@ import json
 import os
 from collections.abc import Iterable
 from typing import Any, TextIO
+
+import jax
+import numpy as np
 
 from graphmod._events import TIMELINES, Event, On, Template
 from graphmod._plugin import Plugin
@@ -31,8 +36,9 @@ class Logger(Plugin):
     else the latest step's) are written as Python floats; non-scalar metrics and those
     the event lacks are left out (an empty CSV cell). A CSV file has a header; when a
     later row brings a new metric, the file is rewritten once with the wider header
-    (earlier rows get empty cells). JSON lines hold one object per row. Rows are flushed
-    as written and the file is closed when the run ends.
+    (earlier rows get empty cells). JSON lines hold one object per row. A row waits until
+    its metrics have reached the host (the training is never held up for a log line), is
+    flushed as written, and every row is on disk when the run ends or saves its state.
 
     Args:
         directory_or_path: a ``.csv`` or ``.jsonl`` file, or a directory to hold
@@ -99,15 +105,19 @@ class Logger(Plugin):
         self._file: TextIO | None = None
         self._columns: list[str] = []
         self._writer: Any = None
+        self._pending: list[tuple[dict[str, Any], dict[str, Any]]] = []  # rows in transit
 
     # -- plugin protocol ------------------------------------------------------------------------
     def __call__(self, event: Event) -> None:
-        self.write(self.row(event))
+        self._pending.append(self._start(event))
+        while self._pending and all(_on_host(v) for v in self._pending[0][1].values()):
+            self.write(_finish(*self._pending.pop(0)))
 
     def teardown(self, loop: Any, error: BaseException | None) -> None:
         self.close()
 
     def state_dict(self) -> dict[str, Any]:
+        self.flush()  # the row count a resumed run cuts back to includes every due event
         return {"rows": self.rows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -116,10 +126,24 @@ class Logger(Plugin):
 
     # -- rows -----------------------------------------------------------------------------------
     def row(self, event: Event) -> dict[str, Any]:
-        """The row for ``event``: type, times and scalar metrics as Python numbers."""
-        row: dict[str, Any] = {"event": event.type, **event.time.to_dict()}
-        row.update(scalar_metrics(event_metrics(event), self.metrics))  # a device sync
-        return row
+        """The row for ``event``: type, times and scalar metrics as Python numbers (this
+        waits for the device)."""
+        return _finish(*self._start(event))
+
+    def _start(self, event: Event) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The row's times, and its scalar metrics on their way to the host."""
+        metrics = event_metrics(event)
+        chosen = {name: metrics[name] for name in (self.metrics or tuple(metrics))
+                  if name in metrics and np.ndim(metrics[name]) == 0}  # ndim: no transfer
+        for value in chosen.values():
+            if isinstance(value, jax.Array):
+                value.copy_to_host_async()
+        return {"event": event.type, **event.time.to_dict()}, chosen
+
+    def flush(self) -> None:
+        """Writes the rows whose metrics are still on their way (waits for the device)."""
+        while self._pending:
+            self.write(_finish(*self._pending.pop(0)))
 
     def write(self, row: dict[str, Any]) -> None:
         """Appends ``row`` to the log (and TensorBoard) and flushes it."""
@@ -142,7 +166,8 @@ class Logger(Plugin):
             self._tensorboard(row)
 
     def close(self) -> None:
-        """Flushes and closes the log (the next row reopens it)."""
+        """Writes every pending row and closes the log (the next row reopens it)."""
+        self.flush()
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -182,6 +207,14 @@ class Logger(Plugin):
             if key != "event" and key not in TIMELINES:
                 self._writer.add_scalar(key, value, global_step=row["step"])
         self._writer.flush()
+
+
+def _on_host(value: Any) -> bool:
+    return not isinstance(value, jax.Array) or value.is_ready()
+
+
+def _finish(head: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
+    return {**head, **scalar_metrics(metrics)}
 
 
 def _csv_line(values: list[Any]) -> str:

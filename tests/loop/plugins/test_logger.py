@@ -11,7 +11,7 @@ import pytest
 
 import graphmod as gm
 from graphmod import On, at, each
-from graphmod.plugins import Logger
+from graphmod.plugins import Logger, _logger
 from tests.loop.conftest import Problem
 from tests.loop.plugins.conftest import fire_scores
 
@@ -40,6 +40,19 @@ def test_csv_rows_hold_every_timeline_and_the_metrics_as_floats(problem: Problem
     assert [float(r["loss"]) for r in rows] == losses  # written exactly
     seconds = [float(r["seconds"]) for r in rows]
     assert seconds == sorted(seconds) and all(float(r["train_seconds"]) >= 0 for r in rows)
+
+
+def test_a_due_event_never_waits_for_the_device(problem: Problem, tmp_path,
+                                                monkeypatch) -> None:
+    monkeypatch.setattr(_logger, "_on_host", lambda value: False)  # metrics still in transit
+    every = On("step", step=each(4))
+    log = Logger(tmp_path, every=every, tensorboard=False)
+    written: list[int] = []
+    loop = gm.Loop(problem.step, problem.source(8), epochs=1, plugins=[log])
+    loop.on(every, lambda e: written.append(log.rows))
+    loop.run(problem.state())
+    assert written == [0, 0, 0]  # no row was fetched while the run went on
+    assert log.rows == 3 and [r["step"] for r in _csv_rows(log.path)] == ["4", "8", "12"]
 
 
 def test_jsonl_rows_include_fired_events_metrics(problem: Problem, tmp_path) -> None:
