@@ -212,8 +212,11 @@ class Program:
         if self._example is None or self._abstract_variables is None:
             return None
         args, kwargs = self._example
-        return jax.make_jaxpr(self._train_traced)(self._abstract_variables, jax.random.key(0),
-                                                  args, kwargs)
+        # A mapped axis is bound (size 1) so that its lax.axis_index can be traced here.
+        names = self._axis_name if isinstance(self._axis_name, tuple) else (
+            () if self._axis_name is None else (self._axis_name,))
+        trace = jax.make_jaxpr(self._train_traced, axis_env=[(name, 1) for name in names])
+        return trace(self._abstract_variables, jax.random.key(0), args, kwargs)
 
     # -- the three functions --------------------------------------------------------------
     def init(self, *example_args: Any, rng: Any = None, **example_kwargs: Any) -> dict:

@@ -194,6 +194,25 @@ def test_the_fingerprint_is_independent_of_objects_and_trace_tokens() -> None:
     assert c.provenance.fingerprint != a.provenance.fingerprint
 
 
+def test_a_program_over_a_mapped_axis_has_a_fingerprint_that_rebuilds() -> None:
+    def compiled(axis_name: str | None) -> gm.Program:
+        mlp = gm.bricks.MLP([3, 4, 2], rngs=nnx.Rngs(0))
+        program = gm.compile(cost, mlp, axis_name=axis_name, managers=[
+            managers.Dropout(0.5, bricks=mlp.linear_layers, roles=[roles.INPUT])])
+        program.init(jnp.ones((2, 3)), jnp.ones((2, 2)))
+        return program
+
+    mapped, plain = compiled("devices"), compiled(None)
+    record = mapped.provenance
+    assert "fingerprint_error" not in record.derived and record.fingerprint is not None
+    assert "axis_index" in canonical_text(mapped._training_jaxpr())  # the device index folds
+    assert record.fingerprint != plain.provenance.fingerprint
+    again = gm.rebuild(gm.Provenance.from_json(record.to_json()))
+    twin = again.compile(cost)
+    twin.init(*again.example_arguments()[0])
+    assert twin.provenance.fingerprint == record.fingerprint
+
+
 
 def test_monitor_filters_and_class_filters_are_rebuilt() -> None:
     mlp = gm.bricks.MLP([3, 4, 2], rngs=nnx.Rngs(0))
