@@ -6,7 +6,7 @@ from typing import Any
 
 from flax import nnx
 
-from graphmod.provenance._capture import recorded_init
+from graphmod.provenance._capture import record_construction
 
 
 class Brick(nnx.Module):
@@ -34,11 +34,10 @@ class Brick(nnx.Module):
 
     __graphmod_brick__ = True
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("__init__")
-        if init is not None:  # record the configuration of each construction
-            cls.__init__ = recorded_init(init, by_path=False)  # type: ignore[method-assign]
+    def __new__(cls, *args: Any, **kwargs: Any) -> Brick:
+        brick = super().__new__(cls)
+        record_construction(brick, args, kwargs, by_path=False)  # for provenance
+        return brick
 
     def __init__(self) -> None:
         pass
@@ -48,6 +47,3 @@ class Brick(nnx.Module):
         if apply is None:
             raise TypeError(f"{type(self).__name__} has no `apply` application to call")
         return apply(*args, **kwargs)
-
-
-Brick.__init__ = recorded_init(Brick.__init__, by_path=False)  # type: ignore[method-assign]

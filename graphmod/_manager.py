@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from graphmod import _context
 from graphmod._filter import Tag, VariableFilter
-from graphmod.provenance._capture import recorded_init
+from graphmod.provenance._capture import record_construction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,11 +163,10 @@ class Manager:
     exclusive: ClassVar[bool] = False
     hparams: ClassVar[tuple[str, ...]] = ()
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("__init__")
-        if init is not None:  # record the configuration of each construction
-            cls.__init__ = recorded_init(init, by_path=True)  # type: ignore[method-assign]
+    def __new__(cls, *args: Any, **kwargs: Any) -> Manager:
+        manager = super().__new__(cls)
+        record_construction(manager, args, kwargs, by_path=True)  # for provenance
+        return manager
 
     def __init__(
         self,
@@ -297,6 +296,3 @@ class Manager:
 
     def selects(self, tag: Tag) -> bool:
         return self.filter.matches_variable(tag)
-
-
-Manager.__init__ = recorded_init(Manager.__init__, by_path=True)  # type: ignore[method-assign]

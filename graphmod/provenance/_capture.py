@@ -1,10 +1,10 @@
 """Automatic capture of constructor configuration for bricks and managers.
 
-``Brick`` and ``Manager`` wrap every subclass's ``__init__`` with :func:`recorded_init`:
-the outermost call (not a subclass's ``super().__init__``) records the class's public import
-path, the arguments as passed (bound to their parameter names) and the defaults of the
-others, as JSON. The record is stored on the instance as a plain string attribute — no NNX
-variable, so ``nnx.state`` is unchanged, and ``nnx.clone``/``copy.deepcopy`` keep it.
+``Brick.__new__`` and ``Manager.__new__`` call :func:`record_construction`: each
+construction records the class's public import path, the arguments as passed (bound to
+the parameter names of its ``__init__``) and the defaults of the others, as JSON. The
+record is stored on the instance as a plain string attribute — no NNX variable, so
+``nnx.state`` is unchanged, and ``nnx.clone``/``copy.deepcopy`` keep it.
 
 Values are encoded as JSON, tagged where JSON has no type of its own: ``{"$tuple": [...]}``,
 ``{"$role": ...}``, ``{"$dynamic": 0.5}``, ``{"$callable": "jax.nn.relu"}``,
@@ -282,28 +282,23 @@ def encode_arguments(parameters: list[inspect.Parameter], bound: inspect.BoundAr
     return arguments, defaults
 
 
-def recorded_init(init: Callable[..., Any], *, by_path: bool) -> Callable[..., Any]:
-    """Wraps ``__init__`` so that its outermost call records the configuration."""
-    if getattr(init, "__graphmod_recorded__", False):
-        return init
+def record_construction(instance: Any, args: tuple, kwargs: dict, *, by_path: bool) -> None:
+    """Notes on ``instance`` the configuration of ``type(instance)(*args, **kwargs)``.
 
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        if CONFIG not in vars(self):  # outermost: not a subclass's super().__init__
-            try:
-                config, bricks = capture(type(self), init, self, args, kwargs,
-                                         by_path=by_path)
-            except Exception as error:  # recording must never break construction
-                config = json.dumps({"class": class_path(type(self)),
-                                     "error": f"{type(error).__name__}: {error}"})
-                bricks = ()
-            object.__setattr__(self, CONFIG, config)
-            if by_path:
-                object.__setattr__(self, BRICK_REFS, bricks)
-        init(self, *args, **kwargs)
-
-    __init__.__graphmod_recorded__ = True  # type: ignore[attr-defined]
-    return __init__
+    Called from ``__new__``, which sees every construction's arguments once, whatever
+    defines ``__init__`` (a dataclass-generated one included) and before ``__init__``
+    consumes any of them (an ``nnx.Rngs`` is recorded with its counts as passed).
+    """
+    cls = type(instance)
+    try:
+        config, bricks = capture(cls, cls.__init__, instance, args, kwargs, by_path=by_path)
+    except Exception as error:  # recording must never break construction
+        config = json.dumps({"class": class_path(cls),
+                             "error": f"{type(error).__name__}: {error}"})
+        bricks = ()
+    object.__setattr__(instance, CONFIG, config)
+    if by_path:
+        object.__setattr__(instance, BRICK_REFS, bricks)
 
 
 def config_of(obj: Any) -> dict[str, Any] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import functools
 
@@ -126,6 +127,33 @@ def test_your_own_bricks_rebuild_when_you_allow_their_package() -> None:
         gm.rebuild(program.provenance)
     again = gm.rebuild(program.provenance, allow=[package])
     assert type(again.model) is MoreScaled and again.model.scale == 4.0
+    np.testing.assert_array_equal(again.model.lin.W[...], brick.lin.W[...])
+
+
+@dataclasses.dataclass(eq=False, repr=False)
+class Gated(gm.Brick):
+    """A brick whose ``__init__`` is made by ``dataclasses``."""
+
+    features: int
+    rngs: dataclasses.InitVar[nnx.Rngs]
+    gate: float = 0.5
+
+    def __post_init__(self, rngs: nnx.Rngs) -> None:
+        self.lin = gm.bricks.Linear(self.features, self.features, rngs=rngs)
+
+    @gm.application(inputs=["input_"], outputs=["output"])
+    def apply(self, input_: jax.Array) -> jax.Array:
+        return self.gate * self.lin(input_)
+
+
+def test_a_dataclass_brick_records_its_generated_init_and_rebuilds() -> None:
+    brick = Gated(3, nnx.Rngs(5), gate=0.25)
+    config = config_of(brick)
+    assert config["arguments"]["features"] == 3 and config["arguments"]["gate"] == 0.25
+    assert config["arguments"]["rngs"]["$rngs"]["default"]["key"]["data"] == [0, 5]
+    program = gm.compile(lambda m, x: m(x).sum(), brick)
+    again = gm.rebuild(program.provenance, allow=[type(brick).__module__.split(".")[0]])
+    assert type(again.model) is Gated and again.model.gate == 0.25
     np.testing.assert_array_equal(again.model.lin.W[...], brick.lin.W[...])
 
 
