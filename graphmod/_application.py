@@ -331,6 +331,7 @@ def _run_plain(spec: _Spec, method: Callable, brick: Any, args: tuple, kwargs: d
 
 def _run_managed(frame: Frame, spec: _Spec, method: Callable, brick: Any, path: str,
                  args: tuple, kwargs: dict) -> Any:
+    _context.split_trace_caches()  # no later inner trace may replay this call's
     call_id = frame.next_call_id(path, spec.name)
     chain = tuple(
         m for m in frame.chain()

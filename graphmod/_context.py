@@ -9,9 +9,10 @@ Two stacks exist:
 Trace isolation: JAX caches inner traces (an inner ``jax.jit``, a ``lax.scan`` body,
 ``nnx.remat``) by function and input types, not by ``contextvars``. While a frame is active
 we also set a JAX config state (part of JAX's trace context, hence of those cache keys) to a
-token that is fresh for every outer trace, so no inner trace is ever replayed from another
-program, mode or trace. This uses ``jax._src.config`` (internal): the JAX minor version is
-pinned in ``pyproject.toml`` and ``tests/test_isolation.py`` guards it.
+token that is fresh for every outer trace and renewed at every application call, so no
+inner trace is ever replayed from another program, mode, trace or application call. This
+uses ``jax._src.config`` (internal): the JAX minor version is pinned in ``pyproject.toml``
+and ``tests/test_isolation.py`` guards it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ _MANAGERS: contextvars.ContextVar[tuple[Manager, ...]] = contextvars.ContextVar(
 )
 _FRAME: contextvars.ContextVar[Frame | None] = contextvars.ContextVar(
     "graphmod_frame", default=None
+)
+
+# The trace tokens entered in the current outer trace (see split_trace_caches).
+_TOKENS: contextvars.ContextVar[contextlib.ExitStack | None] = contextvars.ContextVar(
+    "graphmod_trace_tokens", default=None
 )
 
 _TRACE_TOKEN = _jax_config.string_or_object_state(
@@ -74,12 +80,30 @@ def tracing(frame: Frame) -> Iterator[Frame]:
     """Makes ``frame`` current and splits JAX's inner-trace caches for this trace."""
     token = _FRAME.set(frame)
     try:
-        with _TRACE_TOKEN(uuid.uuid4().hex):
-            yield frame
+        with contextlib.ExitStack() as tokens:
+            tokens_token = _TOKENS.set(tokens)
+            try:
+                split_trace_caches()
+                yield frame
+            finally:
+                _TOKENS.reset(tokens_token)
     finally:
         popped = _FRAME.get()
         _FRAME.reset(token)
         assert popped is frame, "frame stack corrupted: traces exited out of order"
+
+
+def split_trace_caches() -> None:
+    """Gives the rest of the current trace a fresh token (no-op outside a trace).
+
+    Called at every application call, so an inner trace started after it is never
+    replayed from one started before: two calls of a brick through one jitted or
+    ``nnx.remat`` function each run their Python, with their own call ids and masks. The
+    tokens are restored when the outer trace ends.
+    """
+    tokens = _TOKENS.get()
+    if tokens is not None:
+        tokens.enter_context(_TRACE_TOKEN(uuid.uuid4().hex))
 
 
 def trace_token() -> Any:

@@ -16,9 +16,7 @@ Variables layout
     by call id).
 
 Sharp edges
-    Inputs are validated when a new signature is traced, not on every call. Two
-    ``nnx.remat`` calls of one body in a trace replay one body (JAX caches it): its
-    application calls are recorded once.
+    Inputs are validated when a new signature is traced, not on every call.
 """
 
 from __future__ import annotations

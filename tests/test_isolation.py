@@ -83,6 +83,41 @@ def test_each_outer_trace_has_a_fresh_token() -> None:
     assert _context.trace_token() is None
 
 
+_REMAT = nnx.remat(lambda lin, x: lin(x))
+
+
+@jax.jit
+def _jitted(lin: gm.bricks.Linear, x: jax.Array) -> jax.Array:
+    return lin(x)
+
+
+class Twice(gm.Brick):
+    """Calls one brick twice through one module-level jitted or remat'ed function."""
+
+    def __init__(self, how: str, *, rngs: nnx.Rngs) -> None:
+        self.how = how
+        self.lin = gm.bricks.Linear(16, 16, rngs=rngs)
+
+    @gm.application(inputs=["input_"], outputs=["first", "second"])
+    def apply(self, input_: jax.Array) -> tuple[jax.Array, jax.Array]:
+        through = _REMAT if self.how == "remat" else _jitted
+        return through(self.lin, input_), through(self.lin, input_)
+
+
+@pytest.mark.parametrize("how", ["jit", "remat"])
+def test_two_calls_through_one_cached_transform_are_two_calls(how: str) -> None:
+    model = Twice(how, rngs=nnx.Rngs(0))
+    with managers.Dropout(0.5, bricks=[model.lin], roles=[roles.INPUT]):
+        program = gm.compile(lambda m, x: m(x), model)
+    x = jnp.ones((4, 16))
+    variables = program.init(x)
+    (first, second), _ = program.train(variables, x, rng=jax.random.key(0))
+    assert not np.allclose(first, second)  # call ids 0 and 1: independent masks
+    calls = {r.tag.call_id for r in program.graph(x) if r.tag.path == "/lin.apply.input_"}
+    assert calls == {0, 1}
+    np.testing.assert_allclose(program.infer(variables, x)[0], model.lin(x), rtol=1e-6)
+
+
 def test_programs_over_one_model_do_not_share_inner_traces() -> None:
     model = Inner(3, how="jit", rngs=nnx.Rngs(1))
     with managers.GaussianNoise(1.0, bricks=[model.lin], roles=[roles.OUTPUT]):
