@@ -39,11 +39,18 @@ def host_value(value: Any) -> float | np.ndarray:
     return float(array) if array.ndim == 0 else array
 
 
+def scalars(metrics: Mapping[str, Any], names: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The scalar metrics among ``names`` (all when empty), in order, left where they are
+    (``np.ndim`` reads no device data)."""
+    return {name: metrics[name] for name in (names or tuple(metrics))
+            if name in metrics and np.ndim(metrics[name]) == 0}
+
+
 def scalar_metrics(metrics: Mapping[str, Any], names: tuple[str, ...] = ()) -> dict[str, float]:
     """The scalar metrics among ``names`` (all when empty) as Python floats, in order."""
-    chosen = [name for name in (names or tuple(metrics)) if name in metrics]
-    values = jax.device_get([metrics[name] for name in chosen])  # one sync for all of them
-    return {name: float(v) for name, v in zip(chosen, values, strict=True) if np.ndim(v) == 0}
+    chosen = scalars(metrics, names)
+    values = jax.device_get(list(chosen.values()))  # one transfer for them all
+    return {name: float(value) for name, value in zip(chosen, values, strict=True)}
 
 
 def planned_steps(loop: Any) -> int | None:

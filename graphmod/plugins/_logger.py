@@ -19,12 +19,17 @@ from collections.abc import Iterable
 from typing import Any, TextIO
 
 import jax
-import numpy as np
 
 from graphmod._events import TIMELINES, Event, On, Template
 from graphmod._plugin import Plugin
 from graphmod._schedule import each
-from graphmod.plugins._common import event_metrics, metric_names, scalar_metrics, template_or
+from graphmod.plugins._common import (
+    event_metrics,
+    metric_names,
+    scalar_metrics,
+    scalars,
+    template_or,
+)
 
 _FORMATS = {".csv": "csv", ".jsonl": "jsonl"}
 
@@ -132,9 +137,7 @@ class Logger(Plugin):
 
     def _start(self, event: Event) -> tuple[dict[str, Any], dict[str, Any]]:
         """The row's times, and its scalar metrics on their way to the host."""
-        metrics = event_metrics(event)
-        chosen = {name: metrics[name] for name in (self.metrics or tuple(metrics))
-                  if name in metrics and np.ndim(metrics[name]) == 0}  # ndim: no transfer
+        chosen = scalars(event_metrics(event), self.metrics)
         for value in chosen.values():
             if isinstance(value, jax.Array):
                 value.copy_to_host_async()
