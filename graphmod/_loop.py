@@ -244,8 +244,8 @@ class Loop:
 
         def cast(n: Any, o: Any) -> Any:
             dtype = getattr(o, "dtype", None)
-            if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-                return n
+            if n is o or dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+                return n  # a leaf fn kept costs nothing (Anneal touches one of hundreds)
             return jnp.asarray(n, dtype=dtype)
 
         self.state = jax.tree.map(cast, new, old)

@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from graphmod._events import Event, On, Template, Time
 from graphmod._manager import HParam
 from graphmod._plugin import Plugin
@@ -19,8 +21,10 @@ class Anneal(Plugin):
     (``managers.Dropout(gm.dynamic(0.5), ...).hparam("rate")``), a float32 scalar in the
     train state's variables; the new value goes in through ``loop.update_state``, cast to
     the stored dtype, so the compiled step never retraces. The value set on an event is
-    the one the following steps use. With ``steps_per_call=k`` a plain ``On("step")``
-    sees one event per fused dispatch, so the value changes every k steps.
+    the one the following steps use; a value equal to the one last written (a Python or
+    NumPy number) is not written again, so an epoch-wise schedule costs one write per
+    epoch, not one per step. With ``steps_per_call=k`` a plain ``On("step")`` sees one
+    event per fused dispatch, so the value changes every k steps.
 
     Args:
         hparam: a :class:`graphmod.HParam`, from ``manager.hparam(name)``.
@@ -66,6 +70,7 @@ class Anneal(Plugin):
         # A fresh run's first step uses fn(start). A resumed run keeps the value its
         # checkpoint holds: recomputing it from the restored time would differ from the
         # uninterrupted run (which last set it at a step event).
+        self.value = None  # this run's state may hold another value: write the first one
         if loop.time.step == 0:
             self.set(loop, loop.time)
 
@@ -78,9 +83,16 @@ class Anneal(Plugin):
         if value is None:
             raise ValueError(f"{self.name}: fn({time}) returned None; it must return the "
                              f"value of {self.hparam.manager}.{self.hparam.name}")
+        if _host_number(value) and _host_number(self.value) and value == self.value:
+            return  # the state holds it already
         loop.update_state(lambda state: _with_variables(
             state, self.hparam.set(_variables(state, self.name), value)))
         self.value = value
+
+
+def _host_number(value: Any) -> bool:
+    # Comparing these never waits for the device (a jax.Array would).
+    return isinstance(value, int | float | np.number) and not isinstance(value, bool)
 
 
 def _variables(state: Any, who: str) -> dict:

@@ -54,6 +54,30 @@ def test_a_constant_anneal_trains_exactly_like_no_anneal(annealed: Problem) -> N
     jax.tree.map(np.testing.assert_array_equal, host(kept.variables), host(plain.variables))
 
 
+def test_an_unchanged_value_is_not_written_again(annealed: Problem, monkeypatch) -> None:
+    writes: list[int] = []
+    update_state = gm.Loop.update_state
+
+    def counted(loop: gm.Loop, fn):
+        writes.append(loop.time.step)
+        return update_state(loop, fn)
+
+    monkeypatch.setattr(gm.Loop, "update_state", counted)
+    rate = annealed.dropout.hparam("rate")
+    loop = gm.Loop(annealed.step, annealed.source(8), epochs=3,
+                   plugins=[Anneal(rate, lambda t: 0.5 - 0.1 * t.epoch)])
+    state = loop.run(annealed.state())
+    # Before the first step, then at the first step event of epochs 1 and 2 (12 steps each).
+    assert len(annealed.source(8)) == 12 and writes == [0, 13, 25]
+    assert _rate(annealed, state) == np.float32(0.3)
+    constant = Anneal(rate, lambda t: 0.25)
+    for _ in range(2):  # each run writes its first value, whatever the last run wrote
+        again = gm.Loop(annealed.step, annealed.source(8), steps=2,
+                        plugins=[constant]).run(annealed.state())
+        assert _rate(annealed, again) == np.float32(0.25)
+    assert writes[3:] == [0, 0]
+
+
 def test_every_chooses_when_the_value_changes(annealed: Problem) -> None:
     fn = lambda t: 0.1 * t.epoch
     seen: list[float] = []
