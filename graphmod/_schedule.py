@@ -53,9 +53,10 @@ class Schedule:
             return bool(self.holds(np.asarray([t_prev]))[0])
         if t_now <= t_prev:
             return False
-        if _is_int(t_prev) and _is_int(t_now) and t_now - t_prev <= _SCALAR_LIMIT:
+        exact = _is_int(t_prev) and _is_int(t_now) and t_now - t_prev <= _EXACT_LIMIT
+        if exact and t_now - t_prev <= _SCALAR_LIMIT:
             return any(self.holds_at(p) for p in range(int(t_prev) + 1, int(t_now) + 1))
-        if _is_int(t_prev) and _is_int(t_now) and t_now - t_prev <= _EXACT_LIMIT:
+        if exact:
             points = np.arange(int(t_prev) + 1, int(t_now) + 1, dtype=np.int64)
         else:
             points = self._candidates(float(t_prev), float(t_now))

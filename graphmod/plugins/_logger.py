@@ -130,11 +130,6 @@ class Logger(Plugin):
         self.close()  # reopened (and cut back) at the next row
 
     # -- rows -----------------------------------------------------------------------------------
-    def row(self, event: Event) -> dict[str, Any]:
-        """The row for ``event``: type, times and scalar metrics as Python numbers (this
-        waits for the device)."""
-        return _finish(*self._start(event))
-
     def _start(self, event: Event) -> tuple[dict[str, Any], dict[str, Any]]:
         """The row's times, and its scalar metrics on their way to the host."""
         chosen = scalars(event_metrics(event), self.metrics)
