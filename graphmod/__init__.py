@@ -20,6 +20,7 @@ from graphmod import (
 )
 from graphmod._application import ApplicationCall, OwnedVariable, application
 from graphmod._brick import Brick
+from graphmod._checkpoint import CheckpointError
 from graphmod._evaluate import Evaluation, evaluate
 from graphmod._events import Event, On, Template, Time
 from graphmod._filter import VariableFilter
@@ -40,6 +41,7 @@ __all__ = [
     "ApplicationCall",
     "Bias",
     "Brick",
+    "CheckpointError",
     "ComputationGraph",
     "Dynamic",
     "Evaluation",

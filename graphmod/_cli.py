@@ -1,58 +1,113 @@
-"""The ``graphmod`` command: run a training script, resume a run, inspect a run directory.
+"""The graphmod command: run a training script, resume a run, inspect a run directory.
 
-``graphmod run SCRIPT [ARGS...]`` runs a script. ``graphmod resume DIR`` runs the command
-recorded in DIR's latest checkpoint again, with its ``Checkpoint(DIR)`` plugins continuing
-from that checkpoint. ``graphmod inspect DIR`` prints what a run directory holds.
+``graphmod run SCRIPT [ARGS...]`` runs a script as ``python SCRIPT ARGS...`` would.
+``graphmod resume DIR`` runs the script recorded in DIR's latest checkpoint again, with its
+``Checkpoint(DIR)`` plugins continuing from that checkpoint: it prints the command, then
+replaces itself with it (signals and the exit status are the script's own). It re-runs only
+a recorded script file and refuses every other record (see :mod:`graphmod._command`).
+``graphmod inspect DIR`` prints what a run directory holds. Errors go to standard error with
+exit status 2; an interrupted command exits with status 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import pathlib
 import runpy
-import subprocess
+import shlex
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from graphmod._command import ResumeRefusedError, describe_command, resume_command
 from graphmod.plugins._checkpoint import RESUME_VARIABLE
+
+_log = logging.getLogger(__name__)
+
+_COMMANDS = {  # name: (summary, description), in plain words for --help
+    "run": ("run a training script",
+            "Run SCRIPT with ARGS as 'python SCRIPT ARGS...' would. A run started this way "
+            "records SCRIPT and ARGS in its checkpoints, so 'graphmod resume DIR' can start "
+            "it again."),
+    "resume": ("continue the run saved in a directory",
+               "Run the script recorded in DIR's latest checkpoint again, with the same "
+               "arguments and working directory; its Checkpoint(DIR) plugins continue from "
+               "that checkpoint. The command is printed before it runs. Only a script file "
+               "is re-run: a run started with 'python -c', 'python -m', in Jupyter or in an "
+               "interactive shell is refused; continue it from Python with "
+               "graphmod.Loop.resume(...)."),
+    "inspect": ("print what a run directory holds",
+                "Print DIR's checkpoints, loop counters, plugin states, the command that "
+                "started the run, its provenance summary and the latest metrics."),
+}
+
+
+class _Failure(Exception):
+    """A command that cannot go on; its message is printed to standard error (status 2)."""
 
 
 def _run(args: argparse.Namespace) -> int:
     script = pathlib.Path(args.script)
     if not script.is_file():
-        print(f"graphmod run: no script at {script}", file=sys.stderr)
-        return 2
-    sys.argv = [str(script), *args.args]
-    runpy.run_path(str(script), run_name="__main__")
+        raise _Failure(f"no script file at {script} (check the path)")
+    path = os.path.abspath(script)
+    sys.argv = [args.script, *args.args]
+    sys.path.insert(0, os.path.dirname(path))  # as python does: the script's folder first
+    runpy.run_path(path, run_name="__main__")
     return 0
 
 
 def _checkpointer(directory: str) -> Any:
+    """A Checkpointer of an existing run directory (one that creates nothing)."""
     from graphmod._checkpoint import Checkpointer
 
     if not pathlib.Path(directory).is_dir():
-        raise FileNotFoundError(f"no run directory at {directory}")
+        raise _Failure(f"no run directory at {directory} (check the path)")
     return Checkpointer(directory, keep=None)
 
 
+def _latest_meta(reader: Any, directory: str) -> tuple[int, dict[str, Any]]:
+    """The newest checkpoint's step and meta that can be read; each unreadable one is
+    named on standard error (its orbax error goes to the debug log)."""
+    steps = sorted(reader.steps(), reverse=True)
+    if not steps:
+        raise _Failure(f"{directory} holds no checkpoint (a run saves them with "
+                       "graphmod.plugins.Checkpoint)")
+    for step in steps:
+        try:
+            return step, reader.meta(step)
+        except Exception as error:  # orbax raises many kinds; the user needs the path
+            _log.debug("reading the checkpoint of step %s in %s", step, directory,
+                       exc_info=True)
+            reason = getattr(error, "reason", None) or f"{type(error).__name__}: {error}"
+            print(f"graphmod resume: skipping the checkpoint of step {step} in {directory}: "
+                  f"{reason}", file=sys.stderr)
+    raise _Failure(f"no readable checkpoint in {directory} (steps {sorted(steps)}); remove "
+                   "or move the directories that are not checkpoints")
+
+
 def _resume(args: argparse.Namespace) -> int:
-    reader = _checkpointer(args.directory)
+    directory = os.path.abspath(args.directory)
+    reader = _checkpointer(directory)
     try:
-        meta = reader.meta()
+        step, meta = _latest_meta(reader, directory)
     finally:
         reader.close()
-    command = meta.get("command") or {}
-    argv = command.get("argv") or []
-    if not argv or not str(argv[0]).endswith(".py"):
-        print(f"graphmod resume: {args.directory} records no script to run again "
-              f"(recorded: {argv!r}); call graphmod.Loop.resume(...) from Python instead",
-              file=sys.stderr)
-        return 2
-    env = {**os.environ, RESUME_VARIABLE: os.path.abspath(args.directory)}
-    return subprocess.call([sys.executable, *argv], cwd=command.get("cwd"), env=env)
+    if "command" not in meta:
+        raise _Failure(f"{directory}'s checkpoint of step {step} records no command; "
+                       f"continue it from Python: graphmod.Loop.resume({directory!r}, ...)")
+    command, cwd = resume_command(meta["command"], directory)
+    print(f"graphmod resume: continuing {directory} from its newest checkpoint, step {step}\n"
+          f"graphmod resume: running in {cwd}: {shlex.join(command)}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.chdir(cwd)
+    # The script replaces this process: Ctrl-C and the exit status are its own.
+    os.execve(command[0], command, {**os.environ, RESUME_VARIABLE: directory})
+    return 0  # reached only where os.execve is replaced (tests)
 
 
 def describe_run(directory: str) -> str:
@@ -62,11 +117,18 @@ def describe_run(directory: str) -> str:
     reader = _checkpointer(directory)
     try:
         steps = reader.steps()
-        meta = reader.meta() if steps else {}
+        failures = {step: reader.verify(step) for step in steps}  # None: verified
+        verified = [step for step in steps if failures[step] is None]
+        meta = reader.meta(verified[-1]) if verified else {}
+        leftovers = reader.leftovers()
     finally:
         reader.close()
     lines = [f"run directory: {os.path.abspath(directory)}",
              f"checkpoints: {', '.join(map(str, steps)) if steps else 'none'}"]
+    lines += [f"checkpoint {step}: " + ("verified" if failures[step] is None
+                                        else f"FAILS verification: {failures[step]}")
+              for step in steps]
+    lines += [f"leftover {name}: {what}" for name, what in leftovers.items()]
     if meta.get("time"):
         time = meta["time"]
         lines.append("latest: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
@@ -79,7 +141,7 @@ def describe_run(directory: str) -> str:
         for name, state in meta.get("plugins", {}).items():
             lines.append(f"plugin {name}: {json.dumps(state)}")
         if meta.get("command"):
-            lines.append(f"command: {' '.join(map(str, meta['command'].get('argv', [])))}")
+            lines.append(f"command: {describe_command(meta['command'])}")
         lines += _provenance_lines(meta)
     for log in sorted(pathlib.Path(directory).glob("*.jsonl")):
         rows = log.read_text().splitlines()
@@ -111,37 +173,66 @@ def _count(shape: Sequence[int]) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    print(describe_run(args.directory))
+    try:
+        report = describe_run(args.directory)
+    except _Failure:
+        raise
+    except Exception as error:  # orbax raises many kinds; the user needs the path
+        _log.debug("inspecting %s", args.directory, exc_info=True)
+        raise _Failure(f"cannot read the checkpoints in {args.directory} "
+                       f"({type(error).__name__}: {error})") from error
+    print(report)
     return 0
 
 
+def _parser() -> argparse.ArgumentParser:
+    """The command line's parser: one sub-command each for run, resume and inspect."""
+    parser = argparse.ArgumentParser(
+        prog="graphmod",
+        description="Run a training script, resume a saved run, or inspect a run directory.",
+        epilog="Run 'graphmod COMMAND --help' for a command's arguments.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    handlers = {"run": _run, "resume": _resume, "inspect": _inspect}
+    for name, (summary, description) in _COMMANDS.items():
+        sub = commands.add_parser(name, help=summary, description=description)
+        sub.set_defaults(handler=handlers[name], parser=sub)
+        if name == "run":
+            sub.add_argument("script", nargs="?", metavar="SCRIPT",
+                             help="the Python script to run")
+            sub.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
+                             help="the script's own arguments, passed on unchanged")
+        else:
+            sub.add_argument("directory", metavar="DIR",
+                             help="the run directory (the one given to Checkpoint)")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``graphmod`` command.
+    """Entry point of the ``graphmod`` command; returns the exit status.
+
+    Usage errors exit with status 2 and a message on standard error, as argparse does;
+    an interrupted command returns 130.
 
     Examples:
         >>> from graphmod._cli import main
-        >>> main(["inspect", "/nonexistent"])
-        graphmod: no run directory at /nonexistent
+        >>> main(["inspect", "/nonexistent"])  # the message goes to standard error
         2
     """
-    parser = argparse.ArgumentParser(prog="graphmod", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run a training script")
-    run.add_argument("script")
-    run.add_argument("args", nargs=argparse.REMAINDER)
-    run.set_defaults(handler=_run)
-    resume = commands.add_parser("resume", help="continue the run saved in a directory")
-    resume.add_argument("directory")
-    resume.set_defaults(handler=_resume)
-    inspect = commands.add_parser("inspect", help="print what a run directory holds")
-    inspect.add_argument("directory")
-    inspect.set_defaults(handler=_inspect)
+    parser = _parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error("a command is needed: run, resume or inspect")
+    if args.command == "run" and args.script is None:
+        args.parser.error("a script is needed: graphmod run SCRIPT [ARGS...]")
     try:
         return args.handler(args)
-    except FileNotFoundError as error:
-        print(f"graphmod: {error}", file=sys.stdout)
+    except (_Failure, ResumeRefusedError) as error:
+        print(f"graphmod {args.command}: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as error:  # one line, not a traceback through graphmod
+        detail = f": {error}" if str(error) else ""
+        print(f"graphmod {args.command}: interrupted{detail}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 Every example is seen once: the source's short final batch is padded and masked
 (``ArraySource.iter_padded``), so nothing is dropped and nothing retraces. Metrics add up
 per-batch sums (computed on the device, in one jitted function for all metrics) in float64
-on the host. Before the first batch runs, evaluation checks that the data have the fields
-the program's inputs and the metrics' targets need, that the features fit the program's
-inputs, and that predictions and targets can be compared; each error names the culprit.
+on the host. Before the first batch runs, evaluation checks the variables against the
+program's layout (paths, shapes, dtypes), that the data have the fields the program's inputs
+and the metrics' targets need, that the features fit the program's inputs, and that
+predictions and targets can be compared; each error names the culprit.
 """
 
 from __future__ import annotations
@@ -245,6 +246,7 @@ def evaluate(program: Program, variables: Any, source: Any, *, metrics: Sequence
                         f"{type(program).__name__}")
     if hasattr(variables, "variables") and hasattr(variables, "opt_state"):
         variables = variables.variables
+    program._unpack(variables)  # paths, shapes, dtypes: named before any data is read
     if isinstance(metrics, str) or not isinstance(metrics, Sequence):
         raise TypeError(f"evaluate(metrics=...): expected a list of metrics, got {metrics!r}")
     chosen = [_metrics.get(m) for m in metrics]

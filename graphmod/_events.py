@@ -11,12 +11,18 @@ holds a value (equality), a :class:`~graphmod.Schedule` (evaluated on the range
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import difflib
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from graphmod._schedule import Schedule
 
 TIMELINES = ("step", "epoch", "examples", "seconds", "train_seconds")
+# What every loop can fire: its own events, and `validated` (graphmod.plugins.Validation's,
+# often fired by hand); other types must be declared by the plugin that fires them.
+STANDARD_EVENTS = ("begin", "epoch_begin", "step", "epoch_end", "end", "interrupt", "terminate",
+                   "validated")
+_INTEGER_TIMELINES = ("step", "epoch", "examples")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +98,10 @@ class Template:
         """The event types this template can match."""
         raise NotImplementedError
 
+    def unsourced_types(self) -> set[str]:
+        """The event types it matches from any issuer (checked to be fireable at run)."""
+        return self.types()
+
     def __or__(self, other: Template) -> Template:
         if not isinstance(other, Template):
             raise TypeError(f"template | {other!r}: both sides must be On(...) templates")
@@ -122,12 +132,22 @@ class On(Template):
             if isinstance(matcher, Schedule) and name not in TIMELINES:
                 raise ValueError(f"On({type!r}, {name}=...): a schedule needs a timeline "
                                  f"field, one of {', '.join(TIMELINES)}")
+            fractional = matcher.fractional() if isinstance(matcher, Schedule) else None
+            if fractional is not None and name in _INTEGER_TIMELINES:
+                raise ValueError(
+                    f"On({type!r}, {name}={matcher!r}): {fractional!r} places points between "
+                    f"the integers of the {name} timeline, so it would fire never or off its "
+                    f"rule. Use integers on {', '.join(_INTEGER_TIMELINES)}; fractions only "
+                    "on seconds or train_seconds")
         object.__setattr__(self, "type", type)
         object.__setattr__(self, "issuer", issuer)
         object.__setattr__(self, "fields", dict(fields))
 
     def types(self) -> set[str]:
         return {self.type}
+
+    def unsourced_types(self) -> set[str]:
+        return {self.type} if self.issuer is None else set()
 
     def matches(self, event: Event) -> bool:
         if event.type != self.type:
@@ -159,6 +179,9 @@ class AnyOf(Template):
 
     def types(self) -> set[str]:
         return set().union(*(t.types() for t in self.templates))
+
+    def unsourced_types(self) -> set[str]:
+        return set().union(*(t.unsourced_types() for t in self.templates))
 
     def __repr__(self) -> str:
         return " | ".join(map(repr, self.templates))
@@ -192,6 +215,26 @@ def _field_matches(event: Event, name: str, matcher: Any) -> bool:
     if callable(matcher) and not isinstance(matcher, type):
         return bool(matcher(value))
     return bool(value == matcher)
+
+
+def check_event_types(listeners: Iterable[tuple[str, Template]], plugins: Iterable[Any]) -> None:
+    """Refuses a template whose type nothing registered can fire (``On("stpe")``): known
+    are the standard events and those the plugins declare in ``fires``; a template that
+    names its ``issuer`` is that issuer's business."""
+    known = set(STANDARD_EVENTS)
+    for plugin in plugins:
+        fires = getattr(plugin, "fires", ())
+        known.update((fires,) if isinstance(fires, str) else fires)
+    for name, template in listeners:
+        for unknown in sorted(template.unsourced_types() - known):
+            close = difflib.get_close_matches(unknown, sorted(known), n=1)
+            hint = f"Did you mean {close[0]!r}? " if close else ""
+            raise ValueError(
+                f"plugin {name!r} listens for {unknown!r} events ({template!r}), which no "
+                f"registered plugin declares it fires and the loop never fires. {hint}"
+                f"Known: {', '.join(sorted(known))}. A plugin that fires its own type "
+                f"declares it (class attribute fires = ({unknown!r},), also settable on a "
+                f"function), or the template names who fires it: On({unknown!r}, issuer=...)")
 
 
 def as_template(value: Any, argument: str) -> Template:

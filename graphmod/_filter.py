@@ -15,6 +15,8 @@ from typing import Any
 
 from graphmod import roles as _roles
 
+_EXAMPLES = {"name": "W", "name_regex": "W|b", "path": "/layers/*"}
+
 
 @dataclasses.dataclass(frozen=True)
 class Tag:
@@ -105,7 +107,17 @@ class VariableFilter:
                     f"VariableFilter(name_regex={self.name_regex!r}) is not a valid regular "
                     f"expression: {error}"
                 ) from None
-        set_("call_id", _as_tuple(self.call_id))
+        for field in ("name", "name_regex", "path"):
+            value = getattr(self, field)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"VariableFilter({field}={value!r}): must be a string "
+                                f"(e.g. {field}={_EXAMPLES[field]!r})")
+        call_ids = _as_tuple(self.call_id)
+        for call_id in call_ids or ():
+            if isinstance(call_id, bool) or not isinstance(call_id, int) or call_id < 0:
+                raise TypeError(f"VariableFilter(call_id={self.call_id!r}): call ids are "
+                                "ints >= 0 (one, or several in a list)")
+        set_("call_id", call_ids)
 
     def __repr__(self) -> str:
         fields = [

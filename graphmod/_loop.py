@@ -15,6 +15,13 @@ Speed
     template is due inside them. Templates whose fields are schedules on the ``step``,
     ``epoch`` or ``examples`` timelines are planned exactly; catch-all plugins and schedules
     on wall-clock timelines see one ``step`` event per dispatch, covering its range.
+
+Ctrl-C
+    In the main thread, Ctrl-C only asks the run to stop: the loop finishes the step or
+    event in progress, plugins get the ``interrupt`` event with the state of that finished
+    step (a ``Checkpoint`` saves it and says so), and ``run`` raises ``KeyboardInterrupt``
+    (a script then exits with status 130). A second Ctrl-C aborts at once, saving nothing
+    more. See ``graphmod._interrupt``.
 """
 
 from __future__ import annotations
@@ -32,7 +39,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from graphmod._events import AnyOf, Event, On, Template, Time, as_template, plugin_name
+from graphmod._command import recorded_command
+from graphmod._events import (
+    AnyOf,
+    Event,
+    On,
+    Template,
+    Time,
+    as_template,
+    check_event_types,
+    plugin_name,
+)
+from graphmod._interrupt import SigintGuard
+from graphmod._optimize import TrainState, TrainStep
 from graphmod._plugin import Plugin
 from graphmod._table import text_table
 
@@ -42,8 +61,8 @@ _PLANNABLE = ("step", "epoch", "examples")
 class PluginError(RuntimeError):
     """A plugin raised: the loop stopped (plugins saw an ``interrupt`` event) and re-raised.
 
-    The message names the plugin, the event and the step; the plugin's own exception is
-    the ``__cause__``.
+    The message names the plugin and the event and step, or the phase (``setup``,
+    ``teardown``); the plugin's own exception is the ``__cause__``.
 
     Examples:
         >>> import graphmod as gm
@@ -129,6 +148,9 @@ class Loop:
         plugins: plugins registered in order (a :class:`Plugin` with its ``every``
             template, a plain callable for every event).
         steps_per_call: fuse up to this many steps into one dispatch when no plugin is due.
+        allow_data_change: continue from a checkpoint (``Loop.resume``,
+            ``Checkpoint(resume=True)``) although the data differ from the checkpoint's
+            description; the change is recorded in the checkpoints written afterwards.
 
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np, optax, graphmod as gm
@@ -156,6 +178,7 @@ class Loop:
         steps: int | None = None,
         plugins: Iterable[Any] = (),
         steps_per_call: int = 1,
+        allow_data_change: bool = False,
     ) -> None:
         if not callable(step):
             raise TypeError(f"Loop(step, data): step must be callable, got {step!r}")
@@ -172,6 +195,9 @@ class Loop:
         self.epochs = epochs if epochs is not None or steps is not None else 1
         self.max_steps = steps
         self.steps_per_call = steps_per_call
+        self.allow_data_change = allow_data_change
+        # Data changes allowed on resumes: [{"step": ..., "fields": [...]}] (in checkpoints).
+        self.data_changes: list[dict[str, Any]] = []
         self.time = Time()
         self.position = 0  # batches done in the current epoch
         self.state: Any = None
@@ -187,6 +213,7 @@ class Loop:
         self._metrics: Any = {}
         self._current: _Entry | None = None
         self._started = False
+        self._guard: SigintGuard | None = None  # set while run() handles Ctrl-C
         self.started_at: str | None = None  # wall-clock start of the run (UTC, ISO 8601)
         self.ended_at: str | None = None
         for plugin in plugins:
@@ -274,12 +301,18 @@ class Loop:
             "plugins": {e.name: e.plugin.state_dict() for e in self._entries
                         if isinstance(e.plugin, Plugin)},
             "data": data() if callable(data) else None,
+            "data_changes": list(self.data_changes),
             # What `graphmod resume DIR` runs again.
-            "command": {"argv": list(sys.argv), "cwd": os.getcwd()},
+            "command": recorded_command(),
         }
 
     def load_state_dict(self, meta: dict[str, Any]) -> None:
-        """Continues from :meth:`state_dict`'s record (the run's ``begin`` is not repeated)."""
+        """Continues from :meth:`state_dict`'s record (the run's ``begin`` is not repeated).
+
+        Refuses, before changing anything, data whose description (size, shapes, dtypes,
+        content hash, batch size, seed, shuffling) differs from the one the checkpoint's
+        provenance records, unless the loop was made with ``allow_data_change=True``."""
+        changes = self._data_changes(meta)
         self.time = Time(**meta["time"])
         self.started_at = meta.get("started_at")
         self.position = int(meta["position"])
@@ -290,35 +323,80 @@ class Loop:
                 entry.plugin.load_state_dict(saved[entry.name])
         if meta.get("data") is not None and hasattr(self.data, "load_state_dict"):
             self.data.load_state_dict(meta["data"])
+        self.data_changes = changes
+
+    def _data_changes(self, meta: dict[str, Any]) -> list[dict[str, Any]]:
+        """The run's allowed data changes, one more if these data differ from the
+        checkpoint's; raises naming the differing fields unless ``allow_data_change``."""
+        from graphmod.provenance._collect import data_record
+
+        changes = list(meta.get("data_changes", []))
+        saved = ((meta.get("provenance") or {}).get("inputs") or {}).get("data")
+        if saved is None:  # no provenance (a step not from graphmod.optimize): not checkable
+            return changes
+        now = data_record(self.data)
+        fields = sorted(k for k in set(saved) | set(now)
+                        if k != "name" and saved.get(k) != now.get(k))  # a name is a label
+        if not fields:
+            return changes
+        if not self.allow_data_change:
+            lines = "\n  ".join(f"{k}: checkpoint {_short(saved.get(k))}, "
+                                f"these data {_short(now.get(k))}" for k in fields)
+            raise ValueError(
+                f"resume: the data differ from those the checkpoint of step "
+                f"{meta['time']['step']} was trained on ({', '.join(fields)}):\n  {lines}\n"
+                "Pass the run's own data to continue it exactly, or allow_data_change=True "
+                "(to Loop.resume, or to the Loop of a Checkpoint(resume=True)) to continue "
+                "on these data; the change is recorded in later checkpoints")
+        return [*changes, {"step": int(meta["time"]["step"]), "fields": fields}]
 
     @classmethod
     def resume(cls, directory: str, step: Callable[..., Any], data: Iterable[Any], *,
                plugins: Iterable[Any] = (), state: Any = None, checkpoint: int | None = None,
-               **settings: Any) -> Any:
+               allow_data_change: bool = False, **settings: Any) -> Any:
         """Continues the run saved in ``directory`` exactly where its latest checkpoint
         stopped, and returns the final state.
 
         ``state`` is a template of the train state (any state of the same program); by
         default it is derived from ``step`` (a :func:`graphmod.optimize` step) and the first
         batch of ``data``. ``settings`` override the saved ``epochs``/``steps``/
-        ``steps_per_call``.
+        ``steps_per_call``. Data whose description differs from the checkpoint's are
+        refused (naming the fields) unless ``allow_data_change=True``, which is recorded
+        (``data_changes`` in later checkpoints). A missing ``directory`` is an error, and
+        nothing is created.
         """
         from graphmod._checkpoint import Checkpointer
 
-        reader = Checkpointer(directory, keep=None)
+        path = os.path.abspath(os.fspath(directory))
+        if not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"Loop.resume: no checkpoint in {path}: "
+                f"{'not a directory' if os.path.exists(path) else 'no such directory'} "
+                "(nothing was created); pass the directory a Checkpoint plugin saved into")
+        reader = Checkpointer(path, keep=None)
         try:
-            meta = reader.meta(checkpoint)
             template = state if state is not None else _abstract_state(step, data)
             restored, meta = reader.restore(template, checkpoint)
         finally:
             reader.close()
-        loop = cls(step, data, plugins=plugins, **{**meta["loop"], **settings})
+        loop = cls(step, data, plugins=plugins, allow_data_change=allow_data_change,
+                   **{**meta["loop"], **settings})
         loop.load_state_dict(meta)
         return loop.run(restored)
 
     # -- running --------------------------------------------------------------------------------
     def run(self, state: Any) -> Any:
-        """Runs to the end (epochs/steps) or a ``terminate``; returns the final state."""
+        """Runs to the end (epochs/steps) or a ``terminate``; returns the final state.
+
+        Ctrl-C (in the main thread) stops the run after the step or event in progress:
+        plugins get an ``interrupt`` event holding that finished step's state, then
+        ``KeyboardInterrupt`` is raised; a second Ctrl-C aborts at once. A plugin's error in
+        ``setup`` or ``teardown`` raises a :class:`PluginError` naming it and the phase;
+        every plugin set up is torn down, also when another's teardown raises.
+        """
+        check_event_types([(e.name, e.template) for e in self._entries if e.template is not None],
+                          self.plugins)
+        self._check_state(state)
         self.state = state
         self._terminated = False
         step = self.step
@@ -326,38 +404,114 @@ class Loop:
             if isinstance(entry.plugin, Plugin):
                 step = entry.plugin.wrap_step(step)
         multi = self._multi_step(step) if self.steps_per_call > 1 else None
-        done: list[Plugin] = []
+        with SigintGuard(self._notice()) as guard:
+            self._guard = guard
+            try:
+                self._run_plugins(step, multi)
+            finally:
+                self._guard = None
+        if guard.requested:  # Ctrl-C during the last teardowns: the run itself completed
+            raise KeyboardInterrupt(f"interrupted after the run ended at step {self.time.step}")
+        return self.state
+
+    def _check_state(self, state: Any) -> None:
+        """Refuses a state the step cannot take, naming the argument and the fix."""
+        make = "state = step.init(program.init(*example_batch), jax.random.key(0))"
+        if state is None:
+            raise TypeError(f"Loop.run(state): state is None; pass the train state to start "
+                            f"from, e.g. {make}")
+        if isinstance(self.step, TrainStep) and not isinstance(state, TrainState):
+            raise TypeError(f"Loop.run(state): a graphmod.optimize step takes a "
+                            f"graphmod.TrainState, got {type(state).__name__}; make one with "
+                            "state = step.init(variables, jax.random.key(0))")
+
+    def _run_plugins(self, step: Callable[..., Any], multi: Callable[..., Any] | None) -> None:
+        """Sets the plugins up, runs, and tears them down (also on an error or Ctrl-C)."""
+        done = self._setup()
         error: BaseException | None = None
         try:
-            for entry in self._entries:
-                if isinstance(entry.plugin, Plugin):
-                    entry.plugin.setup(self)  # may restore the loop (Checkpoint(resume=True))
-                    done.append(entry.plugin)
-            self._clock = (_time.perf_counter(), self.time)
-            self._plugin_seconds = 0.0
-            if not self._started:
-                self.started_at = _utc_now()
-                self._emit("begin")
-                self._started = True
-            while not self._finished():
-                if self.position == 0:
-                    self._emit("epoch_begin")
-                self._run_epoch(step, multi)
-                if self._terminated or self._finished_steps():
-                    break
-                self.time = dataclasses.replace(self.time, epoch=self.time.epoch + 1)
-                self.position = 0
-                self._emit("epoch_end")
-            self.ended_at = _utc_now()
-            self._emit("end")
+            self._check_interrupt()
+            self._run_events(step, multi)
         except BaseException as exc:
             error = exc
-            self._interrupt(exc)
+            if isinstance(exc, KeyboardInterrupt) and self._guard is not None \
+                    and self._guard.requested:  # Ctrl-C, here or in a nested loop
+                error = KeyboardInterrupt(f"interrupted at step {self.time.step}")
+            self._interrupt(error)
+            if error is not exc:
+                raise error from None  # a short traceback, not one through the loop
             raise
         finally:
-            for plugin in reversed(done):
-                plugin.teardown(self, error)
-        return self.state
+            self._teardown(done, error)
+
+    def _run_events(self, step: Callable[..., Any], multi: Callable[..., Any] | None) -> None:
+        """``begin`` (unless resumed), the epochs with their steps, ``end``."""
+        self._clock = (_time.perf_counter(), self.time)
+        self._plugin_seconds = 0.0
+        if not self._started:
+            self.started_at = _utc_now()
+            self._emit("begin")
+            self._started = True
+        while not self._finished():
+            if self.position == 0:
+                self._emit("epoch_begin")
+            self._run_epoch(step, multi)
+            if self._terminated or self._finished_steps():
+                break
+            self.time = dataclasses.replace(self.time, epoch=self.time.epoch + 1)
+            self.position = 0
+            self._emit("epoch_end")
+        self.ended_at = _utc_now()
+        self._emit("end")
+
+    def _setup(self) -> list[_Entry]:
+        """Sets the plugins up in order; if one raises, those set up are torn down."""
+        done: list[_Entry] = []
+        for entry in self._entries:
+            if not isinstance(entry.plugin, Plugin):
+                continue
+            try:
+                entry.plugin.setup(self)  # may restore the loop (Checkpoint(resume=True))
+            except BaseException as exc:
+                error = _plugin_error(entry.name, "in setup", exc)
+                self._teardown(done, error)
+                if error is exc:
+                    raise
+                raise error from exc
+            done.append(entry)
+        return done
+
+    def _teardown(self, done: list[_Entry], error: BaseException | None) -> None:
+        """Tears every set-up plugin down (LIFO), also when one raises: the run's own error
+        wins, else the first teardown error is raised; the others become its notes."""
+        failures: list[BaseException] = []
+        for entry in reversed(done):
+            try:
+                entry.plugin.teardown(self, error)
+            except Exception as exc:
+                failures.append(_plugin_error(entry.name, "in teardown", exc))
+        if not failures:
+            return
+        head = error if error is not None else failures.pop(0)
+        for failure in failures:
+            head.add_note(f"also: {failure}")
+        if error is None:
+            raise head
+
+    def _notice(self) -> str:
+        """The line printed at the first Ctrl-C."""
+        saving = " and saving it" if self._saves_on_interrupt() else ""
+        return (f"graphmod: Ctrl-C: finishing the current step{saving}; press Ctrl-C again "
+                "to abort at once (saving nothing more)")
+
+    def _saves_on_interrupt(self) -> bool:
+        """Whether a plugin (a Checkpoint) saves the run on an interrupt."""
+        return any(getattr(e.plugin, "save_on_interrupt", False) for e in self._entries)
+
+    def _check_interrupt(self) -> None:
+        """Stops the run here, a safe point (the state is a finished step), after Ctrl-C."""
+        if self._guard is not None and self._guard.requested:
+            raise KeyboardInterrupt
 
     def _finished_steps(self) -> bool:
         return self.max_steps is not None and self.time.step >= self.max_steps
@@ -485,6 +639,7 @@ class Loop:
         self._dispatch(self._event(type, self, data))
         while self._queue:
             self._dispatch(self._queue.popleft())
+        self._check_interrupt()
 
     def _dispatch(self, event: Event) -> None:
         self._prev[(id(event.issuer), event.type)] = event.time
@@ -507,13 +662,12 @@ class Loop:
         self._current = entry
         try:
             (handler or entry.plugin)(event)
-        except (PluginError, KeyboardInterrupt):
-            raise
-        except Exception as exc:
-            raise PluginError(
-                f"plugin {entry.name!r} raised on the {event.type!r} event at step "
-                f"{event.time.step}: {type(exc).__name__}: {exc}"
-            ) from exc
+        except BaseException as exc:
+            error = _plugin_error(
+                entry.name, f"on the {event.type!r} event at step {event.time.step}", exc)
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             self._current = None
             spent = _time.perf_counter() - begin
@@ -523,6 +677,8 @@ class Loop:
     def _interrupt(self, exc: BaseException) -> None:
         """Lets plugins react (save, close) to a stop on an error or KeyboardInterrupt."""
         self._queue.clear()
+        if self.state is not None and _donated(self.state):
+            self.state = None  # cut off inside a donating step call: no state left to save
         event = self._event("interrupt", self, {"error": exc})
         for order, entry in enumerate(reversed(self._entries)):
             handler = None
@@ -534,12 +690,43 @@ class Loop:
                 continue
             try:
                 self._call_plugin(entry, event, order, handler)
-            except (PluginError, KeyboardInterrupt):
-                continue  # the original error is what the user needs to see
+            except PluginError as failure:  # the original error is what the user needs first
+                exc.add_note(f"also: {failure}")
+            except KeyboardInterrupt:
+                break  # Ctrl-C again (in an interactive session): abort, saving nothing more
+        if isinstance(exc, KeyboardInterrupt):
+            why = ("the step call it cut off had taken the state" if self.state is None else
+                   None if self._saves_on_interrupt() else
+                   "no plugin saves on an interrupt: add graphmod.plugins.Checkpoint")
+            if why is not None:  # else the Checkpoint says what it saved
+                print(f"graphmod: interrupted at step {self.time.step}; nothing was saved "
+                      f"({why})", file=sys.stderr)
 
 
 def _utc_now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat()
+
+
+def _plugin_error(name: str, where: str, exc: BaseException) -> BaseException:
+    """A plugin's exception as a :class:`PluginError` naming the plugin and where it
+    raised; a PluginError (a nested loop's) or a KeyboardInterrupt is kept as it is."""
+    if isinstance(exc, PluginError) or not isinstance(exc, Exception):
+        return exc
+    error = PluginError(f"plugin {name!r} raised {where}: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def _donated(state: Any) -> bool:
+    """Whether a state's buffers were donated to a step call that never returned."""
+    return any(isinstance(leaf, jax.Array) and leaf.is_deleted()
+               for leaf in jax.tree.leaves(state))
+
+
+def _short(value: Any) -> str:
+    """A described field for an error message (a hash cut to its first characters)."""
+    return repr(value[:12] + "...") if isinstance(value, str) and len(value) > 16 \
+        else repr(value)
 
 
 def _parts(template: Template) -> list[Template]:

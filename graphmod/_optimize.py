@@ -11,6 +11,7 @@ import optax
 
 from graphmod import roles as _roles
 from graphmod._program import Program
+from graphmod._validation import as_key
 from graphmod.provenance._capture import key_record
 from graphmod.provenance._optimizer import optimizer_record
 
@@ -101,12 +102,16 @@ class TrainStep:
         return training_provenance(self)
 
     def init(self, variables: dict, rng: Any) -> TrainState:
-        """The first train state (copies ``variables``, so donation never frees yours)."""
+        """The first train state (copies ``variables``, so donation never frees yours).
+
+        ``variables`` are checked against the program's layout and ``rng`` must be a key
+        (e.g. ``jax.random.key(0)``), before anything is copied."""
+        key = as_key(rng, "step.init(variables, rng)")
+        self.program._unpack(variables)
         variables = jax.tree.map(lambda x: jnp.array(x, copy=True), variables)
         params, _ = self.program.split(variables, _roles.PARAMETER)
-        data = jax.random.key_data(rng) \
-            if jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key) else jnp.asarray(rng)
-        seed = key_record(rng)
+        data = jax.random.key_data(key)
+        seed = key_record(key)
         if seed is not None:  # not under a trace (abstract_state)
             self._train_seed = seed
         return TrainState(variables, self.tx.init(params), jnp.int32(0), data, jnp.int32(0))
@@ -137,6 +142,7 @@ class TrainStep:
 
     def _traced(self, state: TrainState, batch: tuple, kwargs: dict) -> tuple[TrainState, dict]:
         program = self.program
+        program._unpack(state.variables)  # named errors before split meets a stranger
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         params, rest = program.split(state.variables, _roles.PARAMETER)
 

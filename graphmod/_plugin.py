@@ -17,7 +17,8 @@ class Plugin:
     all of them), set-up and tear-down around the run (``setup``/``teardown``, the latter
     also on error and KeyboardInterrupt), step middleware (``wrap_step``) and
     ``state_dict()``/``load_state_dict()`` for exact resume. It changes the train state only
-    through ``event.loop.update_state(fn)``.
+    through ``event.loop.update_state(fn)``. A plugin that fires event types of its own
+    declares them in ``fires``: ``Loop.run`` refuses a template for a type nothing fires.
 
     Examples:
         >>> import graphmod as gm
@@ -36,6 +37,7 @@ class Plugin:
     name: str
     priority: int = 0
     every: Template | None = None
+    fires: tuple[str, ...] = ()
 
     def __init__(self, *, name: str | None = None, priority: int = 0,
                  every: Template | None = None) -> None:

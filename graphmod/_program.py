@@ -16,7 +16,11 @@ Variables layout
     by call id).
 
 Sharp edges
-    Inputs are validated when a new signature is traced, not on every call.
+    Inputs and variables are validated when a new signature is traced, not on every call:
+    arguments against init's examples (rank, feature size, dtype, and one batch size for
+    the arguments that shared one there); the model's variables against the layout, the
+    managers' against init's (paths, shapes, canonical dtypes: float64 fits float32 when
+    x64 is off, bfloat16 does not).
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from graphmod import _context
 from graphmod import roles as _roles
@@ -37,9 +40,19 @@ from graphmod._graph import ComputationGraph
 from graphmod._layout import Layout
 from graphmod._manager import Manager
 from graphmod._rewrites import Rewrites, RewriteTrace
-from graphmod._validation import check_arguments, flat_keys, tree_difference
+from graphmod._validation import (
+    as_key,
+    check_arguments,
+    flat_keys,
+    flat_leaves,
+    spec,
+    spec_differences,
+    tree_difference,
+)
 from graphmod.provenance._capture import key_record
 from graphmod.provenance._environment import now
+
+_TRAIN = "program.train(variables, *args, rng=key)"
 
 
 class _Shared:
@@ -223,6 +236,7 @@ class Program:
         Runs an abstract training-mode trace on the example arguments, whose feature shapes
         and dtypes later calls are checked against.
         """
+        key = jax.random.key(0) if rng is None else as_key(rng, "program.init(..., rng=key)")
         layout = self._shared.layout
         self._shared.examples.update(self._bind(example_args, example_kwargs, jax.typeof))
         model = layout.pure({
@@ -240,7 +254,6 @@ class Program:
             found["managers"] = [m.name for m in frame.seen_managers.values()]
             return _owned_tree(frame.owned, frame.hparams)
 
-        key = jax.random.key(0) if rng is None else rng
         managers = jax.jit(trace)(model, example_args, example_kwargs, key)
         self._shared.owned_roles = found["roles"]
         for name in found["managers"]:
@@ -253,13 +266,15 @@ class Program:
         """Keeps the shapes of init's examples and variables, and its seed, for provenance."""
         self._example = (jax.tree.map(_abstract, args), jax.tree.map(_abstract, kwargs))
         self._abstract_variables = jax.tree.map(_abstract, variables)
-        seed = key_record(_as_key(key))
+        seed = key_record(key)
         if seed is not None or self._init_rng is None:  # traced (eval_shape): keep the last
             self._init_rng = seed
         self._provenance = None
 
     def train(self, variables: dict, *args: Any, rng: Any, **kwargs: Any) -> Any:
         """Runs ``fn`` in training mode: ``(out, variables)`` (``+ monitored`` with monitor=)."""
+        if not hasattr(rng, "dtype"):  # e.g. rng=0: refused before jit sees it
+            as_key(rng, _TRAIN)
         return self._train(variables, rng, args, kwargs)
 
     def infer(self, variables: dict, *args: Any, **kwargs: Any) -> Any:
@@ -268,7 +283,7 @@ class Program:
 
     def _train_traced(self, variables: dict, rng: Any, args: tuple, kwargs: dict) -> Any:
         values, owned, hparams = self._unpack(variables)
-        frame = self._trace("train", values, owned, hparams, _as_key(rng), args, kwargs)
+        frame = self._trace("train", values, owned, hparams, as_key(rng, _TRAIN), args, kwargs)
         new = {
             "model": self._shared.layout.pure(frame.values),
             "managers": _replace_owned(variables["managers"], frame.owned, frame.owned_updated),
@@ -316,6 +331,7 @@ class Program:
                     missing and f"missing {', '.join(missing)}",
                     extra and f"unexpected {', '.join(extra)}") if part) + hint
             )
+        self._check_specs(variables)
         owned: dict[OwnedKey, Any] = {}
         hparams: dict[tuple[str, str], Any] = {}
         # Entries of managers this program does not use are read but never asked for.
@@ -324,18 +340,34 @@ class Program:
             hparams.update({(name, h): v for h, v in entry.get("hparams", {}).items()})
         return layout.model_values(variables["model"]), owned, hparams
 
+    def _check_specs(self, variables: Mapping) -> None:
+        """Shapes and dtypes: the model's against the layout, the managers' against init's
+        (this program's, else its origin's; unchecked before any init)."""
+        layout = self._shared.layout
+        differences = spec_differences(
+            flat_leaves(variables["model"]),
+            {key: (info.shape, info.dtype) for key, info in layout.by_key.items()},
+            lambda key: layout.by_key[key].path)
+        reference = self._abstract_variables or (self._origin and self._origin._abstract_variables)
+        if reference is not None:
+            differences += spec_differences(
+                flat_leaves(variables["managers"]),
+                {key: spec(leaf) for key, leaf in flat_leaves(reference["managers"]).items()},
+                lambda key: "managers" + "".join(f"[{part!r}]" for part in key))
+        if differences:
+            raise ValueError(
+                "variables do not fit this program's layout:\n  " + "\n  ".join(differences)
+                + "\nThese variables were made by another program or model: use the variables "
+                "this program's init returns (program.init(...)), or the program they were "
+                "made for")
+
     def update_model(self, variables: dict) -> None:
         """Writes ``variables["model"]`` (copies) into the model's NNX variables.
 
-        Checks every path and shape first; nothing is written if one does not fit.
+        Checks every path, shape and dtype first; nothing is written if one does not fit.
         """
         values, _, _ = self._unpack(variables)
         layout = self._shared.layout
-        for identity, value in values.items():
-            info = layout.by_identity[identity]
-            if tuple(np.shape(value)) != info.shape:
-                raise ValueError(f"update_model: {info.path} has shape {np.shape(value)}, "
-                                 f"the model's is {info.shape}")
         for identity, value in values.items():
             layout.objects[identity].set_raw_value(jnp.array(value, copy=True))
 
@@ -459,6 +491,9 @@ class Program:
             >>> predict.infer(variables, jnp.ones((5, 2))).shape
             (5, 1)
         """
+        if not callable(fn):
+            raise TypeError(f"program.derive(fn): fn must be callable, e.g. lambda model, x: "
+                            f"model(x); got {fn!r}")
         derived = Program(fn, self._shared, self._managers, self._monitor, self._axis_name,
                           strict=False)
         derived._origin = self._origin or self
@@ -517,15 +552,6 @@ def _abstract(value: Any) -> jax.ShapeDtypeStruct:
 
 def _int_keys(key: tuple) -> tuple:
     return tuple(int(k) if isinstance(k, str) and k.isdigit() else k for k in key)
-
-
-def _as_key(rng: Any) -> Any:
-    if rng is None:
-        raise TypeError("train(variables, *args, rng=key): rng is required, e.g. "
-                        "jax.random.key(0)")
-    if jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
-        return rng
-    return jax.random.wrap_key_data(rng)
 
 
 def _check_strict(frame: Frame) -> None:

@@ -48,6 +48,17 @@ class Schedule:
         """The rule's own special points in ``(lo, hi]`` (where its value can change)."""
         return []
 
+    def fractional(self) -> Schedule | None:
+        """The first part of the rule placing points off the integers (``at(1.5)``,
+        ``each(2.5)``), which an integer timeline never or only partly meets; else None.
+
+        Examples:
+            >>> from graphmod import each, at
+            >>> (each(10) | at(2.5)).fractional(), each(2.0).fractional()
+            (at(2.5), None)
+        """
+        return None
+
     def __call__(self, t_prev: float, t_now: float | None = None) -> bool:
         if t_now is None:
             return bool(self.holds(np.asarray([t_prev]))[0])
@@ -79,6 +90,10 @@ class Schedule:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _integral(value: float) -> bool:
+    return float(value).is_integer()
 
 
 def _check(other: Any, op: str) -> Schedule:
@@ -120,6 +135,9 @@ class _Each(Schedule):
         last = math.floor((hi - self.start) / self.n)
         return [self.start + k * self.n for k in range(first, min(last, first + 4096) + 1)]
 
+    def fractional(self) -> Schedule | None:
+        return None if _integral(self.n) and _integral(self.start) else self
+
     def __repr__(self) -> str:
         return f"each({self.n}" + (f", start={self.start})" if self.start else ")")
 
@@ -136,6 +154,9 @@ class _At(Schedule):
 
     def points_in(self, lo: float, hi: float) -> list[float]:
         return [t for t in self.times if lo < t <= hi]
+
+    def fractional(self) -> Schedule | None:
+        return None if all(map(_integral, self.times)) else self
 
     def __repr__(self) -> str:
         return f"at({', '.join(map(str, self.times))})"
@@ -211,6 +232,9 @@ class _And(Schedule):
     def points_in(self, lo: float, hi: float) -> list[float]:
         return self.a.points_in(lo, hi) + self.b.points_in(lo, hi)
 
+    def fractional(self) -> Schedule | None:
+        return self.a.fractional() or self.b.fractional()
+
     def __repr__(self) -> str:
         return f"({self.a!r} & {self.b!r})"
 
@@ -239,6 +263,9 @@ class _Not(Schedule):
 
     def points_in(self, lo: float, hi: float) -> list[float]:
         return self.a.points_in(lo, hi)
+
+    def fractional(self) -> Schedule | None:
+        return self.a.fractional()
 
     def __repr__(self) -> str:
         return f"~{self.a!r}"

@@ -158,3 +158,59 @@ def test_variables_with_string_list_keys_get_a_restore_hint() -> None:
                    "managers": variables["managers"]}
     with pytest.raises(ValueError, match=r"differ only in key types.*restore with one"):
         program.update_model(as_restored)
+
+
+def test_an_int_where_a_key_is_wanted_names_rng_and_the_fix() -> None:
+    program = gm.compile(_cost, _mlp())
+    fix = r"rng must be one JAX random key, e.g. rng=jax\.random\.key\(0\).*got 0 \(int\)"
+    with pytest.raises(TypeError, match=r"program\.init\(\.\.\., rng=key\): " + fix):
+        program.init(X, Y, rng=0)
+    assert program._example is None and not program._shared.examples  # nothing recorded
+    variables = program.init(X, Y)
+    snapshot = jax.tree.map(np.asarray, variables)
+    with pytest.raises(TypeError, match=r"program\.train\(variables, \*args, rng=key\): " + fix):
+        program.train(variables, X, Y, rng=0)
+    step = gm.optimize(program, optax.sgd(0.1))
+    with pytest.raises(TypeError, match=r"step\.init\(variables, rng\): " + fix):
+        step.init(variables, 0)
+    with pytest.raises(TypeError, match=r"rng must be one JAX random key.*got an array of "
+                                        r"shape \(2,\) and dtype key<fry>"):
+        program.train(variables, X, Y, rng=jax.random.split(jax.random.key(0)))
+    jax.tree.map(np.testing.assert_array_equal, variables, snapshot)
+    data = jax.random.key_data(jax.random.key(0))  # raw key data is a key too
+    program.train(variables, X, Y, rng=data)
+    assert int(step.init(variables, data).step) == 0
+
+
+def _runs(program: gm.Program, variables: dict) -> dict:
+    step = gm.optimize(program, optax.sgd(0.1))
+    state = step.init(variables, jax.random.key(0))
+    return {"train": lambda *a: program.train(variables, *a, rng=jax.random.key(0)),
+            "infer": lambda *a: program.infer(variables, *a),
+            "step": lambda *a: step(state, *a)}
+
+
+@pytest.mark.parametrize("run", ["train", "infer", "step"])
+def test_arguments_disagreeing_on_the_batch_size_name_both(run: str) -> None:
+    program = gm.compile(_cost, _mlp())
+    call = _runs(program, program.init(X[:1], Y[:1]))[run]
+    with pytest.raises(ValueError, match=r"disagree on their leading \(batch\) dimension: "
+                                         r"argument 'x' has 8 rows, argument 'y' has 5 rows "
+                                         r"\(init's example gave them all 1\)"):
+        call(X, Y[:5])
+    call(X[:3], Y[:3])  # another batch size, the same for both, is fine
+
+
+def test_an_argument_that_is_not_batched_may_keep_its_own_leading_size() -> None:
+    program = gm.compile(lambda m, x, scale: (m(x * scale) ** 2).mean(), _mlp())
+    variables = program.init(X[:2], jnp.ones(4))
+    for rows in (1, 8):
+        program.train(variables, X[:rows], jnp.ones(4), rng=jax.random.key(0))
+
+
+def test_an_array_source_with_rows_that_disagree_names_each_array() -> None:
+    with pytest.raises(ValueError, match=r"arrays\[0\] has 8 rows; arrays\[1\] has 5 rows\. "
+                                         r"Pass as many rows in each"):
+        gm.data.ArraySource((np.ones((8, 4)), np.ones((5, 2))), batch_size=2)
+    with pytest.raises(ValueError, match=r"arrays\['x'\] has 8 rows; arrays\['y'\] is a scalar"):
+        gm.data.ArraySource({"x": np.ones((8, 4)), "y": np.float32(1)}, batch_size=2)

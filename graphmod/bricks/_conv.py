@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as _Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,16 +12,11 @@ from flax import nnx
 from graphmod._application import application
 from graphmod._brick import Brick
 from graphmod._variables import Bias, Filter
+from graphmod.bricks._checks import check_sizes
 
 Padding = str | int | _Sequence[int | tuple[int, int]]
 
 _PAD_MODES = {"CIRCULAR": "wrap", "REFLECT": "reflect"}
-
-
-def _positive(value: Any, argument: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Conv({argument}={value!r}): must be a positive int")
-    return value
 
 
 def _per_axis(value: int | _Sequence[int] | None, rank: int, argument: str) -> tuple[int, ...]:
@@ -34,7 +28,7 @@ def _per_axis(value: int | _Sequence[int] | None, rank: int, argument: str) -> t
         raise ValueError(f"Conv({argument}={value!r}): give an int or {rank} ints, one per "
                          f"spatial axis of kernel_size")
     for item in values:
-        _positive(item, argument)
+        check_sizes("Conv", **{argument: item})
     return values
 
 
@@ -115,9 +109,8 @@ class Conv(Brick):
         bias_init: Callable = nnx.initializers.zeros_init(),
         rngs: nnx.Rngs,
     ) -> None:
-        _positive(in_features, "in_features")
-        _positive(out_features, "out_features")
-        _positive(feature_group_count, "feature_group_count")
+        check_sizes("Conv", in_features=in_features, out_features=out_features,
+                    feature_group_count=feature_group_count)
         if isinstance(kernel_size, int) and not isinstance(kernel_size, bool):
             kernel_size = (kernel_size,)
         if not isinstance(kernel_size, _Sequence) or not kernel_size:
@@ -125,7 +118,7 @@ class Conv(Brick):
                              "tuple of ints, one per spatial axis")
         kernel_size = tuple(kernel_size)
         for size in kernel_size:
-            _positive(size, "kernel_size")
+            check_sizes("Conv", kernel_size=size)
         rank = len(kernel_size)
         for argument, count in (("in_features", in_features), ("out_features", out_features)):
             if count % feature_group_count:

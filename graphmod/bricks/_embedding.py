@@ -11,6 +11,7 @@ from flax import nnx
 from graphmod._application import application
 from graphmod._brick import Brick
 from graphmod._variables import Weight
+from graphmod.bricks._checks import check_sizes
 
 
 class Embedding(Brick):
@@ -51,9 +52,7 @@ class Embedding(Brick):
             1.0, "fan_in", "normal", out_axis=0),
         rngs: nnx.Rngs,
     ) -> None:
-        for argument, value in (("num_embeddings", num_embeddings), ("features", features)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Embedding({argument}={value!r}): must be a positive int")
+        check_sizes("Embedding", num_embeddings=num_embeddings, features=features)
         self.num_embeddings = num_embeddings
         self.features = features
         self.W = Weight(embedding_init(rngs.params(), (num_embeddings, features)))

@@ -11,6 +11,7 @@ from flax import nnx
 from graphmod._application import application
 from graphmod._brick import Brick
 from graphmod._variables import Bias, Weight
+from graphmod.bricks._checks import check_sizes
 
 
 class Linear(Brick):
@@ -41,6 +42,7 @@ class Linear(Brick):
         bias_init: Callable = nnx.initializers.zeros_init(),
         rngs: nnx.Rngs,
     ) -> None:
+        check_sizes("Linear", in_features=in_features, out_features=out_features)
         self.in_features = in_features
         self.out_features = out_features
         self.use_bias = use_bias
@@ -82,6 +84,7 @@ class MLP(Brick):
         dims = list(dims)
         if len(dims) < 2:
             raise ValueError(f"MLP(dims={dims}): needs at least an input and an output size")
+        check_sizes("MLP", **{f"dims[{i}]": dim for i, dim in enumerate(dims)})
         self.dims = dims
         self.activation = activation
         self.linear_layers = nnx.List(

@@ -11,6 +11,7 @@ from flax import nnx
 from graphmod._application import application
 from graphmod._brick import Brick
 from graphmod._variables import Bias, Parameter
+from graphmod.bricks._checks import check_sizes
 
 
 class LayerNorm(Brick):
@@ -49,9 +50,7 @@ class LayerNorm(Brick):
         bias_init: Callable = nnx.initializers.zeros_init(),
         rngs: nnx.Rngs,
     ) -> None:
-        if isinstance(num_features, bool) or not isinstance(num_features, int) \
-                or num_features < 1:
-            raise ValueError(f"LayerNorm(num_features={num_features!r}): must be a positive int")
+        check_sizes("LayerNorm", num_features=num_features)
         if isinstance(epsilon, bool) or not isinstance(epsilon, int | float) or epsilon <= 0:
             raise ValueError(f"LayerNorm(epsilon={epsilon!r}): must be a float > 0")
         self.num_features = num_features

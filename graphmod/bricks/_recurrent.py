@@ -25,12 +25,7 @@ from graphmod._application import ApplicationCall, application
 from graphmod._brick import Brick
 from graphmod._scan import scan
 from graphmod._variables import Bias, Weight
-
-
-def _check_sizes(owner: str, **sizes: Any) -> None:
-    for argument, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{owner}({argument}={value!r}): must be a positive int")
+from graphmod.bricks._checks import check_sizes
 
 
 def _check_inputs(owner: str, inputs: Any, in_features: int) -> tuple[int, int]:
@@ -101,7 +96,7 @@ class SimpleRecurrent(Brick):
         bias_init: Callable = nnx.initializers.zeros_init(),
         rngs: nnx.Rngs,
     ) -> None:
-        _check_sizes("SimpleRecurrent", in_features=in_features,
+        check_sizes("SimpleRecurrent", in_features=in_features,
                      hidden_features=hidden_features)
         if not callable(activation):
             raise TypeError(f"SimpleRecurrent(activation={activation!r}): must be callable")
@@ -173,7 +168,7 @@ class LSTM(Brick):
         bias_init: Callable = nnx.initializers.zeros_init(),
         rngs: nnx.Rngs,
     ) -> None:
-        _check_sizes("LSTM", in_features=in_features, hidden_features=hidden_features)
+        check_sizes("LSTM", in_features=in_features, hidden_features=hidden_features)
         self.in_features = in_features
         self.hidden_features = hidden_features
         gates = 4 * hidden_features

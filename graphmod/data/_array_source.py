@@ -39,10 +39,12 @@ class ArraySource:
         if None in sizes or len(sizes) != 1:
             paths = [jax.tree_util.keystr(p) for p, _ in
                      jax.tree_util.tree_flatten_with_path(arrays)[0]]
-            shapes = ", ".join(f"{p or 'arrays'}: {leaf.shape}"
-                               for p, leaf in zip(paths, self._leaves, strict=True))
-            raise ValueError(f"ArraySource(arrays): arrays must share their first dimension "
-                             f"({shapes})")
+            rows = "; ".join(
+                f"arrays{p} has {leaf.shape[0]} rows" if leaf.ndim else f"arrays{p} is a scalar"
+                for p, leaf in zip(paths, self._leaves, strict=True))
+            raise ValueError(f"ArraySource(arrays): the arrays must share their first "
+                             f"dimension, one row per example: {rows}. Pass as many rows "
+                             "in each (e.g. x[:n] and y[:n])")
         self.size = sizes.pop()
         if self.size == 0:
             raise ValueError("ArraySource(arrays): the arrays are empty (0 rows)")

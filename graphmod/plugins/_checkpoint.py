@@ -1,29 +1,39 @@
-"""``Checkpoint``: saves the run (asynchronously, atomically, keeping the latest N)."""
+"""``Checkpoint``: saves the run (asynchronously, atomically, verified, keeping its latest N)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shlex
+import sys
 from typing import Any
 
-from graphmod._checkpoint import Checkpointer
+from graphmod._checkpoint import Checkpointer, CheckpointError
 from graphmod._events import Event, On, Template
 from graphmod._plugin import Plugin
 
 RESUME_VARIABLE = "GRAPHMOD_RESUME"
+_log = logging.getLogger("graphmod.checkpoint")
 
 
 class Checkpoint(Plugin):
     """Saves the train state and everything the loop needs to continue exactly.
 
     A checkpoint holds the variables, optimizer state, RNG, loop counters and timelines,
-    data position, every plugin's ``state_dict()`` and, when the step is a
-    :func:`graphmod.optimize` step, the run's provenance record (read it back with
-    ``graphmod.provenance.read(directory)``; ``graphmod inspect DIR`` prints it). Writes
-    are asynchronous (the arrays are copied to the host first, since the next step donates
-    them) and atomic (orbax renames a finished write into place); the latest ``keep`` are
-    kept. The run is also saved when it stops on an error or a KeyboardInterrupt. With
-    ``resume=True`` (or when ``graphmod resume DIR`` runs the script) a run continues from
-    the latest checkpoint in ``directory`` if there is one.
+    data position, every plugin's ``state_dict()``, a checksum of every array, the run's id
+    and, when the step is a :func:`graphmod.optimize` step, the run's provenance record (read
+    it back with ``graphmod.provenance.read(directory)``; ``graphmod inspect DIR`` prints it
+    and verifies each checkpoint). Writes are asynchronous (the arrays are copied to the host
+    first, since the next step donates them) and atomic (orbax renames a finished write
+    into place); the latest ``keep`` of this run are kept.
+
+    A run never deletes or overwrites checkpoints it did not write: a new run whose
+    ``directory`` holds another run's checkpoints stops before its first step, unless
+    ``resume=True`` (continue that run from its newest checkpoint that verifies, skipping
+    corrupted ones with a warning; ``graphmod resume DIR`` sets this too) or
+    ``overwrite=True`` (delete every checkpoint in ``directory`` first, and any leftover of
+    a cut-off write; other files stay). A run stopped by Ctrl-C or an error saves its last
+    finished step (``on_interrupt``) and prints one line saying how to continue.
 
     Examples:
         >>> import tempfile, graphmod as gm
@@ -34,17 +44,25 @@ class Checkpoint(Plugin):
     """
 
     def __init__(self, directory: str | os.PathLike, *, every: Template | None = None,
-                 keep: int | None = 3, resume: bool = False, on_interrupt: bool = True,
-                 asynchronous: bool = True, name: str = "checkpoint") -> None:
+                 keep: int | None = 3, resume: bool = False, overwrite: bool = False,
+                 on_interrupt: bool = True, asynchronous: bool = True,
+                 name: str = "checkpoint") -> None:
         super().__init__(name=name, every=every if every is not None else On("epoch_end"))
         self.directory = os.path.abspath(os.fspath(directory))
-        if keep is not None and (not isinstance(keep, int) or keep < 1):
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool)
+                                 or keep < 1):
             raise ValueError(f"Checkpoint(keep={keep!r}): must be a positive int or None")
+        if resume and overwrite:
+            raise ValueError("Checkpoint(resume=True, overwrite=True): pick one; resume "
+                             "continues the run saved in the directory, overwrite deletes "
+                             "its checkpoints and starts anew")
         self.keep = keep
         self.resume = resume
+        self.overwrite = overwrite
         self.save_on_interrupt = on_interrupt
         self.asynchronous = asynchronous
         self._writer: Checkpointer | None = None
+        self._run_id: str | None = None  # made by the first setup, or a resumed run's
         self._saved_step: int | None = None
         self._inputs: Any = None  # the run's provenance inputs, assembled at the first save
 
@@ -52,35 +70,70 @@ class Checkpoint(Plugin):
         forced = os.environ.get(RESUME_VARIABLE)
         return self.resume or (forced is not None and os.path.abspath(forced) == self.directory)
 
-    def _open(self) -> Checkpointer:
-        # Opened on first use: a run that never saves pays nothing for orbax.
-        if self._writer is None:
-            self._writer = Checkpointer(self.directory, keep=self.keep,
-                                        asynchronous=self.asynchronous)
-        return self._writer
-
     def setup(self, loop: Any) -> None:
-        if self._wants_resume() and self._open().latest() is not None:
-            assert self._writer is not None
-            state, meta = self._writer.restore(loop.state)
+        # A new run (no run id yet) must not meet another run's checkpoints; a run that
+        # goes on keeps its id, so keep=N prunes only what it wrote.
+        writer = Checkpointer(self.directory, keep=self.keep, asynchronous=self.asynchronous,
+                              run_id=self._run_id)
+        self._writer = writer
+        if self._wants_resume() and writer.steps():
+            state, meta = writer.restore(loop.state)  # the newest that verifies, or raises
             loop.state = state
             loop.load_state_dict(meta)
+            # The same run goes on (a graphmod 0.1 checkpoint has no id: a new one starts).
+            writer.run_id = self._run_id = meta.get("run_id") or writer.run_id
             self._saved_step = loop.time.step
+            return
+        if self._run_id is not None:
+            return  # the run goes on (Loop.resume, or this plugin's loop run again)
+        self._run_id = writer.run_id
+        others = writer.others()
+        if others and self.overwrite:
+            writer.discard(others)
+            _log.warning("Checkpoint(%s, overwrite=True): deleted the checkpoints of steps %s",
+                         self.directory, others)
+        elif others:
+            raise CheckpointError(
+                self.directory,
+                f"Checkpoint {self.name!r}: the directory holds checkpoints this run did not "
+                f"write (steps {', '.join(map(str, others))}); a new run would mix with them "
+                "and prune them",
+                "continue that run with Checkpoint(..., resume=True), write to a new "
+                "directory, or pass Checkpoint(..., overwrite=True) to delete them first")
 
     def __call__(self, event: Event) -> None:
         self.save(event)
 
     def on_interrupt(self, event: Event) -> None:
-        if self.save_on_interrupt:
+        """Saves the last finished step, waits for the write, and prints one line (to
+        standard error) saying what was saved and how to continue."""
+        loop = event.loop
+        if not self.save_on_interrupt or loop.state is None or self._writer is None:
+            return  # nothing to save, or not set up (its setup refused the directory)
+        error = event.data.get("error")
+        cause = "interrupted" if error is None or isinstance(error, KeyboardInterrupt) \
+            else f"stopped by {type(error).__name__}"
+        step, where = loop.time.step, shlex.quote(self.directory)
+        try:
             self.save(event)
             self.wait()
+        except CheckpointError as failure:
+            print(f"graphmod: {cause} at step {step}; the save failed: {failure}",
+                  file=sys.stderr)
+            raise
+        print(f"graphmod: {cause} - saved step {step} to {self.directory}; continue with: "
+              f"graphmod resume {where} (or graphmod.Loop.resume from Python)",
+              file=sys.stderr)
 
     def save(self, event: Event) -> None:
         """Saves the loop's current state now (once per step)."""
         loop = event.loop
         if loop.state is None or self._saved_step == loop.time.step:
             return
-        self._open().save(loop.time.step, loop.state, {**loop.state_dict(),
+        if self._writer is None:
+            raise RuntimeError(f"Checkpoint {self.name!r}: save() runs only while its loop "
+                               "runs (after setup)")
+        self._writer.save(loop.time.step, loop.state, {**loop.state_dict(),
                                                        **self._provenance(loop)})
         self._saved_step = loop.time.step
 
@@ -106,11 +159,19 @@ class Checkpoint(Plugin):
             self._writer.wait()
 
     def teardown(self, loop: Any, error: BaseException | None) -> None:
-        if self._writer is not None:
-            self._writer.wait()
-            self._writer.close()
-            self._writer = None
+        writer, self._writer = self._writer, None
         self._inputs = None
+        if writer is None:
+            return
+        try:
+            writer.close()  # the last write completes (or raises) before the run ends
+        except CheckpointError as failure:
+            raise CheckpointError(failure.path, f"Checkpoint {self.name!r} could not finish "
+                                  f"its last save: {failure.reason}", failure.fix) from None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"directory": self.directory}
+        return {"directory": self.directory, "run_id": self._run_id}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Loop.resume restores this before setup: the resumed run keeps its run id.
+        self._run_id = state.get("run_id")

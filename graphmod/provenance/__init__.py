@@ -9,16 +9,18 @@ Examples:
 from graphmod.provenance._collect import capture
 from graphmod.provenance._diff import Difference, Differences, diff
 from graphmod.provenance._files import read
-from graphmod.provenance._names import DEFAULT_ALLOWED, RebuildError
+from graphmod.provenance._names import DEFAULT_ALLOWED, DEFAULT_FACTORIES, RebuildError
 from graphmod.provenance._optimizer import optimizer
 from graphmod.provenance._rebuild import Rebuilt, rebuild
-from graphmod.provenance._record import Provenance
+from graphmod.provenance._record import Provenance, ProvenanceError
 
 __all__ = [
     "DEFAULT_ALLOWED",
+    "DEFAULT_FACTORIES",
     "Difference",
     "Differences",
     "Provenance",
+    "ProvenanceError",
     "RebuildError",
     "Rebuilt",
     "capture",

@@ -205,6 +205,8 @@ def training_inputs(step: Any, loop: Any = None) -> dict[str, Any]:
                           "steps_per_call": loop.steps_per_call,
                           "plugins": [{"name": getattr(p, "name", None),
                                        "class": class_path(type(p))} for p in loop.plugins]}
+        if getattr(loop, "data_changes", None):  # resumed on other data, as its caller allowed
+            inputs["data_changes"] = list(loop.data_changes)
     inputs["seeds"] = seeds
     inputs["versions"] = base["versions"]
     inputs["platform"] = base["platform"]

@@ -6,7 +6,7 @@ import os
 import pathlib
 from typing import Any
 
-from graphmod.provenance._record import Provenance
+from graphmod.provenance._record import Provenance, ProvenanceError
 
 
 def read(path: str | os.PathLike, *, step: int | None = None) -> Provenance:
@@ -22,7 +22,10 @@ def read(path: str | os.PathLike, *, step: int | None = None) -> Provenance:
     """
     path = pathlib.Path(path)
     if path.is_file():
-        return Provenance.from_json(path.read_text())
+        try:
+            return Provenance.from_json(path.read_bytes())
+        except ProvenanceError as error:
+            raise ProvenanceError(f"{path}: {error}") from None
     if not path.is_dir():
         raise FileNotFoundError(f"no provenance at {path}: neither a JSON file nor a run "
                                 "directory")
@@ -36,4 +39,8 @@ def read(path: str | os.PathLike, *, step: int | None = None) -> Provenance:
     if "provenance" not in meta:
         why = meta.get("provenance_error", "its step was not a graphmod.optimize step")
         raise ValueError(f"{path}: the checkpoint holds no provenance record ({why})")
-    return Provenance.from_dict(meta["provenance"])
+    try:
+        return Provenance.from_dict(meta["provenance"])
+    except ProvenanceError as error:
+        raise ProvenanceError(f"{path} (step {step if step is not None else 'latest'}): "
+                              f"{error}") from None

@@ -1,87 +1,74 @@
 """``rebuild``: the bricks, managers and optimizer of a record, constructed again.
 
-Safety: a record is data. ``rebuild`` first walks everything it will construct and checks
-every import path in it — syntax, no dunder attributes, top-level package in the
-allow-list (graphmod, managers, jax, flax, optax, and what the caller adds) — and that
-nothing it needs was recorded as opaque, all before importing anything. Only then does it
-import, and each object reached must belong to an allowed package. Classes must be
-graphmod bricks or managers; factories (``$call``) must be functions. Nothing is unpickled.
+Safety: a record is data, and one from elsewhere may be crafted (the threat model is in
+``docs/concepts/provenance.md``). One walker, :class:`_Decoder`, reads every tag, in two
+passes over everything rebuild will construct (root brick, managers, monitor filters,
+optimizer):
+
+1. **Check** (``dry=True``): every import path is checked by
+   :meth:`~graphmod.provenance._names.Rules.check` (public, allowed package, no system
+   module, no loader or runner, calls only to listed factories; see ``_names``), and every
+   entry's shape (a ``$call`` has a function and keyword arguments, a ``$partial`` wraps a
+   function, dtypes are numeric, tags are known, nothing is opaque). Nothing is imported,
+   constructed or called, so a crafted record is refused, with the field that names the
+   culprit, before anything it names is imported.
+2. **Construct**: the same walk, each path checked again and resolved by
+   :meth:`~graphmod.provenance._names.Rules.resolve`, which verifies what it reached. The root
+   and ``$brick`` classes must be graphmod bricks, managers graphmod ``Manager`` subclasses,
+   a ``$class`` a brick, manager or Flax module class, an ``$enum`` an ``enum.Enum``. Only
+   listed factories are called; functions recorded as values are handed to the bricks that
+   take them, never called here. Nothing is unpickled or evaluated.
+
+Any malformed entry raises :class:`RebuildError` naming its field, never a bare
+``KeyError`` or ``TypeError``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import inspect
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from graphmod.provenance._names import DEFAULT_ALLOWED, RebuildError, check_path, resolve
+from graphmod.provenance._names import Kind, RebuildError, Rules
 from graphmod.provenance._record import Provenance
 
 _KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+# Tags whose values hold no import path: decoded the same way in both passes.
+_DATA_TAGS = ("$float", "$dtype", "$array", "$key", "$rngs", "$application")
+_FUNCTION_TAGS = ("$callable", "$call", "$partial")
+_FILTER_FIELDS = ("roles", "bricks", "applications", "name", "name_regex", "path", "call_id",
+                  "each_role")
 
 
 def _join(where: str, key: Any) -> str:
     return f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}"
 
 
-def _paths(value: Any, where: str) -> Iterator[tuple[str, str]]:
-    """Every import path a recorded value names, as ``(path, where)``; raises for opaque
-    values, which cannot be rebuilt."""
-    if isinstance(value, Mapping):
-        if len(value) == 1:
-            (tag, inner), = value.items()
-            if tag == "$opaque":
-                raise RebuildError(
-                    f"rebuild: {where} was recorded as opaque ({inner.get('kind')}: "
-                    f"{inner.get('repr', inner.get('type'))}), so it cannot be rebuilt. "
-                    + ("Define it at module level in an importable module (a lambda or a "
-                       "local function has no import path)."
-                       if inner.get("kind") == "callable" else
-                       "Pass values graphmod can record: numbers, strings, lists, roles, "
-                       "bricks, public functions."))
-            if tag in ("$callable", "$class"):
-                yield inner, where
-                return
-            if tag == "$call":
-                yield inner["function"], where
-                yield from _paths(inner["kwargs"], f"{where}.kwargs")
-                return
-            if tag == "$enum":
-                yield inner["class"], where
-                return
-            if tag == "$brick":
-                yield from config_paths(inner, where)
-                return
-            if tag == "$optimizer":
-                yield from optimizer_paths(inner, where)
-                return
-        for key, item in value.items():
-            yield from _paths(item, _join(where, key))
-    elif isinstance(value, tuple | list):
-        for index, item in enumerate(value):
-            yield from _paths(item, _join(where, index))
+def _field(inner: Any, key: str, where: str, kind: type | tuple[type, ...]) -> Any:
+    """``inner[key]``, which must be a ``kind``; raises naming ``where`` otherwise."""
+    if not isinstance(inner, Mapping) or not isinstance(inner.get(key), kind):
+        raise RebuildError(f"rebuild: {where} lacks a valid {key!r} entry; the record is "
+                           "damaged or crafted")
+    return inner[key]
 
 
-def config_paths(config: Mapping[str, Any], where: str) -> Iterator[tuple[str, str]]:
-    """The import paths a constructor record needs (its class and arguments)."""
-    if config.get("recorded") is False or "error" in config or "arguments" not in config:
-        reason = config.get("error") or "its construction was not recorded (not a graphmod " \
-                                        "Brick or Manager)"
-        raise RebuildError(f"rebuild: {where} ({config.get('class')}) cannot be rebuilt: "
-                           f"{reason}")
-    yield config["class"], f"{where}.class"
-    yield from _paths(config["arguments"], f"{where}.arguments")
-
-
-def optimizer_paths(record: Mapping[str, Any], where: str) -> Iterator[tuple[str, str]]:
-    """The import paths a recorded optimizer needs (``optax.<name>`` and its arguments)."""
-    yield f"optax.{record['name']}", f"{where}.name"
-    yield from _paths(record.get("arguments", {}), f"{where}.arguments")
+def _opaque(inner: Any, where: str) -> RebuildError:
+    """The error for a value recorded as opaque."""
+    inner = inner if isinstance(inner, Mapping) else {}
+    return RebuildError(
+        f"rebuild: {where} was recorded as opaque ({inner.get('kind')}: "
+        f"{inner.get('repr', inner.get('type'))}), so it cannot be rebuilt. "
+        + ("Define it at module level in an importable module (a lambda, a local function or "
+           "a function of a script has no import path)."
+           if inner.get("kind") == "callable" else
+           "Pass values graphmod can record: numbers, strings, lists, roles, bricks, public "
+           "functions."))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,15 +160,32 @@ def _thaw(value: Any) -> Any:
 
 
 class _Decoder:
-    def __init__(self, allowed: frozenset[str], bricks: Mapping[str, Any] | None) -> None:
-        self.allowed = allowed
+    """Decodes recorded values; with ``dry=True`` only checks them, importing nothing."""
+
+    def __init__(self, rules: Rules, bricks: Mapping[str, Any] | None, *, dry: bool) -> None:
+        self.rules = rules
         self.bricks = bricks
+        self.dry = dry
+
+    def lookup(self, path: Any, kind: Kind, where: str) -> Any:
+        """The object at ``path`` (None when dry, after checking it)."""
+        if self.dry:
+            self.rules.check(path, kind, where)
+            return None
+        return self.rules.resolve(path, kind, where)
 
     def __call__(self, value: Any, where: str) -> Any:
         if isinstance(value, Mapping):
-            if len(value) == 1 and next(iter(value)).startswith("$"):
+            if len(value) == 1 and str(next(iter(value))).startswith("$"):
                 (tag, inner), = value.items()
-                return self._tagged(tag, inner, where)
+                try:
+                    return self._tagged(tag, inner, where)
+                except RebuildError:
+                    raise
+                except (AttributeError, IndexError, KeyError, TypeError, ValueError) as error:
+                    raise RebuildError(f"rebuild: {where} holds a malformed {tag} entry "
+                                       f"({type(error).__name__}: {error}); the record is "
+                                       "damaged or crafted") from error
             raise RebuildError(f"rebuild: {where} is a mapping without a tag; the record is "
                                "damaged or crafted")
         if isinstance(value, tuple | list):
@@ -189,83 +193,140 @@ class _Decoder:
         return value
 
     def _tagged(self, tag: str, inner: Any, where: str) -> Any:
-        from graphmod import roles
-        from graphmod._filter import VariableFilter
-        from graphmod._manager import dynamic
-
+        if tag in _DATA_TAGS:
+            return _data(tag, inner, where)
+        if tag == "$opaque":
+            raise _opaque(inner, where)
         if tag == "$tuple":
-            return tuple(self(v, _join(where, i)) for i, v in enumerate(inner))
+            return tuple(self(list(inner), where))
         if tag == "$dict":
-            return {k: self(v, _join(where, k)) for k, v in inner.items()}
+            items = {k: self(v, _join(where, k)) for k, v in _mapping(inner, where).items()}
+            return None if self.dry else items
         if tag == "$items":
-            return {_hashable(self(k, where)): self(v, where) for k, v in inner}
-        if tag == "$float":
-            return float(inner)
+            pairs = [(self(k, f"{where}[{i}]"), self(v, f"{where}[{i}]"))
+                     for i, (k, v) in enumerate(inner)]
+            return None if self.dry else {_hashable(k): v for k, v in pairs}
         if tag == "$role":
-            parent = None
-            for name in reversed(list(inner["parents"])):
-                parent = roles.add_role(name, parent)
-            return roles.add_role(inner["name"], parent)
+            return self._role(inner, where)
         if tag == "$dynamic":
-            return dynamic(self(inner, where))
-        if tag in ("$callable", "$class"):
-            obj = resolve(inner, self.allowed, where)
-            if tag == "$class" and not isinstance(obj, type):
-                raise RebuildError(f"rebuild: {where} names {inner!r}, which is not a class")
-            if tag == "$callable" and not callable(obj):
-                raise RebuildError(f"rebuild: {where} names {inner!r}, which is not callable")
-            return obj
+            value = self(inner, where)
+            return None if self.dry else _dynamic(value)
+        if tag == "$callable":
+            return self.lookup(inner, "function", where)
+        if tag == "$class":
+            return self._class(inner, where)
         if tag == "$call":
-            factory = resolve(inner["function"], self.allowed, where)
-            if not inspect.isfunction(factory):
-                raise RebuildError(f"rebuild: {where} names {inner['function']!r}, which is "
-                                   "not a function")
-            kwargs = {k: self(v, f"{where}.kwargs.{k}") for k, v in inner["kwargs"].items()}
-            return factory(**kwargs)
+            return self._call(inner, where)
         if tag == "$partial":
-            return functools.partial(self(inner["function"], where),
-                                     *self(inner["args"], where),
-                                     **{k: self(v, where) for k, v in inner["kwargs"].items()})
+            return self._partial(inner, where)
         if tag == "$enum":
-            return resolve(inner["class"], self.allowed, where)[inner["name"]]
-        if tag == "$dtype":
-            return np.dtype(str(inner))
-        if tag == "$array":
-            return _array(inner)
-        if tag == "$key":
-            return _key(inner, where)
-        if tag == "$rngs":
-            return _rngs(inner, where)
+            cls = self.lookup(_field(inner, "class", where, str), "class", where)
+            name = _field(inner, "name", where, str)
+            if self.dry:
+                return None
+            if not (isinstance(cls, type) and issubclass(cls, enum.Enum)) \
+                    or name not in cls.__members__:
+                raise RebuildError(f"rebuild: {where} names {inner['class']}.{name}, which is "
+                                   "not a member of an enum")
+            return cls.__members__[name]
         if tag == "$brick":
             return self.construct(inner, where, kind="brick")
         if tag == "$brick_path":
+            if not isinstance(inner, str):
+                raise RebuildError(f"rebuild: {where} holds a brick path that is not a string")
+            if self.dry:
+                return None
             if self.bricks is None or inner not in self.bricks:
                 raise RebuildError(f"rebuild: {where} names the brick at {inner!r}, which the "
                                    "rebuilt model does not have")
             return self.bricks[inner]
         if tag == "$filter":
-            return VariableFilter(**{k: self(v, _join(where, k)) for k, v in inner.items()})
-        if tag == "$application":
-            return str(inner)
+            fields = {k: self(v, _join(where, k)) for k, v in _mapping(inner, where).items()}
+            return None if self.dry else _filter(fields, where)
         if tag == "$optimizer":
             return self.optimizer(inner, where)
         raise RebuildError(f"rebuild: {where} holds an unknown tag {tag!r}; the record was "
                            "written by a newer graphmod, or is damaged")
 
-    def construct(self, config: Mapping[str, Any], where: str, *, kind: str) -> Any:
-        cls = resolve(config["class"], self.allowed, f"{where}.class")
-        marker = "__graphmod_brick__" if kind == "brick" else None
-        if kind == "brick" and not (isinstance(cls, type) and getattr(cls, marker, False)):
+    def _role(self, inner: Any, where: str) -> Any:
+        from graphmod import roles
+
+        name = _field(inner, "name", where, str)
+        parents = _field(inner, "parents", where, tuple | list)
+        if not all(isinstance(p, str) for p in parents):
+            raise RebuildError(f"rebuild: {where} holds role parents that are not names")
+        if self.dry:
+            return None
+        parent = None
+        for parent_name in reversed(list(parents)):
+            parent = roles.add_role(parent_name, parent)
+        return roles.add_role(name, parent)
+
+    def _class(self, path: Any, where: str) -> Any:
+        """A ``$class``: a graphmod brick or manager class, or a Flax module class."""
+        from flax import nnx
+
+        from graphmod._manager import Manager
+
+        cls = self.lookup(path, "class", where)
+        if self.dry or getattr(cls, "__graphmod_brick__", False) \
+                or issubclass(cls, Manager | nnx.Module):
+            return cls
+        raise RebuildError(f"rebuild: {where} names {path!r}, which is not a brick, manager or "
+                           "Flax module class")
+
+    def _call(self, inner: Any, where: str) -> Any:
+        """A ``$call``: a listed factory called with its recorded keyword arguments."""
+        path = _field(inner, "function", where, str)
+        factory = self.lookup(path, "factory", where)
+        kwargs = {k: self(v, f"{where}.kwargs.{k}")
+                  for k, v in _field(inner, "kwargs", where, Mapping).items()}
+        if self.dry:
+            return None
+        try:
+            return factory(**kwargs)
+        except Exception as error:
+            raise RebuildError(f"rebuild: {where}: calling {path}(...) failed: "
+                               f"{type(error).__name__}: {error}") from error
+
+    def _partial(self, inner: Any, where: str) -> Any:
+        """A ``$partial``: ``functools.partial`` of a recorded function and arguments."""
+        function = _field(inner, "function", where, Mapping)
+        if len(function) != 1 or next(iter(function)) not in _FUNCTION_TAGS:
+            raise RebuildError(f"rebuild: {where}.function must be a recorded function "
+                               f"({', '.join(_FUNCTION_TAGS)}); the record is damaged or "
+                               "crafted")
+        (tag, path), = function.items()
+        # Bound to recorded arguments, a function value is held to the word list everywhere.
+        function = self.lookup(path, "partial", f"{where}.function") if tag == "$callable" \
+            else self(function, f"{where}.function")
+        args = self(list(_field(inner, "args", where, tuple | list)), f"{where}.args")
+        kwargs = {k: self(v, f"{where}.kwargs.{k}")
+                  for k, v in _field(inner, "kwargs", where, Mapping).items()}
+        return None if self.dry else functools.partial(function, *args, **kwargs)
+
+    def construct(self, config: Any, where: str, *, kind: str) -> Any:
+        """A brick or manager from its record (None when dry, after checking it)."""
+        config = _mapping(config, where)
+        if config.get("recorded") is False or "error" in config or "arguments" not in config:
+            reason = config.get("error") or "its construction was not recorded (not a " \
+                                            "graphmod Brick or Manager)"
+            raise RebuildError(f"rebuild: {where} ({config.get('class')}) cannot be rebuilt: "
+                               f"{reason}")
+        cls = self.lookup(config.get("class"), "class", f"{where}.class")
+        arguments = {k: self(v, f"{where}.arguments.{k}")
+                     for k, v in _mapping(config["arguments"], f"{where}.arguments").items()}
+        if self.dry:
+            return None
+        if kind == "brick" and not getattr(cls, "__graphmod_brick__", False):
             raise RebuildError(f"rebuild: {where}.class names {config['class']!r}, which is "
                                "not a graphmod Brick")
         if kind == "manager":
             from graphmod._manager import Manager
 
-            if not (isinstance(cls, type) and issubclass(cls, Manager)):
+            if not issubclass(cls, Manager):
                 raise RebuildError(f"rebuild: {where}.class names {config['class']!r}, which "
                                    "is not a graphmod Manager")
-        arguments = {k: self(v, f"{where}.arguments.{k}")
-                     for k, v in config["arguments"].items()}
         args, kwargs = _call_arguments(cls, arguments, where)
         try:
             return cls(*args, **kwargs)
@@ -273,15 +334,65 @@ class _Decoder:
             raise RebuildError(f"rebuild: constructing {where} ({config['class']}) failed: "
                                f"{type(error).__name__}: {error}") from error
 
-    def optimizer(self, record: Mapping[str, Any], where: str) -> Any:
+    def optimizer(self, record: Any, where: str) -> Any:
+        """The optax transformation or schedule a recorded optimizer names."""
         from graphmod.provenance._optimizer import _factory, optimizer
 
-        _factory(record["name"])
+        name = _field(record, "name", where, str)
+        # Checked, not resolved: a listed optax name is made by optimizer() itself.
+        self.rules.check(f"optax.{name}", "factory", f"{where}.name")
         arguments = {k: self(v, f"{where}.arguments.{k}")
-                     for k, v in record.get("arguments", {}).items()}
-        factory = _factory(record["name"])
-        args, kwargs = _call_arguments(factory, arguments, where)
-        return optimizer(record["name"], *args, **kwargs)
+                     for k, v in _mapping(record.get("arguments", {}),
+                                          f"{where}.arguments").items()}
+        if self.dry:
+            return None
+        args, kwargs = _call_arguments(_factory(name), arguments, where)
+        try:
+            return optimizer(name, *args, **kwargs)
+        except Exception as error:
+            raise RebuildError(f"rebuild: {where}: optax.{name}(...) failed: "
+                               f"{type(error).__name__}: {error}") from error
+
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    """``value``, which must be a mapping; raises naming ``where`` otherwise."""
+    if not isinstance(value, Mapping):
+        raise RebuildError(f"rebuild: {where} is {type(value).__name__}, not a mapping; the "
+                           "record is damaged or crafted")
+    return value
+
+
+def _data(tag: str, inner: Any, where: str) -> Any:
+    """A tagged value holding no import path."""
+    if tag == "$float":
+        return float(str(inner))
+    if tag == "$dtype":
+        return _dtype(inner, where)
+    if tag == "$array":
+        return _array(inner, where)
+    if tag == "$key":
+        return _key(inner, where)
+    if tag == "$rngs":
+        return _rngs(inner, where)
+    return str(inner)  # $application: the name of an application
+
+
+def _dynamic(value: Any) -> Any:
+    from graphmod._manager import dynamic
+
+    return dynamic(value)
+
+
+def _filter(fields: dict[str, Any], where: str) -> Any:
+    from graphmod._filter import VariableFilter
+
+    unknown = sorted(set(fields) - set(_FILTER_FIELDS))
+    if unknown:
+        raise RebuildError(f"rebuild: {where} holds unknown filter fields {unknown}")
+    try:
+        return VariableFilter(**fields)
+    except (TypeError, ValueError) as error:
+        raise RebuildError(f"rebuild: {where}: {error}") from None
 
 
 def _hashable(value: Any) -> Any:
@@ -308,16 +419,33 @@ def _call_arguments(target: Any, arguments: dict[str, Any], where: str
                 bound[parameter.name] = extra
         elif parameter.name in arguments:
             value = arguments[parameter.name]
-            bound[parameter.name] = tuple(value) if parameter.kind is parameter.VAR_POSITIONAL \
-                else value
+            if parameter.kind is parameter.VAR_POSITIONAL:
+                if not isinstance(value, tuple | list):
+                    raise RebuildError(f"rebuild: {where}.arguments.{parameter.name} holds "
+                                       f"*{parameter.name}, which must be a list")
+                value = tuple(value)
+            bound[parameter.name] = value
     call = inspect.BoundArguments(signature.replace(parameters=parameters), bound)
     return call.args, call.kwargs
 
 
-def _array(inner: Mapping[str, Any]) -> Any:
-    dtype = np.dtype(str(inner["dtype"]))
-    data = [float(v) if isinstance(v, str) else v for v in inner["data"]]
-    array = np.asarray(data, dtype).reshape(tuple(inner["shape"]))
+def _dtype(name: Any, where: str) -> np.dtype:
+    """A numeric or boolean dtype by name; objects, strings and raw bytes are refused."""
+    dtype = np.dtype(str(name))
+    if dtype != np.bool_ and not jax.numpy.issubdtype(dtype, np.number):
+        raise RebuildError(f"rebuild: {where} names the dtype {str(name)!r}; only numeric and "
+                           "boolean dtypes are recorded")
+    return dtype
+
+
+def _array(inner: Any, where: str) -> Any:
+    """A small array recorded by value."""
+    dtype = _dtype(_field(inner, "dtype", where, str), where)
+    data = [float(v) if isinstance(v, str) else v
+            for v in _field(inner, "data", where, tuple | list)]
+    if not all(isinstance(v, int | float) for v in data):
+        raise RebuildError(f"rebuild: {where} holds array data that are not numbers")
+    array = np.asarray(data, dtype).reshape(tuple(_field(inner, "shape", where, tuple | list)))
     if inner.get("kind") == "scalar":
         return dtype.type(array.item())
     if inner.get("kind") == "jax":
@@ -325,20 +453,25 @@ def _array(inner: Mapping[str, Any]) -> Any:
     return array
 
 
-def _key(inner: Mapping[str, Any], where: str) -> Any:
-    impl = inner.get("impl")
+def _key(inner: Any, where: str) -> Any:
+    """A typed PRNG key from its implementation's name and key data."""
+    impl = _field(inner, "impl", where, str)
     if impl not in _KEY_IMPLS:
         raise RebuildError(f"rebuild: {where}: unknown PRNG implementation {impl!r}")
     return jax.random.wrap_key_data(np.asarray(inner["data"], np.uint32), impl=impl)
 
 
-def _rngs(inner: Mapping[str, Any], where: str) -> Any:
+def _rngs(inner: Any, where: str) -> Any:
+    """``nnx.Rngs`` with each stream's recorded key and count."""
     from flax import nnx
 
-    rngs = nnx.Rngs(**{name: _key(s["key"], f"{where}.{name}") for name, s in inner.items()})
-    for name, stream in inner.items():
+    streams = _mapping(inner, where)
+    rngs = nnx.Rngs(**{name: _key(_field(s, "key", f"{where}.{name}", Mapping),
+                                  f"{where}.{name}.key") for name, s in streams.items()})
+    for name, stream in streams.items():
         count = getattr(rngs, name).count
-        count[...] = jax.numpy.asarray(stream["count"], count[...].dtype)
+        count[...] = jax.numpy.asarray(_field(stream, "count", f"{where}.{name}", int),
+                                       count[...].dtype)
     return rngs
 
 
@@ -353,8 +486,8 @@ def _verify(record: Provenance, model: Any) -> None:
     from graphmod._layout import Layout
     from graphmod.provenance._collect import brick_records, parameter_records
 
-    recorded_bricks = record.inputs.get("bricks") or {}
-    recorded_params = record.inputs.get("parameters") or {}
+    recorded_bricks = _mapping(record.inputs.get("bricks") or {}, "bricks")
+    recorded_params = _mapping(record.inputs.get("parameters") or {}, "parameters")
     bricks = brick_records(model)
     params = parameter_records(Layout(model))
     problems = []
@@ -362,16 +495,17 @@ def _verify(record: Provenance, model: Any) -> None:
         a, b = recorded_bricks.get(path), bricks.get(path)
         if a is None or b is None:
             problems.append(f"module {path}: {'only rebuilt' if a is None else 'missing'}")
-        elif a["class"] != b["class"]:
-            problems.append(f"module {path}: recorded {a['class']}, rebuilt {b['class']}")
+        elif _mapping(a, f"bricks[{path!r}]").get("class") != b["class"]:
+            problems.append(f"module {path}: recorded {a.get('class')}, rebuilt {b['class']}")
     for path in sorted(set(recorded_params) | set(params)):
         a, b = recorded_params.get(path), params.get(path)
         if a is None or b is None:
             problems.append(f"variable {path}: {'only rebuilt' if a is None else 'missing'}")
             continue
         for field in ("shape", "dtype", "role", "aliases"):
-            if _thaw(a[field]) != b[field]:
-                problems.append(f"variable {path}: {field} recorded {_thaw(a[field])}, "
+            recorded = _thaw(_mapping(a, f"parameters[{path!r}]").get(field))
+            if recorded != b[field]:
+                problems.append(f"variable {path}: {field} recorded {recorded}, "
                                 f"rebuilt {b[field]}")
     if problems:
         raise RebuildError(
@@ -380,7 +514,7 @@ def _verify(record: Provenance, model: Any) -> None:
 
 
 def rebuild(provenance: Provenance | str, *, allow: Iterable[str] = (),
-            verify: bool = True) -> Rebuilt:
+            allow_factories: Iterable[str] = (), verify: bool = True) -> Rebuilt:
     """Constructs the model, managers and optimizer a provenance record describes.
 
     The root brick is constructed with its recorded arguments (RNG streams restored with
@@ -388,12 +522,23 @@ def rebuild(provenance: Provenance | str, *, allow: Iterable[str] = (),
     manager (bricks it names resolved by path in the new model), then the optimizer if it
     was recorded. Compiling the same function over them gives the same graph fingerprint.
 
+    A record is data and may be crafted: rebuild constructs only public graphmod bricks and
+    managers, and calls only the factories of ``graphmod.provenance.DEFAULT_FACTORIES``
+    (initializers, optax transformations and schedules), reached through public modules of
+    the allowed packages; functions recorded as values (``jax.nn.relu``) must be public and
+    are never called by rebuild itself. Every import path in the record is checked *before
+    anything is imported*; a refusal names the record's field. See "Threat model" in the
+    provenance docs.
+
     Args:
         provenance: a program, training or evaluation record (for an evaluation, its
             model's), or its JSON text.
-        allow: top-level packages to allow besides graphmod, managers, jax, flax and optax
-            (e.g. the package defining your bricks). Every import path in the record is
-            checked against this list before anything is imported.
+        allow: top-level packages to trust besides graphmod, managers, jax, flax and optax
+            (e.g. the package defining your bricks): their public classes and functions may
+            be named.
+        allow_factories: public functions rebuild may also call with recorded arguments
+            (exact paths, e.g. ``["mypackage.initializers.scaled"]``; its package must be
+            allowed), for initializers made by your own factories.
         verify: check that the rebuilt model's modules, classes and parameter shapes,
             dtypes, roles and aliases are the recorded ones.
 
@@ -402,9 +547,10 @@ def rebuild(provenance: Provenance | str, *, allow: Iterable[str] = (),
         ``seeds`` and ``compile(fn)``.
 
     Raises:
-        RebuildError: the record names something outside the allowed packages (nothing is
-            imported then), something missing, or a value recorded as opaque; or the
+        RebuildError: the record names something not allowed (nothing is imported then),
+            something missing, a malformed entry or a value recorded as opaque; or the
             rebuilt model differs from the record.
+        ProvenanceError: ``provenance`` is text that is not a provenance record.
 
     Examples:
         >>> import jax, jax.numpy as jnp, graphmod as gm, managers
@@ -431,57 +577,70 @@ def rebuild(provenance: Provenance | str, *, allow: Iterable[str] = (),
         if nested is None:
             raise RebuildError("rebuild: this evaluation record holds no model record")
         provenance = nested
-    allowed = DEFAULT_ALLOWED | frozenset(allow)
+    rules = Rules.widened(allow, allow_factories)
     inputs = provenance.inputs
-    root = (inputs.get("bricks") or {}).get("/")
+    root = _mapping(inputs.get("bricks") or {}, "bricks").get("/")
     if root is None:
         raise RebuildError("rebuild: the record holds no root brick (bricks['/'])")
-    managers = inputs.get("managers") or {}
-    optimizer = inputs.get("optimizer")
-    rebuild_optimizer = optimizer is not None and optimizer.get("name") is not None \
-        and optimizer.get("source") != "explicit"
-    # 1. Check every path, and that nothing needed is opaque, before importing anything.
-    needed = list(config_paths(root, "bricks['/']"))
-    for name, record in managers.items():
-        needed += config_paths(record, f"managers.{name}")
-    for label, record in (inputs.get("monitor") or {}).items():
-        needed += _paths(record, f"monitor[{label!r}]")
-    if rebuild_optimizer:
-        needed += optimizer_paths(optimizer, "optimizer")
-    for path, where in needed:
-        check_path(path, allowed, where)
+    # 1. Check everything to be constructed, importing nothing.
+    _Decoder(rules, None, dry=True).construct(root, "bricks['/']", kind="brick")
+    _the_rest(inputs, _Decoder(rules, None, dry=True))
     # 2. Construct.
-    model = _Decoder(allowed, None).construct(root, "bricks['/']", kind="brick")
+    model = _Decoder(rules, None, dry=False).construct(root, "bricks['/']", kind="brick")
     if verify:
         _verify(provenance, model)
-    decoder = _Decoder(allowed, _walk_bricks(model))
+    built, monitor, tx, seeds = _the_rest(inputs, _Decoder(rules, _walk_bricks(model),
+                                                           dry=False))
+    return Rebuilt(model, built, tx, monitor, seeds, provenance)
+
+
+def _the_rest(inputs: Mapping[str, Any], decoder: _Decoder
+              ) -> tuple[tuple[Any, ...], dict[str, Any], Any, dict[str, Any]]:
+    """The managers, monitor filters, optimizer and seeds of a record (Nones when dry)."""
+    managers = _mapping(inputs.get("managers") or {}, "managers")
+    for name, record in managers.items():
+        if not isinstance(_mapping(record, f"managers.{name}").get("order", 0), int):
+            raise RebuildError(f"rebuild: managers.{name}.order is not an integer")
     ordered = sorted(managers.items(), key=lambda item: item[1].get("order", 0))
     built = tuple(decoder.construct(record, f"managers.{name}", kind="manager")
                   for name, record in ordered)
     for (name, _), manager in zip(ordered, built, strict=True):
-        if manager.name != name:
+        if manager is not None and manager.name != name:
             raise RebuildError(f"rebuild: managers.{name} was rebuilt named {manager.name!r}")
-    monitor = {label: _monitor_filter(record, decoder, label)
-               for label, record in (inputs.get("monitor") or {}).items()}
-    tx = decoder.optimizer(optimizer, "optimizer") if rebuild_optimizer else None
-    seeds = {name: _key(record, f"seeds.{name}")
-             for name, record in (inputs.get("seeds") or {}).items() if record is not None}
-    return Rebuilt(model, built, tx, monitor, seeds, provenance)
+    monitor = {label: _monitor_filter(record, decoder, label) for label, record
+               in _mapping(inputs.get("monitor") or {}, "monitor").items()}
+    optimizer = inputs.get("optimizer")
+    tx = decoder.optimizer(optimizer, "optimizer") \
+        if isinstance(optimizer, Mapping) and optimizer.get("name") is not None \
+        and optimizer.get("source") != "explicit" else None
+    seeds = {name: decoder({"$key": record}, f"seeds.{name}") for name, record
+             in _mapping(inputs.get("seeds") or {}, "seeds").items() if record is not None}
+    return built, monitor, tx, seeds
 
 
-def _monitor_filter(record: Mapping[str, Any], decoder: _Decoder, label: str) -> Any:
-    from graphmod import roles
-    from graphmod._filter import VariableFilter
-
-    fields = {}
-    for key, value in record.items():
+def _monitor_filter(record: Any, decoder: _Decoder, label: str) -> Any:
+    """A monitor filter from its record (None when the decoder is dry)."""
+    fields: dict[str, Any] = {}
+    for key, value in _mapping(record, f"monitor[{label!r}]").items():
         where = f"monitor[{label!r}].{key}"
+        if key in ("roles", "bricks") and not isinstance(value, tuple | list):
+            raise RebuildError(f"rebuild: {where} is not a list")
         if key == "roles":
-            fields[key] = [roles.get_role(r) for r in value]
+            if not all(isinstance(r, str) for r in value):
+                raise RebuildError(f"rebuild: {where} holds role names that are not strings")
+            fields[key] = None if decoder.dry else [_role(r, where) for r in value]
         elif key == "bricks":
-            fields[key] = [decoder(v, where) for v in value]
-        elif isinstance(value, tuple):
-            fields[key] = list(value)
+            fields[key] = [decoder(v, _join(where, i)) for i, v in enumerate(value)]
         else:
-            fields[key] = value
-    return VariableFilter(**fields)
+            fields[key] = list(value) if isinstance(value, tuple) else value
+    return None if decoder.dry else _filter(fields, f"monitor[{label!r}]")
+
+
+def _role(name: str, where: str) -> Any:
+    """The registered role ``name``."""
+    from graphmod import roles
+
+    try:
+        return roles.get_role(name)
+    except (KeyError, ValueError) as error:
+        raise RebuildError(f"rebuild: {where}: {error}") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,6 +11,20 @@ from graphmod.provenance._frozen import FrozenDict, canonical_json, freeze, pars
 
 FORMAT = 1
 KINDS = ("program", "training", "evaluation")
+
+
+class ProvenanceError(ValueError):
+    """A provenance record is damaged, or was not written by graphmod: the message says
+    what is wrong and where (a line and column of the JSON text, or a field).
+
+    Examples:
+        >>> import graphmod as gm
+        >>> try:
+        ...     gm.Provenance.from_json("{not json")
+        ... except gm.provenance.ProvenanceError as error:
+        ...     print(str(error)[:72])
+        Provenance.from_json: the text is not JSON (Expecting property name encl
+    """
 
 
 def _is_record(value: Any) -> bool:
@@ -149,16 +164,41 @@ class Provenance:
             ...                         ' "derived": {}}').kind
             'program'
         """
-        return cls.from_dict(parse(text))
+        try:
+            value = parse(text)
+        except json.JSONDecodeError as error:
+            raise ProvenanceError(
+                f"Provenance.from_json: the text is not JSON ({error.msg} at line "
+                f"{error.lineno}, column {error.colno}): {_excerpt(error.doc, error.pos)!r}; "
+                "pass the text Provenance.to_json wrote") from None
+        except UnicodeDecodeError as error:
+            raise ProvenanceError(f"Provenance.from_json: the bytes are not UTF-8 text "
+                                  f"(byte {error.start}): {error.reason}") from None
+        except RecursionError:
+            raise ProvenanceError("Provenance.from_json: the JSON is nested too deeply to be a "
+                                  "provenance record") from None
+        except ValueError as error:  # a non-finite constant such as NaN
+            raise ProvenanceError(f"Provenance.from_json: {error}") from None
+        return cls.from_dict(value)
 
     @classmethod
     def from_dict(cls, record: Mapping[str, Any]) -> Provenance:
-        """A record from :meth:`to_dict`'s mapping (checked; nothing is imported)."""
+        """A record from :meth:`to_dict`'s mapping (checked; nothing is imported).
+
+        Raises:
+            ProvenanceError: ``record`` is not a provenance record; the message names the
+                field that is missing or wrong.
+        """
         if not isinstance(record, Mapping) or not _is_record(record):
-            keys = sorted(record) if isinstance(record, Mapping) else type(record).__name__
-            raise ValueError("not a provenance record: expected the keys format, kind, inputs "
-                             f"and derived, got {keys}")
-        return cls(record["kind"], record["inputs"], record["derived"], format=record["format"])
+            keys = sorted(map(str, record)) if isinstance(record, Mapping) \
+                else type(record).__name__
+            raise ProvenanceError("not a provenance record: expected the keys format, kind, "
+                                  f"inputs and derived, got {keys}")
+        try:
+            return cls(record["kind"], record["inputs"], record["derived"],
+                       format=record["format"])
+        except (TypeError, ValueError) as error:
+            raise ProvenanceError(f"not a provenance record: {error}") from None
 
     # -- identity -------------------------------------------------------------------------------
     @property
@@ -224,6 +264,11 @@ class Provenance:
         return (f"<table><caption>{html.escape(self._kind)} provenance</caption>{rows}</table>"
                 f"<details><summary>JSON</summary><pre>{html.escape(self.to_json(indent=2))}"
                 "</pre></details>")
+
+
+def _excerpt(text: str, position: int) -> str:
+    """Up to 30 characters of ``text`` around ``position``."""
+    return text[max(0, position - 10):position + 20]
 
 
 def _strip_derived(value: Any) -> Any:

@@ -45,6 +45,9 @@ def test_run_stop_resume_and_inspect(tmp_path: pathlib.Path) -> None:
 
 def test_inspect_and_resume_of_a_missing_directory(capsys: pytest.CaptureFixture) -> None:
     assert main(["inspect", "/nonexistent/run"]) == 2
-    assert "no run directory at /nonexistent/run" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "no run directory at /nonexistent/run" in captured.err and captured.out == ""
     assert main(["resume", "/nonexistent/run"]) == 2
+    assert "no run directory at /nonexistent/run" in capsys.readouterr().err
     assert main(["run", "/nonexistent/script.py"]) == 2
+    assert "no script file at /nonexistent/script.py" in capsys.readouterr().err

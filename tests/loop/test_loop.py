@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -242,3 +248,219 @@ def test_a_plugin_can_run_a_nested_loop(problem: Problem) -> None:
     loop.on(On("epoch_end"), nested)
     loop.run(problem.state())
     assert inner_steps == [(True, 1), (True, 2)] and loop.time.step == 3
+
+
+@pytest.fixture
+def python_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler (a test runner may have set another), restored after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+class Saver(gm.Plugin):
+    """Records the interrupt event and teardown; ``save_on_interrupt`` as a Checkpoint's."""
+
+    save_on_interrupt = True
+
+    def __init__(self, log: list, name: str = "saver") -> None:
+        super().__init__(name=name)
+        self.log = log
+
+    def on_interrupt(self, event: gm.Event) -> None:
+        state = None if event.state is None else int(event.state.step)
+        self.log.append((self.name, event.time.step, state, type(event.error).__name__))
+
+    def teardown(self, loop: gm.Loop, error: BaseException | None) -> None:
+        self.log.append(("teardown", self.name, type(error).__name__))
+
+
+def _ctrl_c(log: list) -> Callable[[gm.Event], None]:
+    def ctrl_c(event: gm.Event) -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # as a user's Ctrl-C: the handler runs right here
+        log.append(("ctrl-c", event.time.step))
+    return ctrl_c
+
+
+def test_ctrl_c_stops_after_the_event_and_hands_plugins_the_finished_step(
+        problem: Problem, python_sigint: None, capfd: pytest.CaptureFixture) -> None:
+    log: list = []
+    loop = gm.Loop(problem.step, problem.source(8), epochs=2, plugins=[Saver(log)])
+    loop.on(On("step", step=at(3)), _ctrl_c(log))
+    loop.on(On("step"), lambda e: log.append(("step", e.time.step)))
+    with pytest.raises(KeyboardInterrupt, match=r"^interrupted at step 3$") as info:
+        loop.run(problem.state())
+    assert log == [("step", 1), ("step", 2), ("ctrl-c", 3), ("step", 3),
+                   ("saver", 3, 3, "KeyboardInterrupt"), ("teardown", "saver", "KeyboardInterrupt")]
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(loop.state))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    frames = [frame.name for frame in traceback.extract_tb(info.tb)]
+    assert frames[1:] == ["run", "_run_plugins"]  # no traceback through the loop's internals
+    err = capfd.readouterr().err
+    assert "Ctrl-C: finishing the current step and saving it; press Ctrl-C again" in err
+    assert "nothing was saved" not in err  # the saver reports
+
+
+def test_ctrl_c_without_a_saving_plugin_says_nothing_was_saved(
+        problem: Problem, python_sigint: None, capfd: pytest.CaptureFixture) -> None:
+    log: list = []
+    loop = gm.Loop(problem.step, problem.source(8), epochs=1, steps_per_call=4)
+    loop.on(On("step", step=at(2)), _ctrl_c(log))
+    with pytest.raises(KeyboardInterrupt, match="interrupted at step 2"):
+        loop.run(problem.state())
+    assert int(loop.state.step) == 2
+    assert ("graphmod: interrupted at step 2; nothing was saved (no plugin saves on an "
+            "interrupt: add graphmod.plugins.Checkpoint)") in capfd.readouterr().err
+
+
+def test_a_second_ctrl_c_in_a_session_aborts_the_remaining_interrupt_handlers(
+        problem: Problem, python_sigint: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphmod._interrupt
+
+    # In a script the second Ctrl-C ends the process (test_interrupt.py); in a notebook or
+    # REPL it raises KeyboardInterrupt at once, so the session survives.
+    monkeypatch.setattr(graphmod._interrupt, "_interactive", lambda: True)
+    log: list = []
+
+    class Slow(Saver):
+        def on_interrupt(self, event: gm.Event) -> None:
+            super().on_interrupt(event)
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C again while this one "saves"
+            log.append("slow save finished")
+
+    loop = gm.Loop(problem.step, problem.source(8), epochs=1,
+                   plugins=[Saver(log, "first"), Slow(log, "slow")])
+    loop.on(On("step", step=at(2)), _ctrl_c(log))
+    with pytest.raises(KeyboardInterrupt, match="interrupted at step 2"):
+        loop.run(problem.state())
+    assert log == [("ctrl-c", 2), ("slow", 2, 2, "KeyboardInterrupt"),
+                   ("teardown", "slow", "KeyboardInterrupt"),
+                   ("teardown", "first", "KeyboardInterrupt")]
+
+
+def test_a_nested_loops_ctrl_c_stops_the_outer_loop_too(
+        problem: Problem, python_sigint: None) -> None:
+    log: list = []
+
+    def nested(event: gm.Event) -> None:
+        inner = gm.Loop(problem.step, problem.source(32), steps=3)
+        inner.on(On("step", step=at(1)), _ctrl_c(log))
+        inner.run(problem.state())
+
+    loop = gm.Loop(problem.step, problem.source(8), epochs=1, plugins=[Saver(log)])
+    loop.on(On("step", step=at(2)), nested)
+    with pytest.raises(KeyboardInterrupt, match="interrupted at step 2"):
+        loop.run(problem.state())
+    assert log == [("ctrl-c", 1), ("saver", 2, 2, "KeyboardInterrupt"),
+                   ("teardown", "saver", "KeyboardInterrupt")]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_during_the_last_teardown_still_raises(problem: Problem,
+                                                      python_sigint: None) -> None:
+    class Late(gm.Plugin):
+        def teardown(self, loop: gm.Loop, error: BaseException | None) -> None:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    loop = gm.Loop(problem.step, problem.source(8), steps=2, plugins=[Late()])
+    with pytest.raises(KeyboardInterrupt, match="interrupted after the run ended at step 2"):
+        loop.run(problem.state())
+
+
+def test_outside_the_main_thread_ctrl_c_handling_is_left_as_it_is(problem: Problem,
+                                                                  python_sigint: None) -> None:
+    handlers: list = []
+    loop = gm.Loop(problem.step, problem.source(8), steps=1)
+    loop.on(On("step"), lambda e: handlers.append(signal.getsignal(signal.SIGINT)))
+    worker = threading.Thread(target=loop.run, args=(problem.state(),))
+    worker.start()
+    worker.join(timeout=120)
+    assert handlers == [signal.default_int_handler]
+    loop = gm.Loop(problem.step, problem.source(8), steps=1)
+    loop.on(On("step"), lambda e: handlers.append(signal.getsignal(signal.SIGINT)))
+    loop.run(problem.state())  # in the main thread: the loop's own handler, while it runs
+    assert handlers[-1] is not signal.default_int_handler
+
+
+def test_an_interrupt_inside_a_donating_step_call_saves_nothing_rather_than_garbage(
+        problem: Problem, capsys: pytest.CaptureFixture) -> None:
+    log: list = []
+
+    def cut_off(state: gm.TrainState, **batch: object) -> object:
+        out = problem.step(state, **batch)  # has donated `state`
+        if int(out[0].step) == 3:
+            raise KeyboardInterrupt  # before the loop could store the result
+        return out
+
+    loop = gm.Loop(cut_off, problem.source(8), epochs=1, plugins=[Saver(log)])
+    with pytest.raises(KeyboardInterrupt):
+        loop.run(problem.state())
+    assert log[0] == ("saver", 2, None, "KeyboardInterrupt")
+    assert ("graphmod: interrupted at step 2; nothing was saved (the step call it cut off had "
+            "taken the state)") in capsys.readouterr().err
+
+
+def test_run_refuses_a_missing_or_wrong_state_naming_the_argument(problem: Problem) -> None:
+    loop = gm.Loop(problem.step, problem.source(8), steps=1)
+    with pytest.raises(TypeError, match=r"Loop.run\(state\): state is None; pass the train "
+                                        r"state.*step.init\("):
+        loop.run(None)
+    with pytest.raises(TypeError, match=r"Loop.run\(state\): a graphmod.optimize step takes a "
+                                        r"graphmod.TrainState, got dict; make one with state = "
+                                        r"step.init\(variables, jax.random.key\(0\)\)"):
+        loop.run(problem.variables)
+    assert loop.state is None and loop.time.step == 0
+
+
+class Part(gm.Plugin):
+    def __init__(self, log: list, name: str, fail_in: tuple[str, ...] = ()) -> None:
+        super().__init__(name=name)
+        self.log, self.fail_in = log, fail_in
+
+    def setup(self, loop: gm.Loop) -> None:
+        self.log.append(("setup", self.name))
+        if "setup" in self.fail_in:
+            raise OSError("no such device")
+
+    def teardown(self, loop: gm.Loop, error: BaseException | None) -> None:
+        self.log.append(("teardown", self.name))
+        if "teardown" in self.fail_in:
+            raise OSError(f"disk full ({self.name})")
+
+    def on_interrupt(self, event: gm.Event) -> None:
+        self.log.append(("interrupt", self.name))
+
+
+def test_a_setup_error_names_the_plugin_and_tears_down_those_set_up(problem: Problem) -> None:
+    log: list = []
+    loop = gm.Loop(problem.step, problem.source(8), steps=2, plugins=[
+        Part(log, "a"), Part(log, "b"), Part(log, "c", ("setup",)), Part(log, "d")])
+    with pytest.raises(gm.PluginError, match=r"^plugin 'c' raised in setup: OSError: no such "
+                                             r"device$") as info:
+        loop.run(problem.state())
+    assert isinstance(info.value.__cause__, OSError)
+    assert log == [("setup", "a"), ("setup", "b"), ("setup", "c"),
+                   ("teardown", "b"), ("teardown", "a")]  # no interrupt event: nothing ran
+    assert loop.time.step == 0
+
+
+def test_a_teardown_error_names_the_plugin_and_every_teardown_runs(problem: Problem) -> None:
+    log: list = []
+    loop = gm.Loop(problem.step, problem.source(8), steps=2, plugins=[
+        Part(log, "a", ("teardown",)), Part(log, "b"), Part(log, "c", ("teardown",))])
+    with pytest.raises(gm.PluginError, match=r"^plugin 'c' raised in teardown: OSError: disk "
+                                             r"full \(c\)\n") as info:
+        loop.run(problem.state())
+    assert [entry for entry in log if entry[0] == "teardown"] == [
+        ("teardown", "c"), ("teardown", "b"), ("teardown", "a")]
+    assert info.value.__notes__ == ["also: plugin 'a' raised in teardown: OSError: disk full (a)"]
+    assert loop.time.step == 2
+    # When the run itself failed, its error is the one raised; teardown errors are noted.
+    log.clear()
+    loop = gm.Loop(problem.step, problem.source(8), steps=4,
+                   plugins=[Part(log, "a", ("teardown",)), Part(log, "b")])
+    loop.on(On("step", step=at(1)), lambda e: 1 / 0)
+    with pytest.raises(gm.PluginError, match="raised on the 'step' event at step 1") as info:
+        loop.run(problem.state())
+    assert info.value.__notes__ == ["also: plugin 'a' raised in teardown: OSError: disk full (a)"]
+    assert ("teardown", "b") in log

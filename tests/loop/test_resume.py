@@ -16,7 +16,7 @@ import pytest
 
 import graphmod as gm
 from graphmod import On, at
-from graphmod._checkpoint import Checkpointer
+from graphmod._checkpoint import Checkpointer, CheckpointError
 from graphmod.plugins import Checkpoint
 from tests.loop.conftest import Problem
 
@@ -64,7 +64,8 @@ def test_a_save_cut_off_leaves_the_previous_checkpoint_loadable(tmp_path, monkey
 
     monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "async_save", fail)
     monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "save", fail)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match=r"step 2: OSError: disk full; the checkpoint "
+                                              r"of step 1 is intact"):
         ckpt.save(2, {"w": jnp.zeros(3), "rng": jax.random.key(8)}, {"note": "second"})
         ckpt.wait()
     monkeypatch.undo()

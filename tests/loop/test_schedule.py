@@ -1,15 +1,21 @@
-"""Schedules: each(n) fires once per multiple crossed; boolean laws hold on ranges."""
+"""Schedules: each(n) fires once per multiple crossed; boolean laws hold on ranges.
+Templates: schedules fit their timeline, event types are ones something fires."""
 
 from __future__ import annotations
 
 import itertools
+import re
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphmod import Schedule, after, always, at, before, each, never
+import graphmod as gm
+from graphmod import On, Schedule, after, always, at, before, each, never
+from graphmod._events import Event, Time
+from tests.loop.conftest import Problem
 
 small = st.integers(min_value=0, max_value=200)
 
@@ -108,3 +114,69 @@ def test_bad_schedules_are_rejected() -> None:
         each(3) & 5  # type: ignore[operator]
     with pytest.raises(ValueError, match="at least one time"):
         at()
+
+
+@pytest.mark.parametrize("timeline", ["step", "epoch", "examples"])
+@pytest.mark.parametrize(("rule", "culprit"), [
+    (at(1.5), "at(1.5)"), (each(2.5), "each(2.5)"), (each(3, start=0.5), "each(3, start=0.5)"),
+    (each(10) | at(2, 7.5), "at(2, 7.5)"), (~each(0.5) & after(3), "each(0.5)"),
+], ids=["at", "each", "start", "or", "not"])
+def test_fractional_points_on_an_integer_timeline_are_refused(rule: Schedule, culprit: str,
+                                                              timeline: str) -> None:
+    with pytest.raises(ValueError, match=rf"On\('step', {timeline}=.*\): {re.escape(culprit)} "
+                                         rf"places points between the integers of the "
+                                         rf"{timeline} timeline.*Use integers.*seconds"):
+        On("step", **{timeline: rule})
+
+
+def test_fractions_fit_wall_clock_timelines_and_integral_floats_fit_integer_ones() -> None:
+    On("step", seconds=each(2.5), train_seconds=at(0.5))
+    template = On("step", step=each(2.0) & ~at(4.0))
+    fired = [s for s in range(1, 9)
+             if template.matches(Event("step", None, Time(step=s), Time(step=s - 1), None))]
+    assert fired == [2, 6, 8]
+
+
+def test_a_misspelt_event_type_is_refused_at_run_before_anything_changes(
+        problem: Problem) -> None:
+    calls: list[str] = []
+
+    class Watch(gm.Plugin):
+        def setup(self, loop: gm.Loop) -> None:
+            calls.append("setup")
+
+    state = problem.state()
+    before = jax.tree.map(np.array, state)
+    loop = gm.Loop(problem.step, problem.source(32), steps=2, plugins=[Watch()])
+    loop.on(On("step") | On("stpe", step=each(2)), lambda e: calls.append(e.type))
+    with pytest.raises(ValueError, match=r"plugin '<lambda>' listens for 'stpe' events .*"
+                                         r"Did you mean 'step'\?.*fires = \('stpe',\)"):
+        loop.run(state)
+    assert calls == [] and loop.time.step == 0
+    jax.tree.map(np.testing.assert_array_equal, state, before)  # not donated
+
+
+def test_custom_event_types_are_declared_by_the_plugins_that_fire_them(
+        problem: Problem) -> None:
+    class Announce(gm.Plugin):
+        fires = ("announced",)
+
+        def on_step(self, event: gm.Event) -> None:
+            event.loop.fire("announced", value=event.time.step)
+
+    def shout(event: gm.Event) -> None:
+        event.loop.fire("shouted")
+
+    shout.fires = "shouted"  # type: ignore[attr-defined]
+    seen: list[tuple[str, int]] = []
+    loop = gm.Loop(problem.step, problem.source(32), steps=2, plugins=[Announce()])
+    loop.on("step", shout)
+    loop.on(On("announced") | On("shouted"), lambda e: seen.append((e.type, e.time.step)))
+    loop.on(On("validated"), lambda e: None)  # a standard type: fireable by hand
+    loop.run(problem.state())
+    assert seen == [("announced", 1), ("shouted", 1), ("announced", 2), ("shouted", 2)]
+    undeclared = gm.Loop(problem.step, problem.source(32), steps=1)
+    undeclared.on("step", lambda e: e.loop.fire("whispered"))
+    undeclared.on("whispered", lambda e: None)
+    with pytest.raises(ValueError, match=r"'whispered' events.*Known: begin, end, epoch_begin"):
+        undeclared.run(problem.state())

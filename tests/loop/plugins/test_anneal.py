@@ -96,10 +96,14 @@ def test_bad_arguments_are_named(annealed: Problem) -> None:
         Anneal(rate, 0.1)  # type: ignore[arg-type]
     loop = gm.Loop(annealed.step, annealed.source(8), epochs=1,
                    plugins=[Anneal(rate, lambda t: None)])
-    with pytest.raises(ValueError, match=r"returned None"):
+    with pytest.raises(gm.PluginError, match=r"'anneal_dropout_rate' raised in setup.*returned "
+                                             r"None") as caught:
         loop.run(annealed.state())
+    assert isinstance(caught.value.__cause__, ValueError)
     loop = gm.Loop(annealed.step, annealed.source(8), epochs=1,
                    plugins=[Anneal(gm.HParam("noise", "std"), lambda t: 0.1)])
-    with pytest.raises(KeyError, match=r"noise.std.*compiled into the program"):
+    with pytest.raises(gm.PluginError, match=r"raised in setup.*noise.std.*compiled into the "
+                                             r"program") as caught:
         loop.run(annealed.state())
+    assert isinstance(caught.value.__cause__, KeyError)
 

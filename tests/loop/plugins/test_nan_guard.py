@@ -71,8 +71,10 @@ def test_max_skipped_tolerates_a_few_bad_steps(problem: Problem,
 
 def test_a_step_that_does_not_skip_is_refused(problem: Problem) -> None:
     loop = gm.Loop(problem.step, problem.source(8), epochs=1, plugins=[NaNGuard()])
-    with pytest.raises(ValueError, match=r"optimize\(program, tx, skip_nonfinite=True\)"):
+    with pytest.raises(gm.PluginError, match=r"'nan_guard' raised in setup.*optimize\(program, "
+                                             r"tx, skip_nonfinite=True\)") as caught:
         loop.run(problem.state())
+    assert isinstance(caught.value.__cause__, ValueError)
     plain = lambda state, **batch: problem.step(state, **batch)
     loop = gm.Loop(plain, problem.source(8), epochs=1,
                    plugins=[NaNGuard(every=On("step", step=each(2)))])

@@ -1,0 +1,476 @@
+"""Checkpoints are verified, owned and finished: corrupted ones are named and skipped, a run
+never touches another run's checkpoints, teardown and Ctrl-C leave complete checkpoints."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import pathlib
+import re
+import shutil
+import sys
+import time
+import types
+from collections.abc import Callable
+
+import jax
+import numpy as np
+import pytest
+
+import graphmod as gm
+from graphmod import On, at, each
+from graphmod._checkpoint import Checkpointer, CheckpointError, storable
+from graphmod._cli import describe_run
+from graphmod.plugins import Checkpoint
+from tests.loop.conftest import Problem
+
+Snapshot = dict[str, bytes]
+
+
+def _snapshot(directory: pathlib.Path) -> Snapshot:
+    """Every file under ``directory`` with its bytes."""
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _every(n: int) -> gm.On:
+    return On("step", step=each(n))
+
+
+def _assert_same_arrays(a: list[np.ndarray], b: list[np.ndarray]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, list[np.ndarray]]:
+    """A run directory with verified checkpoints of steps 4 and 8, and step 4's arrays."""
+    problem = Problem()
+    directory = tmp_path_factory.mktemp("saved") / "run"
+    at_four: list[np.ndarray] = []
+    loop = gm.Loop(problem.step, problem.source(8), steps=8,
+                   plugins=[Checkpoint(directory, every=_every(4), keep=None)])
+    loop.on(On("step", step=at(4)), lambda e: at_four.extend(storable(e.state)))
+    loop.run(problem.state())
+    return directory, at_four
+
+
+@pytest.fixture
+def run(saved: tuple[pathlib.Path, list[np.ndarray]], tmp_path: pathlib.Path
+        ) -> tuple[Problem, pathlib.Path, list[np.ndarray]]:
+    directory = tmp_path / "run"
+    shutil.copytree(saved[0], directory)
+    return Problem(), directory, saved[1]
+
+
+# -- corruptions of step 8 (the newest): each named, and resume falls back to step 4 -------
+def _data_files(step: pathlib.Path) -> list[pathlib.Path]:
+    """The array data files of a checkpoint (tensorstore's OCDBT ``d/`` files: some hold
+    b-tree nodes with small arrays inline, others the bytes of larger arrays)."""
+    return [p for p in (step / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+
+
+def _flip_file(path: pathlib.Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+    path.write_bytes(bytes(data))
+
+
+def _flip(step: pathlib.Path) -> None:
+    for path in _data_files(step):
+        _flip_file(path)
+
+
+def _truncate(step: pathlib.Path) -> None:
+    for path in _data_files(step):
+        os.truncate(path, path.stat().st_size // 2)
+
+
+def _zero(step: pathlib.Path) -> None:
+    for path in _data_files(step):
+        path.write_bytes(bytes(path.stat().st_size))
+
+
+def _delete(step: pathlib.Path) -> None:
+    for path in _data_files(step):
+        path.unlink()
+
+
+def _edit_meta(edit: Callable[[dict], object]) -> Callable[[pathlib.Path], None]:
+    def corrupt(step: pathlib.Path) -> None:
+        path = step / "meta" / "metadata"
+        record = json.loads(path.read_text())
+        edit(record)
+        path.write_text(json.dumps(record))
+    return corrupt
+
+
+def _swap_state(step: pathlib.Path) -> None:
+    shutil.rmtree(step / "state")
+    shutil.copytree(step.parent / "4" / "state", step / "state")
+
+
+def _empty(step: pathlib.Path) -> None:
+    shutil.rmtree(step)
+    step.mkdir()
+
+
+def _other_shape(record: dict) -> None:
+    record["arrays"][-1][1] = [3, 3]
+
+
+CORRUPTIONS = {
+    "16 bytes flipped mid data files": (_flip, r"fails its checksum|arrays cannot be read"),
+    "data files truncated": (_truncate, r"arrays cannot be read"),
+    "data files zeroed": (_zero, r"fails its checksum|arrays cannot be read"),
+    "data files deleted": (_delete, r"arrays cannot be read"),
+    "array index deleted": (lambda s: (s / "state" / "manifest.ocdbt").unlink(),
+                            r"arrays cannot be read"),
+    "state directory deleted": (lambda s: shutil.rmtree(s / "state"), r"no state directory"),
+    "state of another step": (_swap_state, r"fails its checksum"),
+    "meta file deleted": (lambda s: (s / "meta" / "metadata").unlink(),
+                          r"meta record cannot be read"),
+    "meta directory deleted": (lambda s: shutil.rmtree(s / "meta"), r"no meta record"),
+    "meta not JSON": (lambda s: (s / "meta" / "metadata").write_text('{"format": 2, "tr'),
+                      r"meta record is not valid JSON"),
+    "meta not an object": (lambda s: (s / "meta" / "metadata").write_text("[1, 2]"),
+                           r"meta record is not a JSON object"),
+    # Read as graphmod 0.1's layout (one tree of arrays), which this flat list is not.
+    "meta of an older format": (_edit_meta(lambda r: r.update(format=1)),
+                                r"format 1\): restorable, but it cannot be verified|the "
+                                r"arrays cannot be read"),
+    "meta array list malformed": (_edit_meta(lambda r: r["arrays"][0].__setitem__(2, "object")),
+                                  r"array list is malformed"),
+    "meta checksum changed": (_edit_meta(lambda r: r["arrays"][0].__setitem__(3, "0badf00d")),
+                              r"fails its checksum"),
+    "meta says another shape": (_edit_meta(_other_shape),
+                                r"does not match its tree|is stored as \["),
+    "meta lists fewer arrays": (_edit_meta(lambda r: r["arrays"].pop()),
+                                r"does not match its tree|structures do not match"),
+    "step directory emptied": (_empty, r"empty directory"),
+}
+
+
+@pytest.mark.parametrize("name", list(CORRUPTIONS))
+def test_a_corrupted_checkpoint_is_named_and_restore_falls_back(
+        run: tuple[Problem, pathlib.Path, list[np.ndarray]], name: str,
+        capfd: pytest.CaptureFixture) -> None:
+    problem, directory, at_four = run
+    corrupt, reason = CORRUPTIONS[name]
+    corrupt(directory / "8")
+    reader = Checkpointer(directory, keep=None)
+    assert reader.verify(4) is None
+    assert re.search(reason, reader.verify(8) or "no failure")
+    template = problem.state()
+    with pytest.warns(UserWarning, match=rf"skipped .*step 8: .*({reason}).*; using step 4"):
+        state, meta = reader.restore(template)
+    assert meta["step"] == 4 and int(state.step) == 4
+    _assert_same_arrays(storable(state), at_four)  # step 4's arrays, nothing else
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(directory / '8'))}: .*({reason})"):
+        reader.restore(template, step=8)
+    reader.close()
+    time.sleep(0.2)  # reads orbax left running report (or not) after its restore failed
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Event loop is closed" not in err, err
+
+
+def test_flipped_bytes_that_decode_are_caught_by_the_checksum(tmp_path: pathlib.Path) -> None:
+    state = {"w": np.random.default_rng(0).normal(size=(2048,)).astype(np.float32)}
+    writer = Checkpointer(tmp_path, keep=None)
+    writer.save(1, state, {})
+    writer.wait()
+    # Random floats hardly compress: flipped bytes in their data file decode, changed.
+    _flip_file(max(_data_files(tmp_path / "1"), key=lambda p: p.stat().st_size))
+    assert "fails its checksum" in (writer.verify(1) or "")
+    with pytest.raises(CheckpointError, match=r"array \['w'\] fails its checksum"):
+        writer.restore(state)
+    writer.close()
+
+
+def test_stray_directories_are_named_and_never_read(
+        run: tuple[Problem, pathlib.Path, list[np.ndarray]]) -> None:
+    problem, directory, _ = run
+    (directory / "7").mkdir()
+    (directory / "7" / "junk.txt").write_text("not a checkpoint")
+    (directory / "12").mkdir()
+    (directory / "12" / "junk.txt").write_text("not a checkpoint")
+    (directory / "13.orbax-checkpoint-tmp").mkdir()
+    (directory / "13.orbax-checkpoint-tmp" / "state").mkdir()
+    reader = Checkpointer(directory, keep=None)
+    assert reader.steps() == [4, 7, 8, 12]
+    assert list(reader.leftovers()) == ["13.orbax-checkpoint-tmp"]
+    assert "no meta record" in (reader.verify(7) or "")
+    with pytest.warns(UserWarning, match=r"step 12: no meta record.*; using step 8"):
+        _, meta = reader.restore(problem.state())
+    assert meta["step"] == 8
+    assert reader.meta()["step"] == 8  # the newest readable record, quietly
+    reader.close()
+    report = describe_run(str(directory))
+    assert "checkpoint 4: verified" in report and "checkpoint 8: verified" in report
+    assert "checkpoint 7: FAILS verification: no meta record" in report
+    assert "leftover 13.orbax-checkpoint-tmp: an incomplete write" in report
+    assert "step=8" in report  # the newest verified checkpoint is described
+
+
+def test_resume_falls_back_and_matches_an_uninterrupted_run(
+        run: tuple[Problem, pathlib.Path, list[np.ndarray]]) -> None:
+    problem, directory, _ = run
+    full = gm.Loop(problem.step, problem.source(8), steps=12).run(problem.state())
+    _flip(directory / "8")
+    (directory / "8" / "meta" / "metadata").write_text("{garbage")
+    with pytest.warns(UserWarning, match=r"step 8: the meta record is not valid JSON"):
+        resumed = gm.Loop.resume(str(directory), problem.step, problem.source(8), steps=12,
+                                 plugins=[Checkpoint(directory, every=_every(4), keep=None)])
+    assert int(resumed.step) == 12
+    _assert_same_arrays(storable(resumed), storable(full))
+    reader = Checkpointer(directory, keep=None)
+    assert reader.steps() == [4, 8, 12]  # the skipped step 8 was written again
+    assert [reader.verify(s) for s in reader.steps()] == [None, None, None]
+    # Its owner unknown (no readable meta), the broken one was set aside, not deleted.
+    assert list(reader.leftovers()) == ["8.unverified"]
+    assert (directory / "8.unverified" / "meta" / "metadata").read_text() == "{garbage"
+    assert len({reader.run_of(s) for s in reader.steps()}) == 1  # one run throughout
+
+
+def test_checkpoint_resume_true_falls_back_too(
+        run: tuple[Problem, pathlib.Path, list[np.ndarray]]) -> None:
+    problem, directory, _ = run
+    _flip(directory / "8")
+    (directory / "8" / "meta" / "metadata").unlink()
+    loop = gm.Loop(problem.step, problem.source(8), steps=6,
+                   plugins=[Checkpoint(directory, every=_every(4), resume=True)])
+    with pytest.warns(UserWarning, match=r"step 8: the meta record cannot be read"):
+        state = loop.run(problem.state())
+    assert int(state.step) == 6 and loop.time.step == 6
+
+
+def test_no_verified_checkpoint_left_is_a_clear_error(
+        run: tuple[Problem, pathlib.Path, list[np.ndarray]]) -> None:
+    problem, directory, _ = run
+    _flip(directory / "8")
+    (directory / "8" / "meta" / "metadata").write_text("[]")
+    shutil.rmtree(directory / "4" / "state")
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(directory))}: no checkpoint "
+                                              r"verifies \(step 8: .*; step 4: no state"):
+        gm.Loop.resume(str(directory), problem.step, problem.source(8))
+    missing = directory.parent / "missing"
+    reader = Checkpointer(missing, keep=None)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint in .*does not exist"):
+        reader.restore(problem.state())
+    reader.close()
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint in"):
+        gm.Loop.resume(str(missing), problem.step, problem.source(8))
+    assert not missing.exists()  # reading creates nothing
+
+
+# -- ownership: a run never deletes or overwrites checkpoints it did not write --------------
+@pytest.fixture(scope="module")
+def other_run(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """Another run's directory: steps 85, 90, 95 (keep=3)."""
+    problem = Problem()
+    directory = tmp_path_factory.mktemp("other") / "run"
+    gm.Loop(problem.step, problem.source(8), steps=95,
+            plugins=[Checkpoint(directory, every=_every(5), keep=3)]).run(problem.state())
+    return directory
+
+
+@pytest.fixture
+def foreign(other_run: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+    directory = tmp_path / "run"
+    shutil.copytree(other_run, directory)
+    return directory
+
+
+def test_a_new_run_stops_before_training_in_another_runs_directory(
+        foreign: pathlib.Path) -> None:
+    before = _snapshot(foreign)
+    assert Checkpointer(foreign, keep=None).steps() == [85, 90, 95]
+    problem = Problem()
+    state = problem.state()
+    loop = gm.Loop(problem.step, problem.source(8), steps=15,
+                   plugins=[Checkpoint(foreign, every=_every(5), keep=3)])
+    with pytest.raises(Exception, match=r"(?s)holds checkpoints this run did not write "
+                                        r"\(steps 85, 90, 95\).*resume=True.*new directory"
+                                        r".*overwrite=True") as caught:
+        loop.run(state)
+    assert isinstance(caught.value, CheckpointError) or \
+        isinstance(caught.value.__cause__, CheckpointError)
+    assert loop.time.step == 0 and int(state.step) == 0
+    assert _snapshot(foreign) == before
+
+
+def test_overwrite_true_deletes_the_other_runs_checkpoints_first(
+        foreign: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    problem = Problem()
+    old_run = Checkpointer(foreign, keep=None).run_of(95)
+    with caplog.at_level(logging.WARNING, logger="graphmod.checkpoint"):
+        gm.Loop(problem.step, problem.source(8), steps=15,
+                plugins=[Checkpoint(foreign, every=_every(5), keep=3, overwrite=True)]
+                ).run(problem.state())
+    assert "deleted the checkpoints of steps [85, 90, 95]" in caplog.text
+    reader = Checkpointer(foreign, keep=None)
+    assert reader.steps() == [5, 10, 15]
+    runs = {reader.run_of(s) for s in reader.steps()}
+    assert len(runs) == 1 and old_run not in runs
+    with pytest.raises(ValueError, match=r"resume=True, overwrite=True\): pick one"):
+        Checkpoint(foreign, resume=True, overwrite=True)
+
+
+def test_keep_prunes_only_the_resumed_runs_own_checkpoints(foreign: pathlib.Path) -> None:
+    problem = Problem()
+    own_run = Checkpointer(foreign, keep=None).run_of(95)
+    stranger = Checkpointer(foreign, keep=None, run_id="stranger", asynchronous=False)
+    stranger.save(1, problem.state(), {})
+    stranger.save(2, problem.state(), {})
+    stranger.close()
+    strangers = {k: v for k, v in _snapshot(foreign).items() if k.split(os.sep)[0] in "12"}
+    gm.Loop(problem.step, problem.source(8), steps=105,
+            plugins=[Checkpoint(foreign, every=_every(5), keep=2, resume=True)]
+            ).run(problem.state())
+    reader = Checkpointer(foreign, keep=None)
+    assert reader.steps() == [1, 2, 100, 105]
+    assert [reader.run_of(s) for s in (100, 105)] == [own_run, own_run]
+    after = _snapshot(foreign)
+    assert {k: after[k] for k in strangers} == strangers
+
+
+def test_a_writer_never_replaces_a_step_another_run_wrote(tmp_path: pathlib.Path) -> None:
+    state = {"w": np.arange(3.0)}
+    first = Checkpointer(tmp_path, keep=None, run_id="first", asynchronous=False)
+    first.save(3, state, {})
+    first.close()
+    before = _snapshot(tmp_path)
+    second = Checkpointer(tmp_path, keep=1, run_id="second")
+    second.save(3, {"w": np.zeros(3)}, {})
+    with pytest.raises(CheckpointError, match=r"/3: holds a checkpoint another run wrote"):
+        second.wait()
+    second.save(4, {"w": np.ones(3)}, {})
+    second.save(5, {"w": np.ones(3)}, {})  # keep=1 prunes step 4, its own, never step 3
+    second.close()
+    assert Checkpointer(tmp_path, keep=None).steps() == [3, 5]
+    assert {k: v for k, v in _snapshot(tmp_path).items() if k.startswith("3")} == before
+
+
+# -- teardown, interrupts, and orbax's noise -----------------------------------------------
+def test_a_clean_run_leaves_complete_checkpoints_only(tmp_path: pathlib.Path) -> None:
+    problem = Problem()
+    gm.Loop(problem.step, problem.source(8), steps=20,
+            plugins=[Checkpoint(tmp_path, every=On("step"), keep=2)]).run(problem.state())
+    assert sorted(os.listdir(tmp_path)) == ["19", "20"]
+    reader = Checkpointer(tmp_path, keep=None)
+    assert reader.verify(19) is None and reader.verify(20) is None
+
+
+def test_disk_full_at_the_last_save_is_named_and_leaves_the_previous_checkpoint(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture) -> None:
+    import orbax.checkpoint as ocp
+
+    original = ocp.handlers.JsonCheckpointHandler._save_fn
+    started = []
+
+    async def full(self: object, record: object, directory: object) -> None:
+        if "8.orbax-checkpoint-tmp" in str(directory):  # the arrays are written by now
+            started.append(os.path.isdir(tmp_path / "8.orbax-checkpoint-tmp"))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        await original(self, record, directory)
+
+    monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "_save_fn", full)
+    problem = Problem()
+    loop = gm.Loop(problem.step, problem.source(8), steps=8,
+                   plugins=[Checkpoint(tmp_path, every=_every(4))])
+    with pytest.raises(Exception, match=rf"{re.escape(str(tmp_path / '8'))}: Checkpoint "
+                                        r"'checkpoint' could not finish its last save: .*"
+                                        r"disk full.*step 4 is intact"):
+        loop.run(problem.state())
+    assert started == [True]
+    assert os.listdir(tmp_path) == ["4"]  # no leftover of the failed write
+    assert Checkpointer(tmp_path, keep=None).verify(4) is None
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "absl" not in err, err
+
+
+def test_an_interrupt_saves_the_last_finished_step_and_says_how_to_continue(
+        tmp_path: pathlib.Path, capsys: pytest.CaptureFixture) -> None:
+    problem = Problem()
+    full = gm.Loop(problem.step, problem.source(8), steps=40).run(problem.state())
+
+    def ctrl_c(event: gm.Event) -> None:
+        raise KeyboardInterrupt
+
+    loop = gm.Loop(problem.step, problem.source(8), steps=40,
+                   plugins=[Checkpoint(tmp_path, every=_every(10))])
+    loop.on(On("step", step=at(37)), ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        loop.run(problem.state())
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"graphmod: interrupted - saved step 37 to {tmp_path}; continue with: "
+                     f"graphmod resume {tmp_path} (or graphmod.Loop.resume from Python)"]
+    reader = Checkpointer(tmp_path, keep=None)
+    assert reader.steps() == [20, 30, 37] and reader.verify(37) is None  # keep=3
+    resumed = gm.Loop.resume(str(tmp_path), problem.step, problem.source(8),
+                             plugins=[Checkpoint(tmp_path, every=_every(10))])
+    _assert_same_arrays(storable(resumed), storable(full))
+
+
+def test_orbax_reads_finishing_late_are_not_reported(tmp_path: pathlib.Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    reported: list[BaseException] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(u.exc_value))
+    Checkpointer(tmp_path).close()  # the first Checkpointer wraps the hook
+
+    def unraisable(error: BaseException) -> types.SimpleNamespace:
+        return types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=None,
+                                     err_msg=None, object=None)
+
+    closed, other = RuntimeError("Event loop is closed"), RuntimeError("something else")
+    sys.unraisablehook(unraisable(closed))  # a tensorstore read after a failed restore
+    sys.unraisablehook(unraisable(other))
+    assert reported == [other]  # everything else is reported as before
+
+
+def test_every_kind_of_leaf_comes_back_bitwise(tmp_path: pathlib.Path) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    state = {"bf16": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3), "empty": jnp.zeros((0, 4)),
+             "flags": jnp.array([True, False]), "byte": jnp.uint8(7), "count": 5,
+             "host": np.linspace(0, 1, 5, dtype=np.float32), "key": jax.random.key(3),
+             "rbg": jax.random.key(4, impl="rbg"), "none": None}
+    writer = Checkpointer(tmp_path, keep=None)
+    writer.save(2, state, {"note": "kinds"})
+    writer.wait()
+    assert writer.verify(2) is None
+    restored, meta = writer.restore(state)
+    writer.close()
+    assert meta["note"] == "kinds" and restored["none"] is None
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for name in ("bf16", "empty", "flags", "byte"):
+        assert restored[name].dtype == state[name].dtype
+    _assert_same_arrays(storable(restored), storable(state))
+    assert restored["rbg"].dtype == state["rbg"].dtype
+
+
+def test_a_graphmod_0_1_checkpoint_resumes_unverified_with_a_warning(
+        tmp_path: pathlib.Path) -> None:
+    # tests/loop/data/format1: written by graphmod 0.1 (format 1, no run id, no checksums)
+    # running tests/loop/resumable_run.py's build() for 6 steps, saving at step 6.
+    from tests.loop.resumable_run import build
+
+    directory = tmp_path / "run"
+    shutil.copytree(pathlib.Path(__file__).parent / "data" / "format1", directory)
+    step, data, state = build()
+    straight = gm.Loop(step, data, steps=12).run(state)
+    step, data, state = build()
+    with pytest.warns(UserWarning, match=r"format 1.*restored unverified"):
+        resumed = gm.Loop.resume(directory, step, data, steps=12)
+    assert int(resumed.step) == 12
+    _assert_same_arrays(jax.tree.leaves(resumed.variables),
+                        jax.tree.leaves(straight.variables))
+    reason = Checkpointer(directory, keep=None).verify(6)
+    assert reason is not None and "cannot be verified" in reason
+    assert "cannot be verified" in describe_run(str(directory))

@@ -1,0 +1,231 @@
+"""Ctrl-C: a run stops at a finished step, saves it, says so and exits 130; a second aborts.
+
+The runs are subprocesses of ``interrupted_run.py`` sent SIGINT as a user's Ctrl-C would.
+An uncaught KeyboardInterrupt makes CPython end by SIGINT itself: ``subprocess`` reports
+-2, a shell 130; both are accepted. Every wait is bounded: a run that does not end within
+``EXIT_WAIT`` seconds of its Ctrl-C is killed and reported as hung.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+import pytest
+
+import graphmod as gm
+from graphmod._checkpoint import Checkpointer
+from tests.loop import interrupted_run
+
+SCRIPT = pathlib.Path(__file__).with_name("interrupted_run.py")
+ROOT = pathlib.Path(__file__).parents[2]
+INTERRUPTED = (-signal.SIGINT, 128 + signal.SIGINT)
+START_WAIT, EXIT_WAIT = 240.0, 60.0  # bounds against a hang, not timings
+
+
+def _start(directory: pathlib.Path, *args: str) -> subprocess.Popen:
+    directory.mkdir(parents=True, exist_ok=True)
+    # The runs share JAX's compilation cache (one per test): most would only compile.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "JAX_COMPILATION_CACHE_DIR": str(directory.parent / "jax-cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    with open(directory.with_suffix(".stderr"), "w") as stderr:
+        return subprocess.Popen([sys.executable, str(SCRIPT), *args], env=env, cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+
+
+@dataclass
+class Run:
+    directory: pathlib.Path
+    args: list[str]
+    delay: float | None  # seconds after training began; None: it interrupts itself
+    process: subprocess.Popen | None = None
+    began: float | None = None
+    signalled: float | None = None
+    ended: float | None = None
+    problems: list[str] = field(default_factory=list)
+
+    def poll(self, now: float, spawned: float) -> bool:
+        """Advances the run; True once it is over."""
+        assert self.process is not None
+        if self.process.poll() is not None:
+            self.ended = now
+            return True
+        if self.began is None and (self.directory / "started").exists():
+            self.began = now
+        if self.delay is not None and self.signalled is None and self.began is not None \
+                and now >= self.began + self.delay:
+            self.process.send_signal(signal.SIGINT)
+            self.signalled = now
+        waited = now - (self.signalled or self.began or spawned)
+        if waited > (EXIT_WAIT if self.signalled or self.delay is None else START_WAIT):
+            self.process.kill()
+            self.process.wait()
+            self.problems.append(f"hung: killed after {waited:.0f} s")
+            self.ended = now
+            return True
+        return False
+
+    def stderr(self) -> str:
+        return self.directory.with_suffix(".stderr").read_text()
+
+    def where(self) -> str:
+        """Where the main thread was when SIGINT arrived: save, plugin, step or loop."""
+        path = self.directory / "where.txt"
+        stack = path.read_text() if path.exists() else ""
+        if "_checkpoint.py" in stack or "orbax" in stack:
+            return "save"
+        if re.search(r"interrupted_run.py:\d+ <lambda>", stack):
+            return "plugin"
+        if re.search(r"_loop.py:\d+ _call\b|_optimize.py", stack):
+            return "step"
+        return "loop"
+
+
+def _run_all(runs: list[Run], at_once: int = 2) -> None:
+    """Runs ``runs``, ``at_once`` at a time, sending each its Ctrl-C."""
+    pending, active = list(runs), []
+    while pending or active:
+        while pending and len(active) < at_once:
+            run = pending.pop(0)
+            run.process = _start(run.directory, "run", str(run.directory), *run.args)
+            active.append((run, time.monotonic()))
+        time.sleep(0.005)
+        now = time.monotonic()
+        active = [(run, spawned) for run, spawned in active if not run.poll(now, spawned)]
+
+
+def _interrupted_step(run: Run) -> int | None:
+    """Checks what the interrupted run printed and left; returns the step it stopped at."""
+    if run.problems:
+        return None
+    code = run.process.returncode  # type: ignore[union-attr]
+    if run.delay is not None and run.signalled is None:
+        run.problems.append("the run ended before its Ctrl-C")
+    if code not in INTERRUPTED:
+        run.problems.append(f"exit status {code}, expected one of {INTERRUPTED}")
+    err = run.stderr()
+    last = err.strip().splitlines()[-1] if err.strip() else ""
+    stopped = re.fullmatch(r"KeyboardInterrupt: interrupted at step (\d+)", last)
+    if stopped is None:
+        run.problems.append(f"last line {last!r}, expected 'KeyboardInterrupt: interrupted "
+                            "at step N'")
+        return None
+    frames = re.findall(r'File "([^"]+)"', err)
+    if len(frames) > 6 or any("site-packages" in f for f in frames):
+        run.problems.append(f"a long traceback: {frames}")
+    if "press Ctrl-C again to abort" not in err:
+        run.problems.append("no line saying a second Ctrl-C aborts")
+    step = int(stopped.group(1))
+    said = [line for line in err.splitlines() if "saved" in line]
+    if len(said) != 1 or f"saved step {step} to {run.directory}; continue with" not in said[0]:
+        run.problems.append(f"not one line saying step {step} was saved: {said}")
+    latest = Checkpointer(run.directory, keep=None).latest()
+    if latest != step:
+        run.problems.append(f"the newest checkpoint is of step {latest}, not {step}")
+    return step
+
+
+def _cases(tmp_path: pathlib.Path) -> list[Run]:
+    """Three runs interrupting themselves (inside a jitted step, inside a fused
+    ``steps_per_call`` dispatch, as a synchronous save starts) and 17 at random moments."""
+    rng = random.Random(20261108)
+    variants = [[], ["--steps-per-call", "2"], ["--sync"], ["--steps-per-call", "3", "--sync"]]
+    runs = [Run(tmp_path / "step", ["--kill-at-step", "5"], None),
+            Run(tmp_path / "fused", ["--steps-per-call", "3", "--kill-at-step", "9"], None),
+            Run(tmp_path / "save", ["--sync", "--kill-in-save", "4"], None)]
+    for i in range(17):
+        runs.append(Run(tmp_path / f"random{i}", variants[i % 4], rng.uniform(0.0, 0.6)))
+    return runs
+
+
+def _assert_equal(reference: pathlib.Path, resumed: pathlib.Path) -> None:
+    a, b = np.load(reference), np.load(resumed)
+    assert sorted(a.files) == sorted(b.files) and int(b["step"]) == interrupted_run.STEPS
+    for name in a.files:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=f"{resumed}: {name}")
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_20_moments_saves_a_finished_step_that_resumes_bitwise(tmp_path) -> None:
+    runs = _cases(tmp_path)
+    _run_all(runs)
+    steps = {run.directory.name: _interrupted_step(run) for run in runs}
+    problems = [f"{run.directory.name} {run.args}: {p}\n{run.stderr()[-2000:]}"
+                for run in runs for p in run.problems]
+    assert not problems, "\n".join(problems)
+    # Continue each run in two other processes: half by Loop.resume, half by a Loop with
+    # Checkpoint(resume=True); each first trains the whole run uninterrupted.
+    halves = {"loop": runs[::2], "plugin": runs[1::2]}
+    checks = {via: _start(tmp_path / f"verify-{via}", "verify", str(tmp_path / f"verify-{via}"),
+                          *[str(r.directory) for r in half], "--via", via)
+              for via, half in halves.items()}
+    for via, process in checks.items():
+        try:
+            code = process.wait(timeout=START_WAIT)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+        assert code == 0, (tmp_path / f"verify-{via}.stderr").read_text()[-3000:]
+    for via, half in halves.items():
+        reference = tmp_path / f"verify-{via}" / "reference.npz"
+        for run in half:
+            _assert_equal(reference, run.directory / "resumed.npz")
+    latency = max(run.ended - run.signalled for run in runs if run.signalled is not None)
+    where = sorted((run.where(), run.directory.name) for run in runs)
+    print(f"\nstopped at steps {steps}\nwhere Ctrl-C landed: {where}\n"
+          f"longest Ctrl-C to exit: {latency:.2f} s")
+
+
+def _listing(directory: pathlib.Path) -> dict[str, str]:
+    """Every checkpoint file under ``directory`` with the SHA-256 of its bytes."""
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()
+            and p.name not in ("ready", "interrupting", "hold")}
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_aborts_at_once_leaving_earlier_checkpoints_intact(tmp_path) -> None:
+    directory = tmp_path / "run"
+    directory.mkdir()
+    (directory / "hold").write_text("")
+    process = _start(directory, "hold", str(directory))
+    try:
+        deadline = time.monotonic() + START_WAIT
+        while not (directory / "ready").exists():
+            assert process.poll() is None, directory.with_suffix(".stderr").read_text()
+            assert time.monotonic() < deadline, "the run never reached step 7"
+            time.sleep(0.02)
+        before = _listing(directory)
+        process.send_signal(signal.SIGINT)
+        (directory / "hold").unlink()
+        while not (directory / "interrupting").exists():  # stalled in on_interrupt now
+            assert process.poll() is None, directory.with_suffix(".stderr").read_text()
+            assert time.monotonic() < deadline, "the run never got its interrupt event"
+            time.sleep(0.02)
+        process.send_signal(signal.SIGINT)
+        second = time.monotonic()
+        code = process.wait(timeout=EXIT_WAIT)  # the stall is 300 s: only an abort ends it
+    finally:
+        process.kill()
+    print(f"\nsecond Ctrl-C to exit: {time.monotonic() - second:.2f} s")
+    assert code in INTERRUPTED
+    assert _listing(directory) == before  # nothing written, pruned or touched
+    assert Checkpointer(directory, keep=None).steps() == [2, 4, 6]
+    step, data, first = interrupted_run.build()
+    reference = gm.Loop(step, data, steps=interrupted_run.STEPS).run(first())
+    resumed = gm.Loop.resume(directory, step, data)
+    assert int(resumed.step) == interrupted_run.STEPS
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, reference.variables),
+                 jax.tree.map(np.asarray, resumed.variables))

@@ -1,0 +1,100 @@
+"""``Loop.resume`` refuses what would continue a run silently wrong, before changing anything."""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+
+import numpy as np
+import pytest
+
+import graphmod as gm
+from graphmod import On
+from graphmod._checkpoint import Checkpointer
+from graphmod.data import ArraySource
+from graphmod.plugins import Checkpoint
+from tests.loop.conftest import Problem
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Problem, pathlib.Path]:
+    """A run stopped after 4 of 8 steps, on batches of 8 of 96 shuffled rows (seed 1)."""
+    problem = Problem()
+    directory = tmp_path_factory.mktemp("run")
+    loop = gm.Loop(problem.step, _source(problem), steps=8,
+                   plugins=[Checkpoint(directory, every=On("step"), keep=None)])
+    loop.on(On("step", step=gm.at(4)), lambda e: e.loop.terminate())
+    loop.run(problem.state())
+    return problem, directory
+
+
+def _source(problem: Problem, x: np.ndarray | None = None, y: np.ndarray | None = None,
+            batch_size: int = 8, seed: int = 1) -> ArraySource:
+    return ArraySource({"x": problem.x if x is None else x, "y": problem.y if y is None else y},
+                       batch_size, shuffle=True, seed=seed)
+
+
+def _listing(directory: pathlib.Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _changed(problem: Problem) -> np.ndarray:
+    x = problem.x.copy()
+    x[17, 2] += 1.0
+    return x
+
+
+CHANGES = {
+    "other content": (lambda p: _source(p, x=_changed(p)), ["sha256"]),
+    "other seed": (lambda p: _source(p, seed=2), ["seed"]),
+    "other batch size": (lambda p: _source(p, batch_size=12), ["batch_size"]),
+    "other row count": (lambda p: _source(p, x=p.x[:88], y=p.y[:88]), ["sha256", "size"]),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_resume_refuses_other_data_naming_the_fields(saved, change: str) -> None:
+    problem, directory = saved
+    make, fields = CHANGES[change]
+    before = _listing(directory)
+    with pytest.raises(ValueError, match=r"(?s)data differ from those the checkpoint of step 4 "
+                                         rf"was trained on \({', '.join(fields)}\):\n  "
+                                         rf"{fields[0]}: checkpoint .*allow_data_change=True"):
+        gm.Loop.resume(directory, problem.step, make(problem),
+                       plugins=[Checkpoint(directory, every=On("step"), keep=None)])
+    assert _listing(directory) == before
+
+
+def test_allow_data_change_continues_and_is_recorded(saved, tmp_path) -> None:
+    problem, directory = saved
+    copy = tmp_path / "run"
+    for name, _ in _listing(directory).items():  # resume a copy: the fixture stays as saved
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        (copy / name).write_bytes((directory / name).read_bytes())
+    state = gm.Loop.resume(copy, problem.step, _source(problem, seed=2), allow_data_change=True,
+                           plugins=[Checkpoint(copy, every=On("step"), keep=None)])
+    assert int(state.step) == 8
+    meta = Checkpointer(copy, keep=None).meta(8)
+    assert meta["data_changes"] == [{"step": 4, "fields": ["seed"]}]
+    inputs = meta["provenance"]["inputs"]
+    assert inputs["data_changes"] == meta["data_changes"] and inputs["data"]["seed"] == 2
+
+
+def test_checkpoint_resume_true_checks_the_data_too(saved) -> None:
+    problem, directory = saved
+    loop = gm.Loop(problem.step, _source(problem, seed=2), steps=8,
+                   plugins=[Checkpoint(directory, every=On("step"), resume=True, keep=None)])
+    with pytest.raises(gm.PluginError, match=r"plugin 'checkpoint' raised in setup: "
+                                             r"ValueError: .*data differ.*\(seed\)") as info:
+        loop.run(problem.state())
+    assert "allow_data_change=True" in str(info.value.__cause__)
+
+
+def test_resume_from_a_missing_directory_names_it_and_creates_nothing(saved, tmp_path) -> None:
+    problem, _ = saved
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(FileNotFoundError, match=rf"no checkpoint in {missing}: no such "
+                                                r"directory \(nothing was created\)"):
+        gm.Loop.resume(missing, problem.step, _source(problem))
+    assert not (tmp_path / "no").exists()
