@@ -103,7 +103,8 @@ def check_arguments(examples: dict[str, Any], actual: dict[str, Any]) -> None:
     and the leading (batch) sizes of the arguments that shared one in the examples.
 
     The leading (batch) dimension and the middle ones (time, space) may differ; the rank,
-    the last (feature) dimension and the canonical dtype must match.
+    the last (feature) dimension and the canonical dtype must match. Integer and boolean
+    arguments (token ids, labels, indices, masks) have no feature axis: any length fits.
     """
     batched: dict[int, list[tuple[str, int]]] = {}  # init's leading size → (where, size)
     for name, example in examples.items():
@@ -120,10 +121,12 @@ def check_arguments(examples: dict[str, Any], actual: dict[str, Any]) -> None:
             where = f"argument {name!r}{jax.tree_util.keystr(path)}"
             (got_shape, got_dtype), want_shape = spec(got), tuple(want.shape)
             want_dtype = canonical_dtype(want.dtype)
+            features = _has_features(want_dtype)
             fits = (len(got_shape) == len(want_shape) and got_dtype == want_dtype
-                    and (len(want_shape) < 2 or got_shape[-1] == want_shape[-1]))
+                    and (len(want_shape) < 2 or not features
+                         or got_shape[-1] == want_shape[-1]))
             if not fits:
-                expected = _expected_shape(want_shape)
+                expected = _expected_shape(want_shape, features)
                 raise ValueError(
                     f"{where}: expected shape {expected} and dtype {want_dtype} (as in "
                     f"init's example), got shape {got_shape} and dtype {got_dtype}"
@@ -144,10 +147,22 @@ def check_leading_sizes(group: list[tuple[str, int]], why: str) -> None:
             "per-feature array as long as init's batch), call init with another batch size")
 
 
-def _expected_shape(shape: tuple[int, ...]) -> str:
-    """``(batch, *, 4)``: the leading and middle dimensions may vary, the last may not."""
+def _has_features(dtype: str) -> bool:
+    """Whether arrays of ``dtype`` have a feature axis (floats do; integers, booleans and
+    keys hold ids, labels, indices, masks: any length fits)."""
+    try:
+        return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.inexact))
+    except TypeError:  # an extended dtype (a typed PRNG key)
+        return False
+
+
+def _expected_shape(shape: tuple[int, ...], features: bool = True) -> str:
+    """``(batch, *, 4)``: the leading and middle dimensions may vary, the last (feature)
+    one may not; ``(batch, *)`` where there is no feature axis."""
     if not shape:
         return "()"
+    if not features:
+        return "(batch" + ", *" * (len(shape) - 1) + ")"
     middle = ", *" * (len(shape) - 2)
     last = f", {shape[-1]}" if len(shape) >= 2 else ""
     return f"(batch{middle}{last})"

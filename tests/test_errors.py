@@ -214,3 +214,26 @@ def test_an_array_source_with_rows_that_disagree_names_each_array() -> None:
         gm.data.ArraySource((np.ones((8, 4)), np.ones((5, 2))), batch_size=2)
     with pytest.raises(ValueError, match=r"arrays\['x'\] has 8 rows; arrays\['y'\] is a scalar"):
         gm.data.ArraySource({"x": np.ones((8, 4)), "y": np.float32(1)}, batch_size=2)
+
+
+def test_token_inputs_may_change_their_length_but_not_their_rank_or_dtype() -> None:
+    embed = gm.bricks.Embedding(10, 4, rngs=nnx.Rngs(0))
+    program = gm.compile(lambda m, tokens: m(tokens).sum(), embed)
+    variables = program.init(jnp.zeros((2, 16), jnp.int32))
+    for length in (7, 16, 40):  # a token sequence has no feature axis
+        assert program.infer(variables, jnp.ones((3, length), jnp.int32)).shape == ()
+    with pytest.raises(ValueError, match=r"argument 'tokens': expected shape \(batch, \*\) and "
+                                         r"dtype int32.*got shape \(3,\)"):
+        program.infer(variables, jnp.ones(3, jnp.int32))
+    with pytest.raises(ValueError, match=r"argument 'tokens'.*dtype int32.*float32"):
+        program.infer(variables, jnp.ones((3, 16), jnp.float32))
+
+
+def test_a_typed_key_is_accepted_as_an_argument() -> None:
+    lin = gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0))
+    program = gm.compile(lambda m, x, key: (m(x) + jax.random.normal(key, (3,))).sum(), lin)
+    variables = program.init(jnp.ones((1, 2)), jax.random.key(1))
+    first = program.infer(variables, jnp.ones((4, 2)), jax.random.key(2))
+    again = program.infer(variables, jnp.ones((4, 2)), jax.random.key(2))
+    other = program.infer(variables, jnp.ones((4, 2)), jax.random.key(3))
+    assert first == again and first != other
