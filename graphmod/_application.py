@@ -11,6 +11,22 @@ Each call of an application inside a compiled program
    scopes in jaxprs, HLO and profiles read as the brick path.
 
 Outside a compiled program the method runs as written: no tags, no managers.
+
+Unmodified Flax modules
+    Any ``nnx.Module`` of a compiled model that is not a brick is one too: while a program
+    traces, every call of its ``__call__`` (read as application ``apply``) and of the methods
+    named in ``compile(..., applications={cls: [names]})`` (by default also ``Embed.attend``)
+    is an application at the module's path. Its inputs are the arguments whose value is an
+    array (named as in the method's signature), its outputs the returned array (``output``)
+    or the arrays of a returned tuple (``output_0``, ``output_1``, ...). This works by
+    switching the module instances' class, during a trace only, to a cached subclass (same
+    name) whose methods run the chain around the original (``graphmod._context`` owns the
+    switch and restores it, also after an exception). Sharp edges: inside a trace
+    ``type(module)`` is that subclass (``isinstance`` checks are unaffected); arrays nested
+    in pytrees or passed through ``*args``/``**kwargs`` are not tagged; a method called on
+    the class (``nnx.Linear.__call__(layer, x)``, ``super().__call__(x)``) is not a separate
+    application; two programs with different ``applications=`` tracing one model at the
+    same time share one subclass (the first one's).
 """
 
 from __future__ import annotations
@@ -18,10 +34,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 from graphmod import _context
 from graphmod import roles as _roles
@@ -191,11 +210,10 @@ class ApplicationCall:
         spec = self.spec
         assert spec is not None
         bound = spec.signature.bind_partial(self.brick, *args, **kwargs)
-        for name in spec.inputs:
-            if name in bound.arguments:
-                tag = self.tag(_roles.INPUT, name)
-                bound.arguments[name] = self._rewrite(
-                    manager, "rewrite_input", tag, bound.arguments[name])
+        for name in spec.input_names(bound.arguments):
+            tag = self.tag(_roles.INPUT, name)
+            bound.arguments[name] = self._rewrite(
+                manager, "rewrite_input", tag, bound.arguments[name])
         return bound.args[1:], bound.kwargs
 
     def rewrite_outputs(self, manager: Manager, out: Any) -> Any:
@@ -204,10 +222,9 @@ class ApplicationCall:
             return out
         spec = self.spec
         assert spec is not None
-        values = spec.split_outputs(out)
         new = [self._rewrite(manager, "rewrite_output", self.tag(_roles.OUTPUT, n), v)
-               for n, v in zip(spec.outputs, values, strict=True)]
-        return spec.join_outputs(new)
+               for n, v in spec.output_items(out)]
+        return spec.with_outputs(out, new)
 
     def read_parameter(self, info: VariableInfo) -> Any:
         """The value of a model variable as this call sees it: rewritten once per call."""
@@ -257,6 +274,46 @@ class _Spec:
 
     def join_outputs(self, values: list[Any]) -> Any:
         return values[0] if len(self.outputs) == 1 else tuple(values)
+
+    def input_names(self, arguments: dict[str, Any]) -> list[str]:
+        """The tagged inputs among a call's bound arguments."""
+        return [name for name in self.inputs if name in arguments]
+
+    def output_items(self, out: Any) -> list[tuple[str, Any]]:
+        """``(name, value)`` of each tagged output of a call's result."""
+        return list(zip(self.outputs, self.split_outputs(out), strict=True))
+
+    def with_outputs(self, out: Any, values: list[Any]) -> Any:
+        """``out`` with its tagged outputs replaced by ``values``."""
+        return self.join_outputs(values)
+
+
+def _is_array(value: Any) -> bool:
+    """Whether a Flax method's argument or result is a tagged variable (keys are not)."""
+    return isinstance(value, jax.Array | np.ndarray) and not jax.dtypes.issubdtype(
+        value.dtype, jax.dtypes.prng_key)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MethodSpec(_Spec):
+    """An unmodified Flax method: its array arguments are inputs, array results outputs."""
+
+    def input_names(self, arguments: dict[str, Any]) -> list[str]:
+        return [name for name, value in list(arguments.items())[1:] if _is_array(value)]
+
+    def output_items(self, out: Any) -> list[tuple[str, Any]]:
+        if _is_array(out):
+            return [("output", out)]
+        if isinstance(out, tuple):
+            return [(f"output_{i}", v) for i, v in enumerate(out) if _is_array(v)]
+        return []
+
+    def with_outputs(self, out: Any, values: list[Any]) -> Any:
+        if _is_array(out):
+            return values[0]
+        new = iter(values)
+        items = [next(new) if _is_array(v) else v for v in out]
+        return type(out)._make(items) if hasattr(out, "_make") else tuple(items)
 
 
 def _scope_name(parent: ApplicationCall | None, path: str, application: str) -> str:
@@ -346,12 +403,11 @@ def _run_managed(frame: Frame, spec: _Spec, method: Callable, brick: Any, path: 
 
     def inputs(args: tuple, kwargs: dict, see: Callable[[Tag, Any, str], None]) -> None:
         bound = spec.signature.bind_partial(brick, *args, **kwargs)
-        for name in spec.inputs:
-            if name in bound.arguments:
-                see(call.tag(_roles.INPUT, name), bound.arguments[name], name)
+        for name in spec.input_names(bound.arguments):
+            see(call.tag(_roles.INPUT, name), bound.arguments[name], name)
 
     def outputs(out: Any, see: Callable[[Tag, Any, str], None]) -> None:
-        for name, value in zip(spec.outputs, spec.split_outputs(out), strict=True):
+        for name, value in spec.output_items(out):
             see(call.tag(_roles.OUTPUT, name), value, name)
 
     record = lambda tag, value, name: frame.record(tag, value, None)
@@ -379,3 +435,138 @@ def _run_managed(frame: Frame, spec: _Spec, method: Callable, brick: Any, path: 
 def _layer(manager: Manager, call: ApplicationCall, next: Callable[..., Any],
            *args: Any, **kwargs: Any) -> Any:
     return manager.wrap(call.bound(manager), next, args, kwargs)
+
+
+# Methods besides ``__call__`` that are applications of every program's Flax modules.
+_DEFAULT_APPLICATIONS: dict[type, tuple[str, ...]] = {nnx.Embed: ("attend",)}
+
+
+def method_applications(applications: Any) -> dict[type, tuple[str, ...]]:
+    """Checks ``compile(..., applications=...)`` and adds the defaults (``Embed.attend``).
+
+    Examples:
+        >>> from flax import nnx
+        >>> from graphmod._application import method_applications
+        >>> class Net(nnx.Module):
+        ...     def encode(self, x):
+        ...         return x
+        >>> method_applications({Net: ["encode"]})[Net]
+        ('encode',)
+    """
+    out = dict(_DEFAULT_APPLICATIONS)
+    if applications is None:
+        return out
+    if not isinstance(applications, Mapping):
+        raise TypeError(f"compile(applications={applications!r}): expected a dict of module "
+                        "classes to method names, e.g. applications={MyModule: ['encode']}")
+    for cls, names in applications.items():
+        if not (isinstance(cls, type) and issubclass(cls, nnx.Module)):
+            raise TypeError(f"compile(applications=...): key {cls!r} is not a flax.nnx.Module "
+                            "class; write applications={MyModule: ['encode']}")
+        if getattr(cls, "__graphmod_brick__", False):
+            raise TypeError(f"compile(applications=...): {cls.__name__} is a brick; mark its "
+                            "methods with @graphmod.application instead")
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"compile(applications=...): the methods of {cls.__name__} must "
+                            f"be a list of names, e.g. ['encode']; got {names!r}")
+        for name in names:
+            if not inspect.isfunction(inspect.getattr_static(cls, name, None)):
+                raise ValueError(f"compile(applications=...): {cls.__name__} has no method "
+                                 f"{name!r} (a plain function defined in the class)")
+        out[cls] = (*out.get(cls, ()), *names)
+    return out
+
+
+def interceptor(applications: Any) -> Callable[[type], type | None]:
+    """For ``compile(..., applications=...)`` (checked here, before anything changes): the
+    class a plain Flax module class is switched to while a program traces, None for bricks
+    and modules without applications."""
+    checked = method_applications(applications)
+
+    def intercept(cls: type) -> type | None:
+        if getattr(cls, "__graphmod_brick__", False):
+            return None  # bricks declare theirs with @application
+        names = ["__call__"] if any("__call__" in vars(c) for c in cls.__mro__[:-1]) else []
+        for base, extra in checked.items():
+            if issubclass(cls, base):
+                names += [name for name in extra if name not in names]
+        return intercepting_class(cls, tuple(names)) if names else None
+
+    return intercept
+
+
+@functools.cache
+def intercepting_class(cls: type, methods: tuple[str, ...]) -> type:
+    """A subclass of Flax module class ``cls`` (same name) whose ``methods`` are
+    applications; a module's class is switched to it only while a program traces."""
+    namespace: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                 "__graphmod_original__": cls, "__slots__": ()}
+    for name in methods:
+        namespace[name] = _intercepted(getattr(cls, name), name)
+    return type(cls.__name__, (cls,), namespace)
+
+
+def _intercepted(method: Callable[..., Any], name: str) -> Callable[..., Any]:
+    spec = _MethodSpec("apply" if name == "__call__" else name, (), (),
+                       inspect.signature(method), False)
+    in_program = _PROGRAM_CODE.get(method, method)
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        frame = _context.current_frame()
+        path = None if frame is None else frame.layout.brick_path(self)
+        if path is None:  # another thread calling the model eagerly, or a stranger module
+            return method(self, *args, **kwargs)
+        return _run_managed(frame, spec, in_program, self, path, args, kwargs)
+
+    return wrapper
+
+
+def _innermost_call() -> ApplicationCall:
+    frame = _context.current_frame()
+    assert frame is not None and frame.calls
+    return frame.calls[-1]
+
+
+def _dropout(self: nnx.Dropout, inputs: Any, *, deterministic: bool | None = None,
+             rngs: Any = None) -> Any:
+    """``nnx.Dropout.__call__`` in a program: the program's mode and its step key folded
+    with the module's path (stored or passed ``rngs`` are not used); identity in inference
+    or where the user set ``deterministic=True`` (at construction or in the call)."""
+    call = _innermost_call()
+    explicit = self.deterministic if deterministic is None else deterministic
+    if explicit or not call.training or self.rate == 0.0:
+        return inputs
+    keep = 1.0 - self.rate
+    if keep == 0.0:  # zeros with zero (finite) gradients, as Flax does
+        out = jnp.zeros_like(inputs)
+    else:
+        shape = list(jnp.shape(inputs))
+        for axis in self.broadcast_dims:
+            shape[axis] = 1
+        mask = jnp.broadcast_to(jax.random.bernoulli(call.rng(), keep, shape),
+                                jnp.shape(inputs))
+        out = jax.lax.select(mask, inputs / keep, jnp.zeros_like(inputs))
+    assert call.frame is not None
+    call.frame.rewrites.append(Rewrite(
+        "nnx.Dropout", call.path or "", call.application, call.call_id, _roles.OUTPUT.name,
+        "output", *describe(inputs), *describe(out)))
+    return out
+
+
+def _batch_norm(self: nnx.BatchNorm, x: Any, use_running_average: bool | None = None, *,
+                mask: Any = None) -> Any:
+    """``nnx.BatchNorm.__call__`` in a program: batch statistics (running averages updated)
+    in training, running averages in inference or where the user set
+    ``use_running_average=True`` (at construction or in the call)."""
+    explicit = self.use_running_average if use_running_average is None else use_running_average
+    frozen = bool(explicit) or not _innermost_call().training
+    return _FLAX_BATCH_NORM(self, x, use_running_average=frozen, mask=mask)
+
+
+_FLAX_BATCH_NORM = nnx.BatchNorm.__call__
+# Flax's own methods whose behaviour follows the program (mode, key) inside one.
+_PROGRAM_CODE: dict[Callable[..., Any], Callable[..., Any]] = {
+    nnx.Dropout.__call__: _dropout,
+    nnx.BatchNorm.__call__: _batch_norm,
+}

@@ -13,14 +13,24 @@ token that is fresh for every outer trace and renewed at every application call,
 inner trace is ever replayed from another program, mode, trace or application call. This
 uses ``jax._src.config`` (internal): the JAX minor version is pinned in ``pyproject.toml``
 and ``tests/test_isolation.py`` guards it.
+
+Module interception: plain Flax modules of the model (no ``@application``) become
+applications by having their class swapped, for the duration of a trace only, to a cached
+subclass whose intercepted methods run the manager chain (see ``graphmod._application``).
+The swap is the one piece of process-wide state here: a lock-guarded count per module
+instance, so that overlapping traces over one model (nested, or in other threads) share one
+swap and the last to finish restores the original class, also when the trace raises. Other
+threads calling the model eagerly meanwhile see the subclass, whose methods run the original
+code unchanged when no program is tracing in their context.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jax._src import config as _jax_config
@@ -48,6 +58,11 @@ _TRACE_TOKEN = _jax_config.string_or_object_state(
     include_in_jit_key=True,
     include_in_trace_context=True,
 )
+
+
+# id(module) -> [module, original class, number of traces holding the swap]
+_SWAPPED: dict[int, list[Any]] = {}
+_SWAP_LOCK = threading.Lock()
 
 
 def active_managers() -> tuple[Manager, ...]:
@@ -80,7 +95,7 @@ def tracing(frame: Frame) -> Iterator[Frame]:
     """Makes ``frame`` current and splits JAX's inner-trace caches for this trace."""
     token = _FRAME.set(frame)
     try:
-        with contextlib.ExitStack() as tokens:
+        with _swapped(frame.layout.swaps), contextlib.ExitStack() as tokens:
             tokens_token = _TOKENS.set(tokens)
             try:
                 split_trace_caches()
@@ -91,6 +106,31 @@ def tracing(frame: Frame) -> Iterator[Frame]:
         popped = _FRAME.get()
         _FRAME.reset(token)
         assert popped is frame, "frame stack corrupted: traces exited out of order"
+
+
+@contextlib.contextmanager
+def _swapped(swaps: Sequence[tuple[Any, type, type]]) -> Iterator[None]:
+    """Switches each ``(module, original, intercepting)`` to its intercepting class while
+    any trace holds it; restores the original when the last one ends."""
+    held: list[Any] = []
+    try:
+        with _SWAP_LOCK:
+            for module, original, intercepting in swaps:
+                entry = _SWAPPED.get(id(module))
+                if entry is None:  # else a trace in progress keeps the class it switched to
+                    object.__setattr__(module, "__class__", intercepting)
+                    entry = _SWAPPED[id(module)] = [module, original, 0]
+                entry[2] += 1
+                held.append(module)
+        yield
+    finally:
+        with _SWAP_LOCK:
+            for module in held:
+                entry = _SWAPPED[id(module)]
+                entry[2] -= 1
+                if entry[2] == 0:
+                    object.__setattr__(module, "__class__", entry[1])
+                    del _SWAPPED[id(module)]
 
 
 def split_trace_caches() -> None:

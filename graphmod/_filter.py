@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import inspect
 import re
 from collections.abc import Iterable
 from typing import Any
+
+from flax import nnx
 
 from graphmod import roles as _roles
 
@@ -52,6 +55,41 @@ def application_name(value: Any) -> str:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class BoundApplication:
+    """One brick instance's application, from a bound method (``model.layer.apply``).
+
+    Examples:
+        >>> import graphmod as gm
+        >>> from flax import nnx
+        >>> lin = gm.bricks.Linear(2, 2, rngs=nnx.Rngs(0))
+        >>> gm.VariableFilter(applications=[lin.apply]).applications[0].name
+        'apply'
+    """
+
+    brick: Any
+    name: str
+
+    def __repr__(self) -> str:
+        return f"<{self.name} of {type(self.brick).__name__} at 0x{id(self.brick):x}>"
+
+
+def bound_application(value: Any) -> BoundApplication | None:
+    """The instance's application a bound application method names, else None."""
+    if isinstance(value, BoundApplication):
+        return value
+    name = getattr(value, "__graphmod_application__", None)
+    if name is not None and inspect.ismethod(value) and not isinstance(value.__self__, type):
+        return BoundApplication(value.__self__, name)
+    return None
+
+
+def _application(value: Any) -> str | BoundApplication:
+    """A name (every instance's application) or, for a bound method, one instance's."""
+    bound = bound_application(value)
+    return application_name(value) if bound is None else bound
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class VariableFilter:
     """Selects tagged variables by role, brick, application, name, path and call id.
 
@@ -60,7 +98,9 @@ class VariableFilter:
             (with ``each_role=True`` it must be a sub-role of every one).
         bricks: brick instances (matched by their path in the model: a parent matches its
             own applications, not its children's) or brick classes (``isinstance``).
-        applications: application names, or the decorated methods themselves.
+        applications: application names or the decorated methods: unbound
+            (``Linear.apply``) matches that application of every instance by name, bound
+            (``model.layers[0].apply``) only that instance's (by its path in the model).
         name: the variable's exact name (``"W"``, ``"input_"``).
         name_regex: a regular expression matched at the start of the name.
         path: a glob over the variable's path, e.g. ``"/layers/*"`` or ``"*.W"``.
@@ -91,14 +131,14 @@ class VariableFilter:
         bricks = _as_tuple(self.bricks)
         if bricks is not None:
             for brick in bricks:
-                if not (isinstance(brick, type) or hasattr(brick, "__graphmod_brick__")):
+                if not isinstance(brick, type | nnx.Module):
                     raise TypeError(
                         f"VariableFilter(bricks=...): {brick!r} is neither a Brick instance "
-                        "nor a brick class"
+                        "nor a brick class (any flax.nnx.Module instance or class)"
                     )
         set_("bricks", bricks)
         apps = _as_tuple(self.applications)
-        set_("applications", None if apps is None else tuple(map(application_name, apps)))
+        set_("applications", None if apps is None else tuple(map(_application, apps)))
         if self.name_regex is not None:
             try:
                 re.compile(self.name_regex)
@@ -133,8 +173,10 @@ class VariableFilter:
         return any(x is not None for x in (self.roles, self.name, self.name_regex, self.path))
 
     def brick_instances(self) -> tuple[Any, ...]:
-        """The brick instances this filter names (to be resolved to paths at compile)."""
-        return tuple(b for b in self.bricks or () if not isinstance(b, type))
+        """The brick instances this filter names, in ``bricks`` or as bound applications
+        (to be resolved to paths at compile)."""
+        return tuple(b for b in self.bricks or () if not isinstance(b, type)) + tuple(
+            a.brick for a in self.applications or () if isinstance(a, BoundApplication))
 
     def matches_application(
         self, brick: Any, brick_path: str, application: str, call_id: int,
@@ -144,7 +186,11 @@ class VariableFilter:
 
         ``instance_paths`` maps ``id(brick instance)`` named by this filter to its path.
         """
-        if self.applications is not None and application not in self.applications:
+        if self.applications is not None and not any(
+            a == application if isinstance(a, str)
+            else a.name == application and instance_paths[id(a.brick)] == brick_path
+            for a in self.applications
+        ):
             return False
         if self.call_id is not None and call_id not in self.call_id:
             return False

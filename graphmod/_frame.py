@@ -159,7 +159,7 @@ class Frame:
                 raise TypeError(f"use_manager: {m!r} is not a graphmod.Manager")
             if m.name in active and active[m.name] is not m:
                 raise ValueError(f"use_manager: a manager named {m.name!r} is already active; "
-                                 "pass name=... to one of them")
+                                 "pass manager_name=... to one of them")
             self.layout.resolve(m.filter.brick_instances(), f"use_manager {m.name!r}")
             self.seen_managers.setdefault(id(m), m)
         self.local_managers.extend(managers)

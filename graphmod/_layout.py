@@ -1,16 +1,18 @@
-"""The layout of a model: every variable's identity, path, role and aliases; brick paths.
+"""The layout of a model: every variable's identity, path, role and aliases; module paths.
 
 Computed once at compile (outside the hot path). Paths: the root brick is ``/``, a child
 ``/layers/0``, a variable ``/layers/0.W`` (root-level: ``/.W``). A variable reachable by two
 paths (tied weights) has its first path, in Flax's traversal order, as canonical path and
-the others as aliases.
+the others as aliases. Every module has a path (bricks and plain Flax modules alike); the
+plain Flax modules with methods that are applications are listed with the class they are
+switched to while a program traces (``swaps``, see ``graphmod._application``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from flax import nnx
@@ -72,10 +74,13 @@ class Layout:
     """Variables and bricks of one model, shared by every program compiled over it.
 
     Compiling adopts the model's plain Flax variables (see ``graphmod._variables``) and
-    stores identities in variables and tokens in bricks; no array is touched.
+    stores identities in variables and tokens in modules; no array is touched.
+    ``intercept`` gives the class a plain Flax module is switched to while a program traces,
+    or None for no applications (``graphmod._application.interceptor``).
     """
 
-    def __init__(self, model: nnx.Module) -> None:
+    def __init__(self, model: nnx.Module,
+                 intercept: Callable[[type], type | None] | None = None) -> None:
         if not isinstance(model, nnx.Module):
             raise TypeError(f"compile(fn, model): model must be a flax.nnx.Module (a brick), "
                             f"got {type(model).__name__}")
@@ -91,7 +96,7 @@ class Layout:
             if isinstance(node, nnx.Variable):
                 paths.setdefault(id(node), []).append(key)
                 objects[id(node)] = node
-            elif getattr(node, "__graphmod_brick__", False):
+            elif isinstance(node, nnx.Module) and not isinstance(node, nnx.List | nnx.Dict):
                 bricks.setdefault(id(node), []).append(key)
                 brick_objects[id(node)] = node
         self.variables = self._identify(canonical, paths, objects)
@@ -100,6 +105,7 @@ class Layout:
         self.by_key = {info.key: info for info in self.variables}
         self.brick_paths = self._tokenize(bricks, brick_objects)
         self.instance_paths: dict[int, str] = {}
+        self.swaps = () if intercept is None else _swaps(brick_objects.values(), intercept)
 
     def _identify(self, canonical: dict[int, Key], paths: dict[int, list[Key]],
                   objects: dict[int, Any]) -> tuple[VariableInfo, ...]:
@@ -146,8 +152,8 @@ class Layout:
             if path is None:
                 raise ValueError(
                     f"{owner}: brick {type(brick).__name__} at 0x{id(brick):x} named in "
-                    "bricks=... is not part of the compiled model; name bricks of the model "
-                    "(e.g. model.layers[0]) or a brick class"
+                    "bricks= or applications= is not part of the compiled model; name bricks "
+                    "of the model (e.g. model.layers[0]) or a brick class"
                 )
             self.instance_paths[id(brick)] = path
 
@@ -164,6 +170,18 @@ class Layout:
                 node = node.setdefault(part, {})
             node[info.key[-1]] = values[info.identity]
         return out
+
+
+def _swaps(modules: Iterable[Any], intercept: Callable[[type], type | None]
+           ) -> tuple[tuple[Any, type, type], ...]:
+    """``(module, class, intercepting class)`` for each plain Flax module with applications."""
+    out = []
+    for module in modules:
+        cls = getattr(type(module), "__graphmod_original__", type(module))  # compiled in a trace
+        intercepting = intercept(cls)
+        if intercepting is not None:
+            out.append((module, cls, intercepting))
+    return tuple(out)
 
 
 def _get(tree: dict, key: Key) -> Any:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
+import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -124,6 +126,27 @@ def _snake_case(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
+def _deprecated_name(manager: Manager, name: str, manager_name: str | None) -> str:
+    """The manager's name from the deprecated ``name=``, with a warning naming both intents."""
+    cls = type(manager).__name__
+    if manager_name is not None:
+        raise TypeError(f"{cls}(name={name!r}, manager_name={manager_name!r}): name= is the "
+                        "deprecated spelling of manager_name=; pass manager_name= only")
+    # Point the warning at the user's line, past the chain of super().__init__ calls.
+    frame, level = sys._getframe(1), 2
+    while (frame.f_back is not None and frame.f_code.co_name == "__init__"
+           and isinstance(frame.f_locals.get("self"), Manager)):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"{cls}(name={name!r}): name= is deprecated because it reads like a variable filter. "
+        f"It names the manager {name!r} (as before) and does not narrow what it rewrites. "
+        f"Write {cls}(manager_name={name!r}) to name the manager, or "
+        f"{cls}(variable_name={name!r}) to rewrite only the variables named {name!r}.",
+        DeprecationWarning, stacklevel=level,
+    )
+    return name
+
+
 def _overrides(manager: Manager, hook: str) -> bool:
     return getattr(type(manager), hook) is not getattr(Manager, hook)
 
@@ -134,10 +157,16 @@ class Manager:
     Args:
         bricks, roles, applications, path, name_regex, call_id: the fields of a
             :class:`VariableFilter` selecting what this manager rewrites.
+        variable_name: the exact name of the variables to rewrite (``"W"``, ``"kernel"``);
+            the filter's ``name`` field.
         filter: a ready :class:`VariableFilter` instead of the fields.
         priority: higher runs further out in the chain (default 0).
-        name: the manager's name, unique in a chain (default: class name in snake case).
+        manager_name: the manager's own name, unique in a chain (default: class name in
+            snake case). It keys ``variables["managers"]``, the randomness and the rewrite
+            trace, and is the attribute ``manager.name``.
         strict: raise if the filter matches nothing in a trace.
+        name: deprecated spelling of ``manager_name`` (it read like a variable filter);
+            still names the manager, with a ``DeprecationWarning``.
 
     Subclasses override ``rewrite_input``/``rewrite_output``/``rewrite_parameter`` (each
     returns the new value) or ``wrap``. Hyperparameters that may be :func:`dynamic` are
@@ -158,6 +187,9 @@ class Manager:
         >>> variables = program.init(x)
         >>> bool(jnp.allclose(program.infer(variables, x), 2 * lin(x)))
         True
+        >>> double_w = Double(roles=[gm.roles.WEIGHT], variable_name="W", manager_name="w2")
+        >>> double_w.name, double_w.filter
+        ('w2', VariableFilter(roles=(WEIGHT,), name='W'))
     """
 
     exclusive: ClassVar[bool] = False
@@ -175,15 +207,19 @@ class Manager:
         roles: Any = None,
         applications: Any = None,
         path: str | None = None,
+        variable_name: str | None = None,
         name_regex: str | None = None,
         call_id: Any = None,
         filter: VariableFilter | None = None,
         priority: int = 0,
-        name: str | None = None,
+        manager_name: str | None = None,
         strict: bool = True,
+        name: str | None = None,
     ) -> None:
+        if name is not None:
+            manager_name = _deprecated_name(self, name, manager_name)
         fields = dict(bricks=bricks, roles=roles, applications=applications, path=path,
-                      name_regex=name_regex, call_id=call_id)
+                      variable_name=variable_name, name_regex=name_regex, call_id=call_id)
         given = {k: v for k, v in fields.items() if v is not None}
         if filter is not None and given:
             raise TypeError(
@@ -196,11 +232,17 @@ class Manager:
         if not isinstance(priority, int):
             raise TypeError(f"{type(self).__name__}(priority=...): expected an int, "
                             f"got {priority!r}")
-        if name is not None and (not isinstance(name, str) or not name.isidentifier()):
-            raise ValueError(f"{type(self).__name__}(name=...): {name!r} must be an identifier")
-        self.filter = filter if filter is not None else VariableFilter(**given)
+        if manager_name is not None and (not isinstance(manager_name, str)
+                                         or not manager_name.isidentifier()):
+            raise ValueError(f"{type(self).__name__}(manager_name=...): {manager_name!r} must "
+                             "be an identifier")
+        if variable_name is not None and not isinstance(variable_name, str):
+            raise TypeError(f"{type(self).__name__}(variable_name={variable_name!r}): must be "
+                            "a string, the exact name of the variables to rewrite (e.g. 'W')")
+        self.filter = filter if filter is not None else VariableFilter(
+            **{"name" if k == "variable_name" else k: v for k, v in given.items()})
         self.priority = priority
-        self.name = name or _snake_case(type(self).__name__)
+        self.name = manager_name or _snake_case(type(self).__name__)
         self.strict = strict
         self._entered: list[Any] = []
 
@@ -226,7 +268,7 @@ class Manager:
         self._frozen = True
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r}, filter={self.filter!r})"
+        return f"{type(self).__name__}(manager_name={self.name!r}, filter={self.filter!r})"
 
     def __enter__(self) -> Manager:
         context = _context.entered(self)

@@ -25,8 +25,9 @@ Sharp edges
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 
 from graphmod import _context
 from graphmod import roles as _roles
+from graphmod._application import interceptor
 from graphmod._filter import VariableFilter
 from graphmod._frame import Frame, OwnedKey
 from graphmod._graph import ComputationGraph
@@ -71,18 +73,23 @@ def compile(
     managers: Iterable[Manager] | None = None,
     monitor: VariableFilter | Mapping[str, VariableFilter] | None = None,
     axis_name: Any = None,
+    applications: Mapping[type, Sequence[str]] | None = None,
 ) -> Program:
     """Traces ``fn(model, *args)`` with managers into a :class:`Program`.
 
     Args:
         fn: ordinary model code; returns a scalar cost, ``(cost, metrics_dict)`` or any
             outputs.
-        model: the root brick (any ``flax.nnx.Module``).
+        model: the root brick: any ``flax.nnx.Module``, bricks or unmodified Flax code (every
+            call of a Flax module's ``__call__`` is then an application named ``apply``).
         managers: the managers to apply, first outermost; default: those active in ``with``
             blocks around this call.
         monitor: a filter (or a dict of named filters) of tagged variables returned as
             monitored values by ``train``/``infer``.
         axis_name: a mapped axis name (``pmap``/``shard_map``) folded into randomness.
+        applications: more methods of unmodified Flax modules that are applications, by
+            class (subclasses included): ``{MyModule: ["encode"]}``; ``nnx.Embed.attend``
+            always is.
 
     Returns:
         The program: ``init``, ``train``, ``infer``, ``derive``, ``graph``, ...
@@ -101,7 +108,7 @@ def compile(
     """
     if not callable(fn):
         raise TypeError(f"compile(fn, model): fn must be callable, got {fn!r}")
-    layout = Layout(model)
+    layout = Layout(model, interceptor(applications))
     chosen = _context.active_managers() if managers is None else tuple(managers)
     monitors = _monitors(monitor)
     for label, monitor_filter in monitors.items():
@@ -118,7 +125,7 @@ def _check_managers(managers: tuple[Any, ...], layout: Layout) -> tuple[Manager,
         if manager.name in names:
             raise ValueError(
                 f"two managers are named {manager.name!r} ({names[manager.name]!r} and "
-                f"{manager!r}): pass name=... to one of them"
+                f"{manager!r}): pass manager_name=... to one of them"
             )
         names[manager.name] = manager
         layout.resolve(manager.filter.brick_instances(), f"manager {manager.name!r}")
@@ -237,30 +244,36 @@ class Program:
         and dtypes later calls are checked against.
         """
         key = jax.random.key(0) if rng is None else as_key(rng, "program.init(..., rng=key)")
-        layout = self._shared.layout
         self._shared.examples.update(self._bind(example_args, example_kwargs, jax.typeof))
-        model = layout.pure({
-            identity: jnp.array(variable.get_raw_value(), copy=True)
-            for identity, variable in layout.objects.items()
-        })
+        variables, self._shared.owned_roles = self._fresh_variables(
+            example_args, example_kwargs, key, probe=False)
+        self._remember_example(example_args, example_kwargs, variables, key)
+        return variables
+
+    def _fresh_variables(self, args: tuple, kwargs: dict, key: Any, *, probe: bool
+                         ) -> tuple[dict, dict[OwnedKey, _roles.Role]]:
+        """Init's variables for these arguments and the owned variables' roles; changes
+        nothing of the program. ``probe``: only their shapes, traced for ``graph``."""
+        layout = self._shared.layout
+        copy = _abstract if probe else (lambda value: jnp.array(value, copy=True))
+        model = layout.pure({identity: copy(variable.get_raw_value())
+                             for identity, variable in layout.objects.items()})
         hparams = {(m.name, h): jnp.float32(v) for m in self._managers
                    for h, v in m.dynamic_hparams().items()}
         found: dict[str, Any] = {}
 
         def trace(model: dict, args: tuple, kwargs: dict, key: Any) -> dict:
             frame = self._trace("init", layout.model_values(model), {}, hparams, key,
-                                args, kwargs)
+                                args, kwargs, record=probe)
             found["roles"] = frame.owned_roles
             found["managers"] = [m.name for m in frame.seen_managers.values()]
             return _owned_tree(frame.owned, frame.hparams)
 
-        managers = jax.jit(trace)(model, example_args, example_kwargs, key)
-        self._shared.owned_roles = found["roles"]
+        run = functools.partial(jax.eval_shape, trace) if probe else jax.jit(trace)
+        managers = run(model, args, kwargs, key)
         for name in found["managers"]:
             managers.setdefault(name, {"hparams": {}})
-        variables = {"model": model, "managers": managers}
-        self._remember_example(example_args, example_kwargs, variables, key)
-        return variables
+        return {"model": model, "managers": managers}, found["roles"]
 
     def _remember_example(self, args: tuple, kwargs: dict, variables: dict, key: Any) -> None:
         """Keeps the shapes of init's examples and variables, and its seed, for provenance."""
@@ -297,14 +310,16 @@ class Program:
 
     def _trace(self, mode: str, values: dict, owned: dict, hparams: dict, key: Any,
                args: tuple, kwargs: dict, record: bool = False) -> Frame:
-        if mode != "init":
+        # graph()'s traces (record=True) neither check against nor change the program.
+        if mode != "init" and not record:
             check_arguments(self._shared.examples, self._bind(args, kwargs, lambda x: x))
         frame = Frame(layout=self._shared.layout, mode=mode, values=values, owned=owned,
                       hparams=hparams, managers=self._managers, key=key,
                       axis_name=self._axis_name, monitor=self._monitor, record=record)
         with _context.tracing(frame):
             frame.out = self.fn(self.model, *args, **kwargs)
-        self.rewrites.store(RewriteTrace(mode, tuple(frame.rewrites)))
+        if not record:
+            self.rewrites.store(RewriteTrace(mode, tuple(frame.rewrites)))
         if self._strict:
             _check_strict(frame)
         return frame
@@ -332,13 +347,17 @@ class Program:
                     extra and f"unexpected {', '.join(extra)}") if part) + hint
             )
         self._check_specs(variables)
+        return self._split(variables)
+
+    def _split(self, variables: dict) -> tuple[dict, dict, dict]:
+        """Model values by identity, owned variables by key, hyperparameters by name."""
         owned: dict[OwnedKey, Any] = {}
         hparams: dict[tuple[str, str], Any] = {}
         # Entries of managers this program does not use are read but never asked for.
         for name, entry in variables["managers"].items():
             owned.update(_flat_owned(name, entry))
             hparams.update({(name, h): v for h, v in entry.get("hparams", {}).items()})
-        return layout.model_values(variables["model"]), owned, hparams
+        return self._shared.layout.model_values(variables["model"]), owned, hparams
 
     def _check_specs(self, variables: Mapping) -> None:
         """Shapes and dtypes: the model's against the layout, the managers' against init's
@@ -500,14 +519,20 @@ class Program:
         return derived
 
     def graph(self, *args: Any, mode: str = "train", **kwargs: Any) -> ComputationGraph:
-        """The :class:`ComputationGraph` of ``fn`` on these arguments in ``mode``."""
+        """The :class:`ComputationGraph` of ``fn`` on these arguments in ``mode``.
+
+        Traced abstractly on fresh variables of the arguments' shapes: it changes nothing of
+        the program (not the examples later calls are checked against, not the provenance,
+        not ``program.rewrites``), so it may be called before or after ``init``, on any
+        shapes the model accepts.
+        """
         if mode not in ("train", "infer"):
             raise ValueError(f"graph(mode={mode!r}): mode must be 'train' or 'infer'")
-        variables = self.init(*args, **kwargs)
+        variables, _ = self._fresh_variables(args, kwargs, jax.random.key(0), probe=True)
         found: dict[str, Frame] = {}
 
         def trace(variables: dict, key: Any) -> Any:
-            values, owned, hparams = self._unpack(variables)
+            values, owned, hparams = self._split(variables)  # fresh: nothing to check
             frame = self._trace(mode, values, owned, hparams,
                                 key if mode == "train" else None, args, kwargs, record=True)
             found["frame"] = frame

@@ -22,6 +22,6 @@ def require_floating(manager: gm.Manager, call: gm.ApplicationCall, name: str,
         raise TypeError(
             f"{type(manager).__name__} {manager.name!r} selected {role} {name!r} of "
             f"application {call.application!r} at {call.path}, of dtype {dtype}: it rewrites "
-            "floating-point values only. Narrow its filter (bricks=, roles=, name=, path=) to "
-            "leave this variable out."
+            "floating-point values only. Narrow its filter (bricks=, roles=, variable_name=, "
+            "path=) to leave this variable out."
         )

@@ -24,7 +24,8 @@ class Dropout(gm.Manager):
         rate: drop probability, a float or ``graphmod.dynamic(float)``.
         broadcast_dims: axes along which one mask value is shared (e.g. the time axis).
         per_step: inside ``graphmod.scan``, a new mask each step (default) or one for all.
-        **filter: the manager's filter fields (``bricks``, ``roles``, ...), ``name``, etc.
+        **filter: the manager's filter fields (``bricks``, ``roles``, ``variable_name``,
+            ...), ``manager_name``, etc.
 
     Examples:
         >>> import jax, jax.numpy as jnp, graphmod as gm, managers

@@ -41,7 +41,7 @@ def test_two_exclusive_managers_on_one_variable_name_both() -> None:
     mlp = _mlp()
     program = gm.compile(_cost, mlp, managers=[
         managers.BatchNorm(bricks=mlp.linear_layers[:1], roles=[roles.OUTPUT]),
-        managers.BatchNorm(bricks=[gm.bricks.Linear], roles=[roles.OUTPUT], name="bn2"),
+        managers.BatchNorm(bricks=[gm.bricks.Linear], roles=[roles.OUTPUT], manager_name="bn2"),
     ])
     with pytest.raises(ValueError, match=r"'bn2' and 'batch_norm'.*output.*/linear_layers/0"):
         program.init(X, Y)

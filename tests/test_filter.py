@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 import graphmod as gm
+import managers
 from graphmod import roles
 
 
@@ -52,6 +54,41 @@ def test_name_regex_path_glob_applications_and_call_id() -> None:
     assert len(cg.filter(gm.VariableFilter(call_id=[0]))) == len(cg)
 
 
+def test_a_bound_application_selects_its_instance_and_an_unbound_one_every_instance() -> None:
+    cg, mlp = _graph()
+    one = cg.filter(gm.VariableFilter(applications=[mlp.linear_layers[1].apply]))
+    assert paths(one) == ["/linear_layers/1.apply.input_", "/linear_layers/1.W",
+                          "/linear_layers/1.b", "/linear_layers/1.apply.output"]
+    root = cg.filter(gm.VariableFilter(applications=[mlp.apply], roles=[roles.INPUT]))
+    assert paths(root) == ["/.apply.input_"]  # a parent's own application, not its children's
+    both = gm.VariableFilter(applications=["apply", mlp.linear_layers[1].apply])
+    assert len(cg.filter(both)) == len(cg)
+    assert len(cg.filter(gm.VariableFilter(applications=[gm.bricks.Linear.apply]))) == 14
+
+
+def test_a_bound_application_of_a_brick_outside_the_model_raises_naming_it() -> None:
+    cg, _ = _graph()
+    stranger = gm.bricks.Linear(3, 4, rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match=r"Linear at 0x.* applications= is not part of"):
+        cg.filter(gm.VariableFilter(applications=[stranger.apply]))
+
+
 def test_filters_print_their_fields() -> None:
     f = gm.VariableFilter(roles=roles.WEIGHT, path="*.W")
     assert repr(f) == "VariableFilter(roles=(WEIGHT,), path='*.W')"
+
+
+def test_a_bound_application_is_recorded_by_path_and_rebuilt_on_the_new_model() -> None:
+    mlp = gm.bricks.MLP([3, 4, 2], rngs=nnx.Rngs(0))
+    dropout = managers.Dropout(0.5, applications=[mlp.linear_layers[1].apply],
+                               roles=[roles.INPUT])
+    program = gm.compile(lambda m, x: m(x).sum(), mlp, managers=[dropout])
+    program.init(jnp.ones((2, 3)))
+    bound = {"$bound_application": {"brick": {"$brick_path": "/linear_layers/1"},
+                                    "name": "apply"}}
+    record = program.provenance["managers"]["dropout"]
+    assert record["arguments"]["applications"] == (bound,)
+    assert record["filter"]["applications"] == (bound,)
+    again = gm.rebuild(program.provenance)
+    application, = again.managers[0].filter.applications
+    assert application.brick is again.model.linear_layers[1] and application.name == "apply"

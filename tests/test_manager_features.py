@@ -91,3 +91,32 @@ def test_managers_do_nothing_outside_compile() -> None:
     plain = lin(x)
     with Draw(roles=[roles.OUTPUT]):
         np.testing.assert_array_equal(lin(x), plain)
+
+
+class Pair(gm.Brick):
+    def __init__(self) -> None:
+        self.a = gm.bricks.Linear(2, 2, rngs=nnx.Rngs(0))
+        self.b = gm.bricks.Linear(2, 2, rngs=nnx.Rngs(1))
+
+    @gm.application(inputs=["x"], outputs=["y"])
+    def apply(self, x: jax.Array) -> jax.Array:
+        return self.b(self.a(x))
+
+
+class AddOne(gm.Manager):
+    def rewrite_output(self, call: gm.ApplicationCall, name: str, value: jax.Array):
+        return value + 1
+
+
+def test_a_manager_on_a_bound_application_rewrites_that_instance_only() -> None:
+    model = Pair()
+    x = jnp.ones((1, 2))
+    bound = gm.compile(lambda m, x: m(x), model,
+                       managers=[AddOne(applications=[model.a.apply], roles=[roles.OUTPUT])])
+    variables = bound.init(x)
+    assert [r.path for r in bound.rewrites["init"]] == ["/a"]
+    np.testing.assert_allclose(bound.infer(variables, x), model.b(model.a(x) + 1), rtol=1e-6)
+    unbound = gm.compile(lambda m, x: m(x), model, managers=[
+        AddOne(applications=[gm.bricks.Linear.apply], roles=[roles.OUTPUT])])
+    unbound.init(x)
+    assert [r.path for r in unbound.rewrites["init"]] == ["/a", "/b", "/"]

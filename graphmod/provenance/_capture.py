@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from graphmod._filter import VariableFilter
+from graphmod._filter import VariableFilter, bound_application
 from graphmod.provenance._names import public_path
 
 CONFIG = "_graphmod_config"
@@ -207,6 +207,10 @@ class Encoder:
         if isinstance(value, type):
             path = public_path(value)
             return {"$class": path} if path else _opaque("class", value)
+        bound = bound_application(value)
+        if bound is not None:  # one brick's application: recorded with the brick
+            return {"$bound_application": {"brick": self._brick(bound.brick),
+                                           "name": bound.name}}
         name = getattr(value, "__graphmod_application__", None)
         if isinstance(name, str):
             return {"$application": name}

@@ -62,7 +62,12 @@ def filter_record(variable_filter: Any, layout: Layout) -> dict[str, Any]:
         out["bricks"] = [
             {"$class": class_path(b)} if isinstance(b, type)
             else {"$brick_path": layout.brick_path(b) or "?"} for b in variable_filter.bricks]
-    for field in ("applications", "name", "name_regex", "path", "call_id"):
+    if variable_filter.applications is not None:
+        out["applications"] = [
+            a if isinstance(a, str) else {"$bound_application": {
+                "brick": {"$brick_path": layout.brick_path(a.brick) or "?"}, "name": a.name}}
+            for a in variable_filter.applications]
+    for field in ("name", "name_regex", "path", "call_id"):
         value = getattr(variable_filter, field)
         if value is not None:
             out[field] = list(value) if isinstance(value, tuple) else value

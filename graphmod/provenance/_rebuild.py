@@ -240,6 +240,10 @@ class _Decoder:
                 raise RebuildError(f"rebuild: {where} names the brick at {inner!r}, which the "
                                    "rebuilt model does not have")
             return self.bricks[inner]
+        if tag == "$bound_application":
+            brick = self(_field(inner, "brick", where, Mapping), f"{where}.brick")
+            name = _field(inner, "name", where, str)
+            return None if self.dry else _bound_application(brick, name)
         if tag == "$filter":
             fields = {k: self(v, _join(where, k)) for k, v in _mapping(inner, where).items()}
             return None if self.dry else _filter(fields, where)
@@ -381,6 +385,12 @@ def _dynamic(value: Any) -> Any:
     from graphmod._manager import dynamic
 
     return dynamic(value)
+
+
+def _bound_application(brick: Any, name: str) -> Any:
+    from graphmod._filter import BoundApplication
+
+    return BoundApplication(brick, name)
 
 
 def _filter(fields: dict[str, Any], where: str) -> Any:

@@ -200,15 +200,16 @@ def test_a_bad_axis_raises_naming_it() -> None:
 
 def test_two_batch_norms_of_one_output_raise_naming_both() -> None:
     program = gm.compile(apply_model, Identity(), managers=[
-        managers.BatchNorm(roles=[roles.OUTPUT], name="first_norm"),
-        managers.BatchNorm(roles=[roles.OUTPUT], name="second_norm")])
+        managers.BatchNorm(roles=[roles.OUTPUT], manager_name="first_norm"),
+        managers.BatchNorm(roles=[roles.OUTPUT], manager_name="second_norm")])
     with pytest.raises(ValueError, match="first_norm") as error:
         program.init(normal(0, 4, 3))
     assert "second_norm" in str(error.value)
 
 
 def test_a_batch_norm_given_with_use_manager_conflicts_with_a_compiled_one() -> None:
-    fn = lambda m, x: m(x, use_manager=managers.BatchNorm(roles=[roles.OUTPUT], name="local"))
+    local = managers.BatchNorm(roles=[roles.OUTPUT], manager_name="local")
+    fn = lambda m, x: m(x, use_manager=local)
     program = gm.compile(fn, Identity(), managers=[managers.BatchNorm(roles=[roles.OUTPUT])])
     with pytest.raises(ValueError, match="'local'") as error:
         program.init(normal(0, 4, 3))
@@ -217,7 +218,7 @@ def test_a_batch_norm_given_with_use_manager_conflicts_with_a_compiled_one() -> 
 
 def test_two_batch_norms_of_different_variables_are_allowed() -> None:
     program = gm.compile(apply_model, Identity(), managers=[
-        managers.BatchNorm(roles=[roles.INPUT], name="input_norm"),
-        managers.BatchNorm(roles=[roles.OUTPUT], name="output_norm")])
+        managers.BatchNorm(roles=[roles.INPUT], manager_name="input_norm"),
+        managers.BatchNorm(roles=[roles.OUTPUT], manager_name="output_norm")])
     variables = program.init(normal(0, 4, 3))
     assert {"input_norm", "output_norm"} <= set(variables["managers"])

@@ -189,7 +189,7 @@ def test_use_manager_with_a_name_already_in_the_chain_raises() -> None:
     program = gm.compile(fn, Identity(), managers=[AddOne(roles=[roles.INPUT])])
     with pytest.raises(ValueError, match="add_one"):
         program.init(ones(2))
-    fn = lambda m, x: m(x, use_manager=AddOne(roles=[roles.OUTPUT], name="local"))
+    fn = lambda m, x: m(x, use_manager=AddOne(roles=[roles.OUTPUT], manager_name="local"))
     out, _ = _infer(Identity(), [AddOne(roles=[roles.INPUT])], full(3.0, 2), fn)
     np.testing.assert_array_equal(out, np.full(2, 5.0))
 

@@ -182,7 +182,7 @@ def test_a_duplicate_name_raises_at_compile_unless_renamed(case: Case) -> None:
             MAKERS[case.name]():
         gm.compile(cost, model)
     program = gm.compile(cost, model, managers=[MAKERS[case.name](),
-                                                MAKERS[case.name](name="another")])
+                                                MAKERS[case.name](manager_name="another")])
     assert [m.name for m in program.managers] == [case.name, "another"]
 
 

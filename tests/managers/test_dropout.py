@@ -145,7 +145,7 @@ def test_masks_differ_by_path_and_manager_name(pair, alone) -> None:
     a, b = alone["/a.apply.input_"], alone["/b.apply.input_"]
     assert set(np.unique(a).tolist()) == {0.0, 2.0}
     assert np.any(a != b)  # two paths
-    renamed = _pair_masks(pair, [_dropout(name="other")], key(3))
+    renamed = _pair_masks(pair, [_dropout(manager_name="other")], key(3))
     assert np.any(a != renamed["/a.apply.input_"])  # another manager name
 
 

@@ -147,7 +147,7 @@ def test_gaussian_noise_on_inputs_and_outputs_has_the_given_statistics() -> None
     on_input = managers.GaussianNoise(gm.dynamic(0.5), bricks=[model.first],
                                       roles=[roles.INPUT])
     on_both = managers.GaussianNoise(0.3, bricks=[model.second],
-                                     roles=[roles.INPUT, roles.OUTPUT], name="on_both")
+                                     roles=[roles.INPUT, roles.OUTPUT], manager_name="on_both")
     fn = Counted(apply_model)
     program = gm.compile(fn, model, managers=[on_input, on_both])
     x = full(3.0, 100, 100)

@@ -98,7 +98,8 @@ def test_construction_under_a_transform_still_works() -> None:
 def test_managers_record_configuration_and_bricks_by_path_at_compile() -> None:
     mlp = gm.bricks.MLP([3, 4, 2], rngs=nnx.Rngs(0))
     dropout = managers.Dropout(gm.dynamic(0.2), broadcast_dims=(0,),
-                               bricks=mlp.linear_layers[1:], roles=[roles.INPUT], name="drop")
+                               bricks=mlp.linear_layers[1:], roles=[roles.INPUT],
+                               manager_name="drop")
     norm = managers.BatchNorm(momentum=0.9, filter=gm.VariableFilter(
         bricks=[gm.bricks.Linear], roles=[roles.OUTPUT]), strict=False)
     config = config_of(dropout)
