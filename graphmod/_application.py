@@ -226,11 +226,11 @@ class ApplicationCall:
                for n, v in spec.output_items(out)]
         return spec.with_outputs(out, new)
 
-    def read_parameter(self, info: VariableInfo) -> Any:
-        """The value of a model variable as this call sees it: rewritten once per call."""
+    def read_parameter(self, info: VariableInfo, base: Any) -> Any:
+        """The value ``base`` of a model variable as this call sees it: rewritten once per
+        call (and JAX trace)."""
         frame = self.frame
         assert frame is not None
-        base = frame.values[info.identity]
         if not info.role.is_a(_roles.PERSISTENT):
             return base
         # One rewrite per (call, variable) and JAX trace: a value rewritten inside an inner
@@ -503,6 +503,8 @@ def intercepting_class(cls: type, methods: tuple[str, ...]) -> type:
                                  "__graphmod_original__": cls, "__slots__": ()}
     for name in methods:
         namespace[name] = _intercepted(getattr(cls, name), name)
+    if cls.sow is nnx.Module.sow:
+        namespace["sow"] = _sow
     return type(cls.__name__, (cls,), namespace)
 
 
@@ -520,6 +522,24 @@ def _intercepted(method: Callable[..., Any], name: str) -> Callable[..., Any]:
         return _run_managed(frame, spec, in_program, self, path, args, kwargs)
 
     return wrapper
+
+
+def _sow(self: nnx.Module, variable_type: Any, name: str, value: Any, *args: Any,
+         **kwargs: Any) -> bool:
+    """``Module.sow`` in a program: each array of ``value`` is an auxiliary variable
+    ``name`` (``name_0``, ``name_1``, ... for several) of the innermost application call,
+    monitorable; nothing is stored on the module (``init_fn``/``reduce_fn`` are unused)."""
+    frame = _context.current_frame()
+    if frame is None or frame.layout.brick_path(self) is None:
+        return nnx.Module.sow(self, variable_type, name, value, *args, **kwargs)
+    if not frame.calls:
+        raise RuntimeError(f"{type(self).__name__}.sow({name!r}) outside any application "
+                           "call: sow inside a module method, or return the value from fn")
+    leaves = [leaf for leaf in jax.tree.leaves(value) if _is_array(leaf)]
+    for index, leaf in enumerate(leaves):
+        frame.calls[-1].add_auxiliary_variable(
+            leaf, name=name if len(leaves) == 1 else f"{name}_{index}")
+    return True
 
 
 def _innermost_call() -> ApplicationCall:

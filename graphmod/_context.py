@@ -94,6 +94,7 @@ def current_frame() -> Frame | None:
 def tracing(frame: Frame) -> Iterator[Frame]:
     """Makes ``frame`` current and splits JAX's inner-trace caches for this trace."""
     token = _FRAME.set(frame)
+    frame.layout.reset_node_states()  # NNX lifted transforms rebuild them (_variables)
     try:
         with _swapped(frame.layout.swaps), contextlib.ExitStack() as tokens:
             tokens_token = _TOKENS.set(tokens)
@@ -103,6 +104,7 @@ def tracing(frame: Frame) -> Iterator[Frame]:
             finally:
                 _TOKENS.reset(tokens_token)
     finally:
+        frame.layout.reset_node_states()
         popped = _FRAME.get()
         _FRAME.reset(token)
         assert popped is frame, "frame stack corrupted: traces exited out of order"

@@ -100,21 +100,33 @@ class Frame:
 
     # -- model variables -----------------------------------------------------------------
     def holds(self, variable: Any) -> bool:
-        """Whether ``variable`` is one of the program's model variables."""
-        return identity_of(variable) in self.values
+        """Whether ``variable`` is one of the program's model variables (the model's own
+        object, not a copy made by an NNX lifted transform)."""
+        identity = identity_of(variable)
+        return identity in self.values and self.layout.objects.get(identity) is variable
+
+    def carries(self, variable: Any) -> bool:
+        """Whether the program threads ``variable``'s writes through (every one but the
+        parameters, which a forward pass never writes: NNX transforms only echo them)."""
+        return not self.layout.by_identity[identity_of(variable)].role.is_a(_roles.PARAMETER)
 
     def stored(self, variable: Any) -> Any:
         """The program's current value of ``variable``, without rewrites."""
         return self.values[identity_of(variable)]
 
     def read(self, variable: Any) -> tuple[bool, Any]:
-        """``(True, value)`` as the innermost application call sees it, else ``(False, None)``."""
+        """``(True, value)`` as the innermost application call sees it, else ``(False, None)``.
+
+        A copy of a model variable made by an NNX lifted transform reads its own value (the
+        transform's: a layer's slice inside ``nnx.scan``), rewritten like the original's.
+        """
         identity = identity_of(variable)
         if identity not in self.values:
             return False, None
+        base = self.values[identity] if self.holds(variable) else variable.get_raw_value()
         if self.calls and self.calls[-1].path is not None:
-            return True, self.calls[-1].read_parameter(self.layout.by_identity[identity])
-        return True, self.values[identity]
+            return True, self.calls[-1].read_parameter(self.layout.by_identity[identity], base)
+        return True, base
 
     def write(self, variable: Any, value: Any) -> None:
         identity = identity_of(variable)
@@ -129,9 +141,10 @@ class Frame:
                 where = f"application {self.calls[-1].application!r} of {self.calls[-1].path}"
             where = f" in {where}" if where else ""
             raise RuntimeError(
-                f"{what}{where} happens inside a raw JAX transform (jax.jit, lax.scan, "
-                "jax.checkpoint, nnx.remat...): the value could not leave it. Use "
-                "graphmod.scan for recurrences, or return the value through the transform."
+                f"{what}{where} happens inside a raw JAX transform or an NNX lifted transform "
+                "(jax.jit, lax.scan, jax.checkpoint, nnx.scan, nnx.vmap, nnx.remat, nnx.RNN...):"
+                " the value could not leave it. Use graphmod.scan for recurrences and loops "
+                "over layers, or return the value through the transform."
             )
 
     # -- application calls ----------------------------------------------------------------

@@ -19,7 +19,7 @@ from flax import nnx
 from flax.nnx import graphlib
 
 from graphmod import roles as _roles
-from graphmod._variables import adopt, assign_identity, identity_of, role_of
+from graphmod._variables import adopt, adopt_node, assign_identity, identity_of, role_of
 
 Key = tuple[Any, ...]
 _TOKEN = "_graphmod_token"
@@ -92,13 +92,16 @@ class Layout:
         bricks: dict[int, list[Key]] = {}
         brick_objects: dict[int, Any] = {id(model): model}
         bricks[id(model)] = [()]
+        node_states = {id(model): (model, adopt_node(model))}
         for key, node in _walk(model, (), frozenset({id(model)})):
+            node_states.setdefault(id(node), (node, adopt_node(node)))
             if isinstance(node, nnx.Variable):
                 paths.setdefault(id(node), []).append(key)
                 objects[id(node)] = node
             elif isinstance(node, nnx.Module) and not isinstance(node, nnx.List | nnx.Dict):
                 bricks.setdefault(id(node), []).append(key)
                 brick_objects[id(node)] = node
+        self.node_states = tuple(item for item in node_states.values() if item[1] is not None)
         self.variables = self._identify(canonical, paths, objects)
         self.by_identity = {info.identity: info for info in self.variables}
         self.objects = {identity_of(objects[i]): objects[i] for i in canonical}
@@ -139,6 +142,12 @@ class Layout:
                 object.__setattr__(brick, _TOKEN, token)
             by_token[token] = brick_path_string(keys[0])
         return by_token
+
+    def reset_node_states(self) -> None:
+        """Puts back each NNX node's adopted ``PytreeState`` (see ``adopt_node``)."""
+        for node, state in self.node_states:
+            if vars(node).get("_pytree__state") is not state:
+                object.__setattr__(node, "_pytree__state", state)
 
     def brick_path(self, brick: Any) -> str | None:
         """The path of ``brick`` in the model (also for copies made by nnx transforms)."""

@@ -13,6 +13,11 @@ graphmod's own types (:class:`Parameter`, :class:`Weight`, :class:`Bias`, :class
 behaves identically outside a program (no array is touched). Each variable also gets a
 stable identity in its metadata, which survives the split/merge of ``nnx.remat`` where
 Python's ``id()`` does not.
+
+Inside a program, Flax's trace-level checks accept the model's variables and NNX nodes: a
+write (``var.value += 1``, an ``nnx.Rngs`` count) goes to the program, and NNX lifted
+transforms (``nnx.scan``, ``nnx.vmap``, ``nnx.remat``...) take the program's values and give
+back the non-parameter state they update. Their copies of a variable read their own value.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import uuid
 from typing import Any
 
 from flax import nnx
+from flax.nnx import graphlib, tracers
 from flax.typing import MISSING
 
 from graphmod import roles
@@ -55,15 +61,43 @@ class Tracked:
             value = frame.stored(self).at[index].set(value)
         frame.write(self, value)
 
-    # NNX transforms (nnx.remat, nnx.jit, ...) write raw values back into the variables
-    # they were given. While a program traces, its frame holds the values: drop those
-    # writes rather than store a tracer in the model (or trip Flax's trace-level check).
-    def set_raw_value(self, value: Any, **kwargs: Any) -> None:
+    # Flax refuses writes from a trace level other than the variable's creation (the
+    # program's trace is one). A variable the frame holds is written to the frame, never to
+    # the stored array: ``var.value += 1``, ``var[...] = x`` and an ``nnx.Rngs`` stream's
+    # count update are then program state like any other write.
+    def _check_can_update(self) -> None:
         if not _held(self):
-            super().set_raw_value(value, **kwargs)  # type: ignore[misc]
+            super()._check_can_update()  # type: ignore[misc]
+
+    @property
+    def _can_update(self) -> bool:
+        return _held(self) or super()._can_update  # type: ignore[misc]
+
+    # NNX lifted transforms (nnx.scan, nnx.vmap, nnx.remat, ...) take the raw values of the
+    # variables they are given (as pytree leaves: the ``_raw_value`` slot) and write the
+    # results back. While a program traces, the model's own variables yield the program's
+    # values and take back non-parameter results (running statistics, RNG counts) into the
+    # program, never into the model. The transform's copies hold its values (a layer's
+    # slice inside nnx.scan/nnx.vmap): a copy reads its own (``Frame.read``).
+    @property
+    def _raw_value(self) -> Any:
+        frame = current_frame()
+        if frame is not None and frame.holds(self):
+            return frame.stored(self)
+        return _RAW_VALUE.__get__(self)
+
+    @_raw_value.setter
+    def _raw_value(self, value: Any) -> None:
+        frame = current_frame()
+        if frame is None or not frame.holds(self):
+            _RAW_VALUE.__set__(self, value)
+        elif frame.carries(self):
+            frame.write(self, value)
 
     def update_from_state(self, variable_state: Any) -> None:
-        if not _held(self):
+        if _held(self):
+            self._raw_value = variable_state.get_raw_value()
+        else:
             super().update_from_state(variable_state)  # type: ignore[misc]
 
     def __getattr__(self, name: str) -> Any:
@@ -71,6 +105,9 @@ class Tracked:
         if name in metadata:
             return metadata[name]
         return getattr(self.get_value(), name)
+
+
+_RAW_VALUE = nnx.Variable._raw_value  # the slot a Variable keeps its array in
 
 
 def _held(variable: Any) -> bool:
@@ -189,6 +226,41 @@ def adopt(variable: nnx.Variable) -> None:
     cls = type(variable)
     if not issubclass(cls, Tracked):
         object.__setattr__(variable, "__class__", tracked_class(cls))
+
+
+class _ModelTraceState(tracers.TraceState):
+    """The trace state of a compiled model's NNX node (module, ``Rngs``...): as Flax's, and
+    also valid while a program traces *and* Flax extracts the node for a lifted transform
+    (``nnx.scan``, ``nnx.vmap``, ``nnx.remat``, ``nnx.RNN``...). Its variables then yield
+    the program's values (``Tracked._raw_value``). Assigning attributes to the node inside
+    a program stays refused, as Flax refuses it in any trace. Reads Flax internals
+    (``graphlib.GRAPH_CONTEXT``): the Flax minor version is pinned in ``pyproject.toml``."""
+
+    __slots__ = ()
+
+    def is_valid(self) -> bool:
+        return super().is_valid() or (
+            current_frame() is not None and bool(graphlib.GRAPH_CONTEXT.ref_index_stack))
+
+
+def adopt_node(node: Any) -> Any:
+    """Gives an NNX node of a compiled model a :class:`_ModelTraceState` (same trace);
+    returns the node's ``PytreeState`` holding it (None for other graph nodes).
+
+    A lifted transform called inside a program replaces the ``PytreeState`` of the nodes it
+    writes back (Flax rebuilds it, at the program's trace level): programs put the adopted
+    one back around every trace (``Layout.reset_node_states``), so the model stays mutable
+    outside programs.
+    """
+    if not isinstance(node, nnx.Pytree):
+        return None
+    state = node._pytree__state
+    if isinstance(state.trace_state, _ModelTraceState):
+        return state
+    adopted = object.__new__(_ModelTraceState)
+    object.__setattr__(adopted, "_jax_trace", state.trace_state.jax_trace)
+    object.__setattr__(state, "_trace_state", adopted)
+    return state
 
 
 def identity_of(variable: nnx.Variable) -> str | None:

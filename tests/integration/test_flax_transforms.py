@@ -1,0 +1,364 @@
+"""Stored ``nnx.Rngs``, in-place writes, ``sow`` and lifted transforms inside programs.
+
+The models are unmodified Flax NNX code: ``nnx.Rngs`` kept in the model, counters written
+with ``var.value += 1`` / ``var[...] = x`` / ``var.value = x`` (the lm1b decode-cache
+pattern), ``sow``, ``nnx.MultiHeadAttention`` with its default ``keep_rngs=True``,
+``nnx.RNN(nnx.LSTMCell)``, the scan-over-layers MLP of Flax's
+``examples/nnx_toy_examples/06_scan_over_layers.py`` (Apache-2.0, copied unmodified), and
+``nnx.remat``/``nnx.jit``/``nnx.cond``/``nnx.fori_loop``/``nnx.vmap`` over model modules.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import graphmod as gm
+import managers
+from graphmod import roles
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+X = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
+SEQ = np.random.default_rng(1).normal(size=(2, 5, 4)).astype(np.float32)
+KEY = jax.random.key(3)
+
+
+class StoredNoise(nnx.Module):
+    """Draws from an ``nnx.Rngs`` it keeps (no rngs passed to the call)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rngs = nnx.Rngs(noise=seed)
+        self.linear = nnx.Linear(4, 3, rngs=nnx.Rngs(1))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear(x) + 0.1 * jax.random.normal(self.rngs.noise(), (x.shape[0], 3))
+
+
+class Counter(nnx.Module):
+    """Counts its calls and keeps the last input, writing in place (one spelling each)."""
+
+    def __init__(self, spelling: str) -> None:
+        self.spelling = spelling
+        self.count = nnx.Variable(jnp.zeros((), jnp.int32))
+        self.last = nnx.Variable(jnp.zeros((4,), jnp.float32))
+        self.linear = nnx.Linear(4, 3, rngs=nnx.Rngs(1))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.spelling == "value +=":
+            self.count.value += 1
+        elif self.spelling == "[...] +=":
+            self.count[...] += 1
+        else:
+            self.count.value = self.count.value + 1
+        self.last[...] = x[0]
+        return self.linear(x) * self.count.value
+
+
+class Sower(nnx.Module):
+    def __init__(self) -> None:
+        self.linear1 = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        self.linear2 = nnx.Linear(8, 3, rngs=nnx.Rngs(1))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = nnx.relu(self.linear1(x))
+        self.sow(nnx.Intermediate, "features", hidden)
+        return self.linear2(hidden)
+
+
+class Attention(nnx.Module):
+    """``nnx.MultiHeadAttention`` with its default ``keep_rngs=True`` (stored Rngs)."""
+
+    def __init__(self, rate: float) -> None:
+        self.attention = nnx.MultiHeadAttention(num_heads=2, in_features=4, qkv_features=4,
+                                                dropout_rate=rate, decode=False,
+                                                rngs=nnx.Rngs(0))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.attention(x)
+
+
+def square_loss(model: Any, x: jax.Array) -> jax.Array:
+    return (model(x) ** 2).mean()
+
+
+def program_of(model: nnx.Module, fn: Any = square_loss, *, managers: Any = (),
+               **kwargs: Any) -> gm.Program:
+    return gm.compile(fn, model, managers=managers, **kwargs)
+
+
+def assert_trees_close(actual: Any, expected: Any) -> None:
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, e = jax.random.key_data(a), jax.random.key_data(e)
+        np.testing.assert_allclose(a, e, **TOL)
+
+
+# -- stored Rngs -------------------------------------------------------------------------
+def test_stored_rngs_draw_like_eager_flax_and_their_count_comes_out_of_train() -> None:
+    model = StoredNoise()
+    program = program_of(model, lambda m, x: m(x))
+    variables = program.init(X)
+    eager = nnx.clone(model)
+    for step in (1, 2):
+        out, variables = program.train(variables, X, rng=KEY)
+        np.testing.assert_allclose(out, eager(X), **TOL)
+        assert int(variables["model"]["rngs"]["noise"]["count"]) == step
+    # Inference draws from the stream too (the user's own randomness) but returns no state.
+    np.testing.assert_allclose(program.infer(variables, X), nnx.clone(eager)(X), **TOL)
+    assert int(model.rngs.noise.count[...]) == 0  # the model itself is untouched
+
+
+def test_the_stored_key_comes_from_the_variables_not_the_trace() -> None:
+    program = program_of(StoredNoise(seed=0), lambda m, x: m(x))
+    variables = program.init(X)
+    other = program_of(StoredNoise(seed=7), lambda m, x: m(x)).init(X)
+    variables["model"]["rngs"] = other["model"]["rngs"]  # same shapes: no retrace
+    out, _ = program.train(variables, X, rng=KEY)
+    np.testing.assert_allclose(out, StoredNoise(seed=7)(X), **TOL)
+
+
+def test_gradients_through_stored_rngs_equal_nnx_grad() -> None:
+    model = StoredNoise()
+    program = program_of(model)
+    variables = program.init(X)
+    grads = jax.grad(lambda v: program.train(v, X, rng=KEY)[0], allow_int=True)(variables)
+    expected = nnx.grad(square_loss)(nnx.clone(model), X)
+    assert_trees_close(grads["model"]["linear"], nnx.to_pure_dict(expected)["linear"])
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.5])
+def test_multi_head_attention_keeping_its_rngs_equals_eager_flax(rate: float) -> None:
+    model = Attention(rate)
+    model.train()
+    program = program_of(model, lambda m, x: m(x))
+    variables = program.init(SEQ)
+    eager = nnx.clone(model)
+    for _ in range(2):
+        out, variables = program.train(variables, SEQ, rng=KEY)
+        np.testing.assert_allclose(out, eager(SEQ), **TOL)
+    grads = jax.grad(lambda v: square_loss_program(program, v), allow_int=True)(variables)
+    expected = nnx.grad(square_loss)(nnx.clone(eager), SEQ)
+    params = nnx.to_pure_dict(nnx.state(expected, nnx.Param))
+    assert_trees_close(
+        {k: v for k, v in grads["model"]["attention"].items() if k != "rngs"},
+        params["attention"])
+
+
+def square_loss_program(program: gm.Program, variables: dict) -> jax.Array:
+    return (program.train(variables, SEQ, rng=KEY)[0] ** 2).mean()
+
+
+# -- in-place writes ---------------------------------------------------------------------
+@pytest.mark.parametrize("spelling", ["value +=", "[...] +=", "value ="])
+def test_in_place_writes_go_to_the_program_and_come_out_of_train(spelling: str) -> None:
+    model = Counter(spelling)
+    program = program_of(model)
+    variables = program.init(X)
+    eager = nnx.clone(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Flax deprecates .value
+        for step in (1, 2):
+            out, variables = program.train(variables, X, rng=KEY)
+            np.testing.assert_allclose(out, square_loss(eager, X), **TOL)
+            assert int(variables["model"]["count"]) == step
+            np.testing.assert_allclose(variables["model"]["last"], X[0])
+        # Inference sees the written value within its call, and returns no state.
+        np.testing.assert_allclose(program.infer(variables, X),
+                                   square_loss(nnx.clone(eager), X), **TOL)
+        grads = jax.grad(lambda v: program.train(v, X, rng=KEY)[0], allow_int=True)(variables)
+        expected = nnx.grad(square_loss)(nnx.clone(eager), X)
+    assert_trees_close(grads["model"]["linear"], nnx.to_pure_dict(expected)["linear"])
+    assert int(model.count[...]) == 0
+
+
+# -- sow ---------------------------------------------------------------------------------
+def test_sown_values_are_monitorable_auxiliary_variables_and_the_module_is_untouched() -> None:
+    model = Sower()
+    program = program_of(model, monitor=gm.VariableFilter(roles=[roles.AUXILIARY]))
+    variables = program.init(X)
+    out, _, monitored = program.train(variables, X, rng=KEY)
+    features = nnx.relu(model.linear1(X))
+    np.testing.assert_allclose(out, (model.linear2(features) ** 2).mean(), **TOL)
+    np.testing.assert_allclose(monitored["/.apply.features"], features, **TOL)
+    _, monitored = program.infer(variables, X)
+    np.testing.assert_allclose(monitored["/.apply.features"], features, **TOL)
+    assert not hasattr(model, "features")
+
+
+# -- lifted transforms -------------------------------------------------------------------
+class Block(nnx.Module):
+    """From Flax's ``examples/nnx_toy_examples/06_scan_over_layers.py`` (Apache-2.0)."""
+
+    def __init__(self, dim: int, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(dim, dim, rngs=rngs)
+        self.bn = nnx.BatchNorm(dim, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x: jax.Array):
+        return jax.nn.gelu(self.dropout(self.bn(self.linear(x))))
+
+
+class ScanMLP(nnx.Module):
+    """
+    An MLP that uses `vmap` during `__init__` to create a Block instance
+    with an additional `layer` axis, and `scan` during `__call__` to apply
+    the sequence of layers iteratively over the input / output `x`.
+    """
+
+    def __init__(self, dim: int, *, n_layers: int, rngs: nnx.Rngs):
+        self.n_layers = n_layers
+
+        @nnx.split_rngs(splits=n_layers)
+        @nnx.vmap(axis_size=n_layers)
+        def create_block(rngs: nnx.Rngs):
+            return Block(dim, rngs=rngs)
+
+        self.layers = create_block(rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        @nnx.scan
+        def scan_fn(x: jax.Array, block: Block):
+            x = block(x)
+            return x, None
+
+        x, _ = scan_fn(x, self.layers)
+
+        return x
+
+
+class Recurrent(nnx.Module):
+    """``nnx.RNN(nnx.LSTMCell)``: ``nnx.scan`` over time, the carry drawn from stored Rngs."""
+
+    def __init__(self) -> None:
+        self.rnn = nnx.RNN(nnx.LSTMCell(4, 5, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.rnn(x)
+
+
+class Lifted(nnx.Module):
+    """A linear layer and a batch norm called through one NNX lifted transform."""
+
+    def __init__(self, transform: str) -> None:
+        self.transform = transform
+        self.linear = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        self.bn = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+        self.steps = nnx.Variable(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        layer = lambda m, x: m.bn(m.linear(x))
+        if self.transform == "remat":
+            return nnx.remat(layer)(self, x)
+        if self.transform == "jit":
+            return nnx.jit(layer)(self, x)
+        if self.transform == "cond":
+            return nnx.cond(x.sum() > 0, layer, lambda m, x: layer(m, -x), self, x)
+        if self.transform == "vmap":
+            return nnx.vmap(lambda m, x: m.linear(x), in_axes=(None, 0))(self, x)
+
+        def body(i: jax.Array, carry: tuple) -> tuple:
+            m, x = carry
+            m.steps[...] += 1
+            return m, m.linear(x)
+
+        return nnx.fori_loop(0, 3, body, (self, x))[1]
+
+
+def without_dropout(model: nnx.Module) -> nnx.Module:
+    """The model in training mode with its dropout off (set explicitly: wins in programs)."""
+    model.train()
+    model.set_attributes(nnx.Dropout, deterministic=True, raise_if_not_found=False)
+    return model
+
+
+def assert_like_eager_flax(model: nnx.Module, x: jax.Array) -> None:
+    """train (two steps, state included) and infer equal eager Flax; gradients nnx.grad's."""
+    program = program_of(model)
+    variables = program.init(x)
+    eager = nnx.clone(model)
+    for _ in range(2):
+        out, variables = program.train(variables, x, rng=KEY)
+        np.testing.assert_allclose(out, square_loss(eager, x), **TOL)
+        assert_trees_close(variables["model"], nnx.to_pure_dict(nnx.state(eager)))
+    evaluated = nnx.clone(eager)
+    evaluated.eval()
+    np.testing.assert_allclose(program.infer(variables, x), square_loss(evaluated, x), **TOL)
+    grads = jax.grad(lambda v: program.train(v, x, rng=KEY)[0], allow_int=True)(variables)
+    expected = nnx.to_pure_dict(nnx.grad(square_loss)(nnx.clone(eager), x))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    flat_grads = dict(nnx.traversals.flatten_mapping(grads["model"]))
+    for path, expected_grad in nnx.traversals.flatten_mapping(expected).items():
+        assert path in dict(nnx.traversals.flatten_mapping(params))
+        np.testing.assert_allclose(flat_grads[path], expected_grad, **TOL)
+
+
+def test_scan_over_layers_mlp_equals_eager_flax() -> None:
+    assert_like_eager_flax(without_dropout(ScanMLP(4, n_layers=3, rngs=nnx.Rngs(0))), X)
+
+
+def test_rnn_of_an_lstm_cell_equals_eager_flax_and_carries_its_rng_count() -> None:
+    model = Recurrent()
+    assert_like_eager_flax(model, SEQ)
+    program = program_of(model)
+    _, variables = program.train(program.init(SEQ), SEQ, rng=KEY)
+    model(SEQ)  # eagerly: the stream advances as in the program
+    assert int(variables["model"]["rnn"]["rngs"]["count"]) == int(model.rnn.rngs.count[...]) > 0
+
+
+@pytest.mark.parametrize("transform", ["remat", "jit", "cond", "vmap", "fori_loop"])
+def test_lifted_transforms_over_model_modules_equal_eager_flax(transform: str) -> None:
+    model = Lifted(transform)
+    model.train()
+    assert_like_eager_flax(model, X)
+    if transform == "fori_loop":
+        program = program_of(model)
+        _, variables = program.train(program.init(X), X, rng=KEY)
+        assert int(variables["model"]["steps"]) == 3
+
+
+def test_a_model_stays_mutable_after_lifted_transforms_ran_in_programs() -> None:
+    model = ScanMLP(4, n_layers=2, rngs=nnx.Rngs(0))
+    program = program_of(model)
+    program.train(program.init(X), X, rng=KEY)
+    model.eval()  # sets attributes: refused by Flax if the trace left its state behind
+    model.layers.linear.kernel[...] = jnp.zeros((2, 4, 4))
+    assert model.layers.bn.use_running_average
+    np.testing.assert_allclose(model.layers.bn.mean[...], 0.0)  # the model was not updated
+
+
+def test_managers_apply_inside_nnx_scan_and_state_they_cannot_carry_out_is_refused() -> None:
+    model = without_dropout(ScanMLP(4, n_layers=3, rngs=nnx.Rngs(0)))
+    noise = managers.WeightNoise(0.1, roles=[roles.WEIGHT])
+    program = program_of(model, managers=[noise])
+    out, _ = program.train(program.init(X), X, rng=KEY)
+    assert [(r.path, r.name) for r in program.rewrites["train"]] == [("/layers/linear", "kernel")]
+    assert not np.allclose(out, square_loss(nnx.clone(model), X))
+    norm = managers.BatchNorm(bricks=[nnx.Linear], roles=[roles.OUTPUT])
+    program = program_of(model, managers=[norm])
+    variables = program.init(X)
+    with pytest.raises(RuntimeError, match=r"(?s)application 'apply' of /layers/linear.*"
+                       r"NNX lifted transform.*nnx\.scan.*Use graphmod\.scan"):
+        program.train(variables, X, rng=KEY)
+
+
+def test_assigning_a_new_module_attribute_in_a_program_stays_refused() -> None:
+    class Stash(nnx.Module):
+        def __init__(self) -> None:
+            self.linear = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            self.stash = x  # would leak a tracer into the model
+            return self.linear(x)
+
+    model = Stash()
+    with pytest.raises(flax.errors.TraceContextError, match="Stash"):
+        program_of(model).init(X)
+    assert not hasattr(model, "stash")
