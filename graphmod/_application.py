@@ -584,9 +584,34 @@ def _batch_norm(self: nnx.BatchNorm, x: Any, use_running_average: bool | None = 
     return _FLAX_BATCH_NORM(self, x, use_running_average=frozen, mask=mask)
 
 
+def _attention(self: nnx.MultiHeadAttention, inputs_q: Any, inputs_k: Any = None,
+               inputs_v: Any = None, *, deterministic: bool | None = None, rngs: Any = None,
+               **kwargs: Any) -> Any:
+    """``nnx.MultiHeadAttention.__call__`` in a program: its attention-weight dropout
+    follows the program's mode and draws from its step key folded with the module's path
+    (stored or passed ``rngs`` are not used), unless the user set ``deterministic=True``."""
+    call = _innermost_call()
+    explicit = self.deterministic if deterministic is None else deterministic
+    frozen = bool(explicit) or not call.training or self.dropout_rate == 0.0
+    key = None if frozen else call.rng()
+    if key is not None:
+        keys = inputs_q if inputs_k is None else inputs_k
+        weights = (*jnp.shape(inputs_q)[:-2], self.num_heads, jnp.shape(inputs_q)[-2],
+                   jnp.shape(keys)[-2])
+        dtype = str(jnp.result_type(inputs_q))
+        assert call.frame is not None
+        call.frame.rewrites.append(Rewrite(
+            "nnx.Dropout", call.path or "", call.application, call.call_id,
+            _roles.AUXILIARY.name, "attention_weights", weights, dtype, weights, dtype))
+    return _FLAX_ATTENTION(self, inputs_q, inputs_k, inputs_v, deterministic=frozen,
+                           rngs=None if key is None else (lambda: key), **kwargs)
+
+
 _FLAX_BATCH_NORM = nnx.BatchNorm.__call__
+_FLAX_ATTENTION = nnx.MultiHeadAttention.__call__
 # Flax's own methods whose behaviour follows the program (mode, key) inside one.
 _PROGRAM_CODE: dict[Callable[..., Any], Callable[..., Any]] = {
     nnx.Dropout.__call__: _dropout,
     nnx.BatchNorm.__call__: _batch_norm,
+    nnx.MultiHeadAttention.__call__: _attention,
 }

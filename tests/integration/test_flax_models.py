@@ -319,3 +319,39 @@ def test_embed_attend_is_an_application_of_its_own() -> None:
     assert rewrites(program, "init") == [("/embed", "apply", "WEIGHT", "embedding"),
                                          ("/embed", "attend", "WEIGHT", "embedding")]
     np.testing.assert_allclose(program.infer(variables, tokens), model(tokens), **TOL)
+
+
+def test_attention_dropout_draws_from_the_program_key_and_is_off_in_inference() -> None:
+    model = SelfAttention(rngs=nnx.Rngs(0))  # keeps its Rngs: the program does not use them
+    program = gm.compile(lambda m, x: m(x), model)
+    variables = program.init(SEQUENCE)
+    out, _ = program.train(variables, SEQUENCE, rng=KEY)
+    assert ("/attention", "apply", "AUXILIARY", "attention_weights") in rewrites(program)
+    key = step_key("", "/attention", "apply", "", "")
+    eager = nnx.clone(model).attention(SEQUENCE, deterministic=False, rngs=lambda: key)
+    np.testing.assert_allclose(out, eager, **TOL)
+    other, _ = program.train(variables, SEQUENCE, rng=jax.random.key(4))
+    assert not np.allclose(out, other)
+    inferred = program.infer(variables, SEQUENCE)
+    assert not has_random(jax.make_jaxpr(program.infer)(variables, SEQUENCE))
+    np.testing.assert_allclose(inferred, model.attention(SEQUENCE, deterministic=True), **TOL)
+    frozen = SelfAttention(rngs=nnx.Rngs(0), deterministic=True)  # the user's flag wins
+    program = gm.compile(lambda m, x: m(x), frozen)
+    out, _ = program.train(program.init(SEQUENCE), SEQUENCE, rng=KEY)
+    np.testing.assert_allclose(out, frozen(SEQUENCE), **TOL)
+    assert rewrites(program) == []
+
+
+class SelfAttention(nnx.Module):
+    """``nnx.MultiHeadAttention`` with attention-weight dropout and its stored Rngs."""
+
+    def __init__(self, *, rngs: nnx.Rngs, deterministic: bool | None = None) -> None:
+        self.attention = nnx.MultiHeadAttention(
+            num_heads=2, in_features=4, qkv_features=4, dropout_rate=0.5, decode=False,
+            deterministic=deterministic, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.attention(x)
+
+
+SEQUENCE = np.random.default_rng(2).normal(size=(2, 5, 4)).astype(np.float32)

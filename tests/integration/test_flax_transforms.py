@@ -134,9 +134,9 @@ def test_gradients_through_stored_rngs_equal_nnx_grad() -> None:
     assert_trees_close(grads["model"]["linear"], nnx.to_pure_dict(expected)["linear"])
 
 
-@pytest.mark.parametrize("rate", [0.0, 0.5])
-def test_multi_head_attention_keeping_its_rngs_equals_eager_flax(rate: float) -> None:
-    model = Attention(rate)
+def test_multi_head_attention_keeping_its_rngs_equals_eager_flax() -> None:
+    # Its dropout follows the program (tests/integration/test_flax_models.py); here none.
+    model = Attention(0.0)
     model.train()
     program = program_of(model, lambda m, x: m(x))
     variables = program.init(SEQ)
