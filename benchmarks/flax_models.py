@@ -43,7 +43,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -55,6 +54,7 @@ from flax import nnx
 from train_step import (
     Batch,
     Variant,
+    arguments,
     count_instructions,
     environment,
     first_call,
@@ -260,15 +260,8 @@ def profile(jitted: Callable[[], Any], batch: Batch, hlo: bool) -> dict[str, Any
 
 # -- report -----------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a few repetitions: smoke run")
-    parser.add_argument("--repeats", type=int, default=None, help="round-robin repetitions")
-    parser.add_argument("--block", type=int, default=None, help="steps timed per repetition")
+    parser = arguments(__doc__, "flax_results")
     parser.add_argument("--builds", type=int, default=None, help="fresh builds compiled")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent,
-                        help="directory for flax_results.md and flax_results.json")
-    parser.add_argument("--no-write", action="store_true", help="print only")
     return parser.parse_args(argv)
 
 

@@ -466,16 +466,22 @@ def environment() -> dict[str, Any]:
     }
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(doc: str, results: str) -> argparse.ArgumentParser:
+    """The command line of a step benchmark documented by ``doc`` that writes
+    ``<results>.md`` and ``<results>.json`` (flax_models.py adds to it)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few repetitions: smoke run")
     parser.add_argument("--repeats", type=int, default=None, help="round-robin repetitions")
     parser.add_argument("--block", type=int, default=None, help="steps timed per repetition")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent,
-                        help="directory for results.md and results.json")
+                        help=f"directory for {results}.md and {results}.json")
     parser.add_argument("--no-write", action="store_true", help="print only")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    return arguments(__doc__, "results").parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
