@@ -440,7 +440,7 @@ class Checkpointer:
         if not isinstance(record, dict):
             raise CheckpointError(path, "the meta record is not a JSON object")
         if record.get("format") == LEGACY_FORMAT and legacy:
-            return record
+            return {**record, "step": step}  # format 2 records their step themselves
         if record.get("format") != FORMAT:
             old = record.get("format") == LEGACY_FORMAT
             raise CheckpointError(path, "written by graphmod 0.1 without checksums (format 1): "
@@ -521,12 +521,15 @@ class Checkpointer:
                       stacklevel=4)
         return [np.asarray(leaf) for leaf in jax.tree.leaves(got)]
 
-    def meta(self, step: int | None = None) -> dict[str, Any]:
-        """The meta record of ``step`` (default: the newest one whose meta can be read)."""
+    def meta(self, step: int | None = None, *,
+             skipped: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """The meta record of ``step`` (default: the newest one whose meta can be read; each
+        newer one that cannot is passed to ``skipped`` as ``"step N: reason"``). Its
+        ``"step"`` says which checkpoint it is."""
         read = functools.partial(self._read_meta, legacy=True)
         if step is not None:
             return read(self._step(step))
-        return self._first(read, warn=False)[1]
+        return self._first(read, skipped)
 
     def provenance(self, step: int | None = None) -> Any:
         """The provenance record saved at ``step`` (default: the latest), or None."""
@@ -546,7 +549,7 @@ class Checkpointer:
             record = self._read_meta(s, legacy=True)
             check_compatible(self._path(s), record.get("tree", {}), template)
             if record["format"] == LEGACY_FORMAT:
-                return {**record, "step": s}, self._read_legacy(s, template)
+                return record, self._read_legacy(s, template)
             listed = [(shape, dtype) for _, shape, dtype, _ in record["arrays"]]
             if listed != want:
                 raise CheckpointError(self._path(s), "the meta record's array list does not "
@@ -556,24 +559,27 @@ class Checkpointer:
         if step is not None:
             record, arrays = load(self._step(step))
         else:
-            _, (record, arrays) = self._first(load)
+            skipped: list[str] = []
+            record, arrays = self._first(load, skipped.append)
+            if skipped:
+                warnings.warn(f"{self.directory}: skipped checkpoints that fail verification "
+                              f"({'; '.join(skipped)}); using step {record['step']}",
+                              stacklevel=2)
         return _restored(template, arrays), record
 
-    def _first(self, load: Callable[[int], Any], warn: bool = True) -> tuple[int, Any]:
-        """The newest step ``load`` accepts (``warn``: about each newer one it refused)."""
-        steps = self._step_list()
-        skipped = []
-        for step in reversed(steps):
+    def _first(self, load: Callable[[int], Any],
+               skipped: Callable[[str], None] | None = None) -> Any:
+        """What ``load`` gives for the newest step it accepts; each newer one it refuses is
+        passed to ``skipped`` as ``"step N: reason"``."""
+        refused = []
+        for step in reversed(self._step_list()):
             try:
-                result = load(step)
+                return load(step)
             except CheckpointError as error:
-                skipped.append(f"step {step}: {error.reason}")
-                continue
-            if skipped and warn:
-                warnings.warn(f"{self.directory}: skipped checkpoints that fail verification "
-                              f"({'; '.join(skipped)}); using step {step}", stacklevel=3)
-            return step, result
-        raise CheckpointError(self.directory, "no checkpoint verifies (" + "; ".join(skipped)
+                refused.append(f"step {step}: {error.reason}")
+                if skipped is not None:
+                    skipped(refused[-1])
+        raise CheckpointError(self.directory, "no checkpoint verifies (" + "; ".join(refused)
                               + ")", "start a new run in a new directory, or restore a copy")
 
     def _step_list(self) -> list[int]:

@@ -71,22 +71,23 @@ def _checkpointer(directory: str) -> Any:
 
 def _latest_meta(reader: Any, directory: str) -> tuple[int, dict[str, Any]]:
     """The newest checkpoint's step and meta that can be read; each unreadable one is
-    named on standard error (its orbax error goes to the debug log)."""
-    steps = sorted(reader.steps(), reverse=True)
-    if not steps:
+    named on standard error (orbax's errors go to the debug log)."""
+    from graphmod._checkpoint import CheckpointError
+
+    if not reader.steps():
         raise _Failure(f"{directory} holds no checkpoint (a run saves them with "
                        "graphmod.plugins.Checkpoint)")
-    for step in steps:
-        try:
-            return step, reader.meta(step)
-        except Exception as error:  # orbax raises many kinds; the user needs the path
-            _log.debug("reading the checkpoint of step %s in %s", step, directory,
-                       exc_info=True)
-            reason = getattr(error, "reason", None) or f"{type(error).__name__}: {error}"
-            print(f"graphmod resume: skipping the checkpoint of step {step} in {directory}: "
-                  f"{reason}", file=sys.stderr)
-    raise _Failure(f"no readable checkpoint in {directory} (steps {sorted(steps)}); remove "
-                   "or move the directories that are not checkpoints")
+
+    def skipped(why: str) -> None:
+        print(f"graphmod resume: skipping the checkpoint of {why} in {directory}",
+              file=sys.stderr)
+
+    try:
+        meta = reader.meta(skipped=skipped)
+    except CheckpointError:
+        raise _Failure(f"no readable checkpoint in {directory} (steps {reader.steps()}); "
+                       "remove or move the directories that are not checkpoints") from None
+    return meta["step"], meta
 
 
 def _resume(args: argparse.Namespace) -> int:
