@@ -16,17 +16,22 @@ Unmodified Flax modules
     Any ``nnx.Module`` of a compiled model that is not a brick is one too: while a program
     traces, every call of its ``__call__`` (read as application ``apply``) and of the methods
     named in ``compile(..., applications={cls: [names]})`` (by default also ``Embed.attend``)
-    is an application at the module's path. Its inputs are the arguments whose value is an
-    array (named as in the method's signature), its outputs the returned array (``output``)
-    or the arrays of a returned tuple (``output_0``, ``output_1``, ...). This works by
-    switching the module instances' class, during a trace only, to a cached subclass (same
-    name) whose methods run the chain around the original (``graphmod._context`` owns the
-    switch and restores it, also after an exception). Sharp edges: inside a trace
-    ``type(module)`` is that subclass (``isinstance`` checks are unaffected); arrays nested
-    in pytrees or passed through ``*args``/``**kwargs`` are not tagged; a method called on
-    the class (``nnx.Linear.__call__(layer, x)``, ``super().__call__(x)``) is not a separate
-    application; two programs with different ``applications=`` tracing one model at the
-    same time share one subclass (the first one's).
+    is an application at the module's path. Its inputs are the arrays among its arguments
+    (named as in the method's signature; inside tuples, lists and dicts by their keys,
+    ``carry.0``; a ``**kwargs`` entry by its key), its outputs the returned array
+    (``output``) or the arrays of a returned tuple (``output_0``, ``output_1``, ...). This
+    works by switching the module instances' class, during a trace only, to a cached
+    subclass (same name) whose methods run the chain around the original
+    (``graphmod._context`` owns the switch and restores it, also after an exception).
+
+Sharp edges
+    Inside a trace ``type(module)`` is that subclass (``isinstance`` checks are
+    unaffected). A method called on the class (``nnx.Linear.__call__(layer, x)``,
+    ``super().__call__(x)``) is not a separate application. Two programs with different
+    ``applications=`` tracing one model at the same time share one subclass (the first
+    one's). A manager-owned variable first met inside an NNX loop body (``nnx.scan``,
+    ``nnx.fori_loop``) is one variable for every iteration, shaped like one iteration's
+    slice; one created from a parameter's value there is refused (use ``graphmod.scan``).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from graphmod._frame import current_trace
 from graphmod._rewrites import Rewrite, describe
 
 if TYPE_CHECKING:
-    from graphmod._frame import Frame
+    from graphmod._frame import Frame, OwnedKey
     from graphmod._layout import VariableInfo
     from graphmod._manager import Manager
 
@@ -89,6 +94,11 @@ class ApplicationCall:
         path: the brick's path in the model (``"/layers/0"``), None outside a program.
         call_id: how many earlier calls of this (path, application) the trace saw.
         training: whether the program runs in training mode.
+        parameter: in a ``rewrite_parameter`` hook, the parameter's path
+            (``"/linear1.kernel"``), else None.
+        parameter_value: in a ``rewrite_parameter`` hook, the parameter's stored value as
+            this call reads it, before any manager's rewrite (a layer's slice inside
+            ``nnx.scan``).
 
     Examples:
         >>> import graphmod as gm
@@ -111,45 +121,97 @@ class ApplicationCall:
     manager: Manager | None = None
     role: _roles.Role | None = None
     name: str | None = None
+    parameter: str | None = None
+    parameter_value: Any = dataclasses.field(default=None, repr=False)
 
     # -- public API for methods and managers ------------------------------------------
-    def rng(self, *, per_step: bool = True) -> jax.Array:
+    def rng(self, *, per_step: bool = True, per_call: bool = False) -> jax.Array:
         """A key for this call: the step key folded with CRC32 of (manager, path,
         application, role, variable name) and the call id; inside ``graphmod.scan`` also
-        the step index (unless ``per_step=False``: one key for every step); under
-        ``compile(axis_name=...)`` also the device index."""
+        the step index, inside a loop JAX traces once (``nnx.scan`` over layers,
+        ``nnx.fori_loop``) the iteration's position (unless ``per_step=False``: one key for
+        every step); under ``compile(axis_name=...)`` also the device index.
+
+        In a ``rewrite_parameter`` hook the key is the parameter's, not the call's: folded
+        with (manager, parameter path, role, name) only, so every application call that
+        reads the parameter in a step (tied weights: an embedding's ``apply`` and
+        ``attend``; a layer called twice) sees one draw, as Blocks' one noisy copy of a
+        shared variable per graph. ``per_call=True`` keys it by the call instead.
+        """
         if self.frame is None or self.path is None:
             raise RuntimeError(
                 f"call.rng() in {type(self.brick).__name__}.{self.application} needs a "
                 "compiled program: outside graphmod.compile managers do nothing and there "
                 "is no step key"
             )
+        by_parameter = self.parameter is not None and not per_call
         parts = (
             self.manager.name if self.manager is not None else "",
-            self.path,
-            self.application,
+            self.parameter if by_parameter else self.path,
+            "" if by_parameter else self.application,
             self.role.name if self.role is not None else "",
             self.name or "",
         )
-        return self.frame.rng(parts, self.call_id, per_step=per_step)
+        return self.frame.rng(parts, 0 if by_parameter else self.call_id, per_step=per_step)
 
     def variable(
-        self, name: str, init: Any, *, role: _roles.Role = _roles.STATE, per_call: bool = False
+        self, name: str, init: Any, *, role: _roles.Role = _roles.STATE, per_call: bool = False,
+        per_parameter: bool | None = None,
     ) -> OwnedVariable:
-        """A variable owned by the current manager for this (path, application).
+        """A variable owned by the current manager for this (path, application), or in a
+        ``rewrite_parameter`` hook for this parameter.
 
-        Created at ``init`` (``init`` is an array or a zero-argument callable, computed in
-        the abstract trace from the shapes it sees); shared by all call ids unless
-        ``per_call=True``.
+        Created at ``init``. ``init`` is an array, a zero-argument callable computed from
+        the shapes it sees, or — in a parameter hook — a callable of one argument, given the
+        parameter's initial value (weight norm's ``g = ||W||``). Shared by all call ids
+        unless ``per_call=True``. ``per_parameter`` (default: True in parameter hooks) keys
+        it by the parameter rather than the application, so two parameters of one
+        application get two variables and a tied parameter read by two applications one;
+        it lives at ``variables["managers"][manager][owner path][parameter name][name]``.
+
+        Examples:
+            >>> import jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> class Norm(gm.Manager):  # weight norm: W * g / ||W||, g starts at ||W||
+            ...     def rewrite_parameter(self, call, name, value):
+            ...         norm = lambda w: jnp.linalg.norm(w, axis=0)
+            ...         g = call.variable("g", norm, role=gm.roles.PARAMETER)
+            ...         return value * g.value / norm(value)
+            >>> class Two(nnx.Module):
+            ...     def __init__(self):
+            ...         self.a = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+            ...         self.b = nnx.Linear(3, 1, rngs=nnx.Rngs(1))
+            ...     def __call__(self, x):
+            ...         return self.b(self.a(x))
+            >>> model = Two()
+            >>> with Norm(roles=[gm.roles.WEIGHT]):
+            ...     program = gm.compile(lambda m, x: m(x), model)
+            >>> owned = program.init(jnp.ones((1, 2)))["managers"]["norm"]
+            >>> sorted(owned), owned["/a"]["kernel"]["g"].shape
+            (['/a', '/b', 'hparams'], (3,))
         """
         if self.frame is None or self.path is None:
             raise RuntimeError(f"call.variable({name!r}) needs a compiled program")
         if self.manager is None:
             raise RuntimeError(f"call.variable({name!r}) is for managers' hooks")
         _roles.as_role(role, argument="call.variable(role=...)")
-        key = (self.manager.name, self.path, self.application,
-               self.call_id if per_call else None, name)
-        self.frame.owned_value(key, init, role)
+        if per_parameter is None:
+            per_parameter = self.parameter is not None
+        if per_parameter and (self.parameter is None or per_call):
+            raise ValueError(
+                f"manager {self.manager.name!r}: call.variable({name!r}, per_parameter=True) "
+                + ("is for rewrite_parameter hooks; this call rewrites an input or output"
+                   if self.parameter is None else
+                   "cannot also be per_call: a parameter's variable is shared by its calls")
+            )
+        if per_parameter:
+            owner, _, parameter = self.parameter.rpartition(".")
+            key: OwnedKey = (self.manager.name, owner, parameter, None, name)
+        else:
+            key = (self.manager.name, self.path, self.application,
+                   self.call_id if per_call else None, name)
+        given = self.parameter_value if per_parameter and _takes_one_argument(init) else None
+        self.frame.owned_value(key, init, role, given)
         return OwnedVariable(self.frame, key)
 
     def add_auxiliary_variable(
@@ -167,8 +229,11 @@ class ApplicationCall:
 
     # -- used by the chain --------------------------------------------------------------
     def bound(self, manager: Manager, role: _roles.Role | None = None,
-              name: str | None = None) -> ApplicationCall:
-        return dataclasses.replace(self, manager=manager, role=role, name=name)
+              name: str | None = None, parameter: tuple[str, Any] | None = None
+              ) -> ApplicationCall:
+        path, value = parameter or (None, None)
+        return dataclasses.replace(self, manager=manager, role=role, name=name,
+                                   parameter=path, parameter_value=value)
 
     def tag(self, role: _roles.Role, name: str, path: str | None = None) -> Tag:
         return Tag(role, name, path or f"{self.path}.{self.application}.{name}",
@@ -178,7 +243,8 @@ class ApplicationCall:
         call = f"#{self.call_id}" if self.call_id else ""
         return f"{self.path}.{self.application}{call}.{name}"
 
-    def _rewrite(self, manager: Manager, hook: str, tag: Tag, value: Any) -> Any:
+    def _rewrite(self, manager: Manager, hook: str, tag: Tag, value: Any,
+                 parameter: tuple[str, Any] | None = None) -> Any:
         frame = self.frame
         assert frame is not None
         if not manager.selects(tag):
@@ -193,7 +259,8 @@ class ApplicationCall:
                     f"{tag.role} {tag.name!r} in application {self.application!r} of "
                     f"{self.path}: narrow one of their filters"
                 )
-        new = getattr(manager, hook)(self.bound(manager, tag.role, tag.name), tag.name, value)
+        bound = self.bound(manager, tag.role, tag.name, parameter)
+        new = getattr(manager, hook)(bound, tag.name, value)
         if new is value:  # the manager left it alone (e.g. dropout in inference)
             return value
         frame.rewrites.append(Rewrite(
@@ -210,10 +277,11 @@ class ApplicationCall:
         spec = self.spec
         assert spec is not None
         bound = spec.signature.bind_partial(self.brick, *args, **kwargs)
-        for name in spec.input_names(bound.arguments):
-            tag = self.tag(_roles.INPUT, name)
-            bound.arguments[name] = self._rewrite(
-                manager, "rewrite_input", tag, bound.arguments[name])
+        for name, argument, keys in spec.input_slots(bound.arguments):
+            value = _nested(bound.arguments[argument], keys)
+            new = self._rewrite(manager, "rewrite_input", self.tag(_roles.INPUT, name), value)
+            if new is not value:
+                bound.arguments[argument] = _replaced(bound.arguments[argument], keys, new)
         return bound.args[1:], bound.kwargs
 
     def rewrite_outputs(self, manager: Manager, out: Any) -> Any:
@@ -246,9 +314,24 @@ class ApplicationCall:
         value = base
         for manager in self.chain:
             if manager.has_hook("rewrite_parameter"):
-                value = self._rewrite(manager, "rewrite_parameter", tag, value)
+                value = self._rewrite(manager, "rewrite_parameter", tag, value,
+                                      (info.path, base))
         cached.append((trace, value))
         return value
+
+
+def _takes_one_argument(init: Any) -> bool:
+    """Whether an owned variable's ``init`` is a callable of exactly one required argument
+    (given the parameter's value), not of none (computed from shapes) or an array."""
+    if not callable(init) or hasattr(init, "shape"):
+        return False
+    try:
+        parameters = inspect.signature(init).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: called with nothing
+        return False
+    required = [p for p in parameters if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(required) == 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,9 +358,10 @@ class _Spec:
     def join_outputs(self, values: list[Any]) -> Any:
         return values[0] if len(self.outputs) == 1 else tuple(values)
 
-    def input_names(self, arguments: dict[str, Any]) -> list[str]:
-        """The tagged inputs among a call's bound arguments."""
-        return [name for name in self.inputs if name in arguments]
+    def input_slots(self, arguments: dict[str, Any]) -> list[tuple[str, str, tuple]]:
+        """``(tag name, argument, keys into it)`` of each tagged input of a call's bound
+        arguments."""
+        return [(name, name, ()) for name in self.inputs if name in arguments]
 
     def output_items(self, out: Any) -> list[tuple[str, Any]]:
         """``(name, value)`` of each tagged output of a call's result."""
@@ -286,6 +370,37 @@ class _Spec:
     def with_outputs(self, out: Any, values: list[Any]) -> Any:
         """``out`` with its tagged outputs replaced by ``values``."""
         return self.join_outputs(values)
+
+
+def _array_keys(value: Any, keys: tuple = ()) -> list[tuple]:
+    """The keys of the arrays in ``value``, looking into tuples, lists and dicts."""
+    if _is_array(value):
+        return [keys]
+    if isinstance(value, tuple | list):
+        items = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()  # type: ignore[assignment]
+    else:
+        return []
+    return [found for key, item in items for found in _array_keys(item, (*keys, key))]
+
+
+def _nested(value: Any, keys: tuple) -> Any:
+    for key in keys:
+        value = value[key]
+    return value
+
+
+def _replaced(value: Any, keys: tuple, new: Any) -> Any:
+    """``value`` with the item at ``keys`` replaced (containers copied, types kept)."""
+    if not keys:
+        return new
+    head, *rest = keys
+    if isinstance(value, dict):
+        return {**value, head: _replaced(value[head], tuple(rest), new)}
+    items = list(value)
+    items[head] = _replaced(items[head], tuple(rest), new)
+    return type(value)._make(items) if hasattr(value, "_make") else type(value)(items)
 
 
 def _is_array(value: Any) -> bool:
@@ -298,8 +413,19 @@ def _is_array(value: Any) -> bool:
 class _MethodSpec(_Spec):
     """An unmodified Flax method: its array arguments are inputs, array results outputs."""
 
-    def input_names(self, arguments: dict[str, Any]) -> list[str]:
-        return [name for name, value in list(arguments.items())[1:] if _is_array(value)]
+    def input_slots(self, arguments: dict[str, Any]) -> list[tuple[str, str, tuple]]:
+        # Arrays nested in tuples, lists and dicts (an RNN cell's carry, *args, **kwargs)
+        # are inputs too: "carry.0", "args.1"; a **kwargs entry by its key.
+        slots = []
+        for argument, value in list(arguments.items())[1:]:
+            kind = self.signature.parameters[argument].kind
+            for keys in _array_keys(value):
+                if kind is inspect.Parameter.VAR_KEYWORD:
+                    name = ".".join(map(str, keys))
+                else:
+                    name = ".".join(map(str, (argument, *keys)))
+                slots.append((name, argument, keys))
+        return slots
 
     def output_items(self, out: Any) -> list[tuple[str, Any]]:
         if _is_array(out):
@@ -403,8 +529,8 @@ def _run_managed(frame: Frame, spec: _Spec, method: Callable, brick: Any, path: 
 
     def inputs(args: tuple, kwargs: dict, see: Callable[[Tag, Any, str], None]) -> None:
         bound = spec.signature.bind_partial(brick, *args, **kwargs)
-        for name in spec.input_names(bound.arguments):
-            see(call.tag(_roles.INPUT, name), bound.arguments[name], name)
+        for name, argument, keys in spec.input_slots(bound.arguments):
+            see(call.tag(_roles.INPUT, name), _nested(bound.arguments[argument], keys), name)
 
     def outputs(out: Any, see: Callable[[Tag, Any, str], None]) -> None:
         for name, value in spec.output_items(out):
@@ -504,7 +630,7 @@ def intercepting_class(cls: type, methods: tuple[str, ...]) -> type:
     for name in methods:
         namespace[name] = _intercepted(getattr(cls, name), name)
     if cls.sow is nnx.Module.sow:
-        namespace["sow"] = _sow
+        namespace["sow"] = sow_in_program
     return type(cls.__name__, (cls,), namespace)
 
 
@@ -524,7 +650,7 @@ def _intercepted(method: Callable[..., Any], name: str) -> Callable[..., Any]:
     return wrapper
 
 
-def _sow(self: nnx.Module, variable_type: Any, name: str, value: Any, *args: Any,
+def sow_in_program(self: nnx.Module, variable_type: Any, name: str, value: Any, *args: Any,
          **kwargs: Any) -> bool:
     """``Module.sow`` in a program: each array of ``value`` is an auxiliary variable
     ``name`` (``name_0``, ``name_1``, ... for several) of the innermost application call,
@@ -567,11 +693,19 @@ def _dropout(self: nnx.Dropout, inputs: Any, *, deterministic: bool | None = Non
         mask = jnp.broadcast_to(jax.random.bernoulli(call.rng(), keep, shape),
                                 jnp.shape(inputs))
         out = jax.lax.select(mask, inputs / keep, jnp.zeros_like(inputs))
-    assert call.frame is not None
-    call.frame.rewrites.append(Rewrite(
-        "nnx.Dropout", call.path or "", call.application, call.call_id, _roles.OUTPUT.name,
-        "output", *describe(inputs), *describe(out)))
+    _flax_rewrite(call, _roles.OUTPUT, "output", inputs, out)
     return out
+
+
+def _flax_rewrite(call: ApplicationCall, role: _roles.Role, name: str, before: Any,
+                  after: Any) -> None:
+    """Notes a rewrite made by Flax's own code following the program (``nnx.Dropout``) in
+    the rewrite trace and, marked with it, in the computation graph."""
+    assert call.frame is not None
+    call.frame.rewrites.append(Rewrite("nnx.Dropout", call.path or "", call.application,
+                                       call.call_id, role.name, name, *describe(before),
+                                       *describe(after)))
+    call.frame.record(call.tag(role, name), after, "nnx.Dropout")
 
 
 def _batch_norm(self: nnx.BatchNorm, x: Any, use_running_average: bool | None = None, *,
@@ -596,13 +730,10 @@ def _attention(self: nnx.MultiHeadAttention, inputs_q: Any, inputs_k: Any = None
     key = None if frozen else call.rng()
     if key is not None:
         keys = inputs_q if inputs_k is None else inputs_k
-        weights = (*jnp.shape(inputs_q)[:-2], self.num_heads, jnp.shape(inputs_q)[-2],
-                   jnp.shape(keys)[-2])
-        dtype = str(jnp.result_type(inputs_q))
-        assert call.frame is not None
-        call.frame.rewrites.append(Rewrite(
-            "nnx.Dropout", call.path or "", call.application, call.call_id,
-            _roles.AUXILIARY.name, "attention_weights", weights, dtype, weights, dtype))
+        weights = jax.ShapeDtypeStruct(
+            (*jnp.shape(inputs_q)[:-2], self.num_heads, jnp.shape(inputs_q)[-2],
+             jnp.shape(keys)[-2]), jnp.result_type(inputs_q))
+        _flax_rewrite(call, _roles.AUXILIARY, "attention_weights", weights, weights)
     return _FLAX_ATTENTION(self, inputs_q, inputs_k, inputs_v, deterministic=frozen,
                            rngs=None if key is None else (lambda: key), **kwargs)
 

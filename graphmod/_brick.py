@@ -6,6 +6,7 @@ from typing import Any
 
 from flax import nnx
 
+from graphmod._application import sow_in_program
 from graphmod.provenance._capture import record_construction
 
 
@@ -41,6 +42,28 @@ class Brick(nnx.Module):
 
     def __init__(self) -> None:
         pass
+
+    def sow(self, variable_type: Any, name: str, value: Any, *args: Any, **kwargs: Any
+            ) -> bool:
+        """``nnx.Module.sow``; inside a program each array of ``value`` is a monitorable
+        auxiliary variable of the current application call instead (nothing is stored).
+
+        Examples:
+            >>> import jax, jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> class Twice(gm.Brick):
+            ...     @gm.application(inputs=["x"], outputs=["y"])
+            ...     def apply(self, x):
+            ...         self.sow(nnx.Intermediate, "doubled", 2 * x)
+            ...         return 2 * x
+            >>> monitor = gm.VariableFilter(roles=[gm.roles.AUXILIARY])
+            >>> program = gm.compile(lambda m, x: m(x), Twice(), monitor=monitor)
+            >>> variables = program.init(jnp.ones(2))
+            >>> _, _, monitored = program.train(variables, jnp.ones(2), rng=jax.random.key(0))
+            >>> monitored["/.apply.doubled"].tolist()
+            [2.0, 2.0]
+        """
+        return sow_in_program(self, variable_type, name, value, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         apply = getattr(self, "apply", None)

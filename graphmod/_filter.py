@@ -11,6 +11,7 @@ import dataclasses
 import fnmatch
 import inspect
 import re
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -54,6 +55,43 @@ def application_name(value: Any) -> str:
     return name
 
 
+def _flax_method(value: Any) -> tuple[Any, str] | None:
+    """``(self or class, application name)`` for a method of a plain Flax module, bound
+    (``model.linear.__call__``) or unbound (``nnx.Linear.__call__``), else None."""
+    function = getattr(value, "__func__", value)
+    if not inspect.isfunction(function) or hasattr(function, "__graphmod_application__"):
+        return None
+    name = "apply" if function.__name__ == "__call__" else function.__name__
+    if inspect.ismethod(value):
+        owner = value.__self__
+        return (owner, name) if isinstance(owner, nnx.Module) else None
+    # An unbound method: its class, found by its qualified name in its module.
+    owner = sys.modules.get(function.__module__)
+    *classes, method = function.__qualname__.split(".")
+    for part in classes:
+        owner = getattr(owner, part, None)
+    if not (isinstance(owner, type) and issubclass(owner, nnx.Module)
+            and vars(owner).get(method) is function):
+        return None
+    return owner, name
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassApplication:
+    """The application of every instance of one Flax module class, from an unbound method
+    (``nnx.Linear.__call__``, read as ``apply``; ``nnx.Embed.attend``).
+
+    Examples:
+        >>> import graphmod as gm
+        >>> from flax import nnx
+        >>> gm.VariableFilter(applications=[nnx.Embed.attend]).applications
+        (ClassApplication(owner=<class 'flax.nnx.nn.linear.Embed'>, name='attend'),)
+    """
+
+    owner: type
+    name: str
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class BoundApplication:
     """One brick instance's application, from a bound method (``model.layer.apply``).
@@ -80,13 +118,38 @@ def bound_application(value: Any) -> BoundApplication | None:
     name = getattr(value, "__graphmod_application__", None)
     if name is not None and inspect.ismethod(value) and not isinstance(value.__self__, type):
         return BoundApplication(value.__self__, name)
+    flax_method = _flax_method(value)
+    if flax_method is not None and isinstance(flax_method[0], nnx.Module):
+        return BoundApplication(*flax_method)
     return None
 
 
-def _application(value: Any) -> str | BoundApplication:
-    """A name (every instance's application) or, for a bound method, one instance's."""
+def class_application(value: Any) -> ClassApplication | None:
+    """Every instance's application an unbound Flax method names, else None."""
+    if isinstance(value, ClassApplication):
+        return value
+    flax_method = _flax_method(value)
+    if flax_method is None or not isinstance(flax_method[0], type):
+        return None
+    return ClassApplication(*flax_method)
+
+
+def _application(value: Any) -> str | BoundApplication | ClassApplication:
+    """A name (every instance's application), one instance's (a bound method) or every
+    instance's of one Flax class (an unbound Flax method)."""
     bound = bound_application(value)
-    return application_name(value) if bound is None else bound
+    if bound is not None:
+        return bound
+    by_class = class_application(value)
+    if by_class is not None:
+        return by_class
+    if inspect.isfunction(value) and not hasattr(value, "__graphmod_application__"):
+        raise TypeError(
+            f"applications: {value.__qualname__} is not a method of a flax.nnx.Module class "
+            "reachable by its name (a class defined inside a function is not); select it "
+            f"with bricks=[TheClass], applications=[{value.__name__!r}] instead"
+        )
+    return application_name(value)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -98,9 +161,11 @@ class VariableFilter:
             (with ``each_role=True`` it must be a sub-role of every one).
         bricks: brick instances (matched by their path in the model: a parent matches its
             own applications, not its children's) or brick classes (``isinstance``).
-        applications: application names or the decorated methods: unbound
-            (``Linear.apply``) matches that application of every instance by name, bound
-            (``model.layers[0].apply``) only that instance's (by its path in the model).
+        applications: application names or the methods: an unbound brick application
+            (``Linear.apply``) matches that application of every instance by name, an
+            unbound Flax method (``nnx.Linear.__call__``) every instance of that class, a
+            bound one (``model.layers[0].apply``, ``model.linear1.__call__``) only that
+            instance's (by its path in the model).
         name: the variable's exact name (``"W"``, ``"input_"``).
         name_regex: a regular expression matched at the start of the name.
         path: a glob over the variable's path, e.g. ``"/layers/*"`` or ``"*.W"``.
@@ -188,6 +253,8 @@ class VariableFilter:
         """
         if self.applications is not None and not any(
             a == application if isinstance(a, str)
+            else a.name == application and isinstance(brick, a.owner)
+            if isinstance(a, ClassApplication)
             else a.name == application and instance_paths[id(a.brick)] == brick_path
             for a in self.applications
         ):

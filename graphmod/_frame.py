@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from graphmod import roles as _roles
 from graphmod._filter import Tag, VariableFilter
+from graphmod._loop_keys import mark
 from graphmod._manager import Manager
 from graphmod._rewrites import Rewrite, describe
 from graphmod._variables import identity_of
@@ -188,6 +189,12 @@ class Frame:
 
     # -- randomness -----------------------------------------------------------------------
     def rng(self, parts: tuple[str, ...], call_id: int, *, per_step: bool = True) -> Any:
+        """The key of a draw: the step key folded with CRC32 of ``parts`` and the call id,
+        then (``per_step``) with ``graphmod.scan``'s step indices, then with the device
+        index under ``axis_name``. Inside a loop body that JAX traces once (``nnx.scan``,
+        ``nnx.fori_loop``, ``lax.scan``, ...; ``per_step``), finally with the position of
+        every such loop around it, outermost first: layer ``i`` of a scan over layers draws
+        from ``fold_in(key, i)`` (see ``graphmod._loop_keys``)."""
         if self.mode == "init":
             return jax.random.key(0)  # placeholder: init only needs shapes
         if not self.training:
@@ -204,29 +211,45 @@ class Frame:
             key = jax.random.fold_in(key, index)
         if self.axis_name is not None:
             key = jax.random.fold_in(key, jax.lax.axis_index(self.axis_name))
+        if per_step and current_trace() != self.base_trace:
+            key = mark(key)  # maybe a loop body: resolved by the program's trace
         return key
 
     # -- manager-owned variables and hyperparameters -----------------------------------------
-    def owned_value(self, key: OwnedKey, init: Any, role: _roles.Role) -> Any:
+    def owned_value(self, key: OwnedKey, init: Any, role: _roles.Role,
+                    parameter: Any = None) -> Any:
+        """An owned variable's value, created at ``init`` from ``init``: an array, a
+        callable of nothing (shapes only) or, given the parameter's value, of it."""
         if key not in self.owned:
+            manager, path, application, call_id, name = key
             if self.mode != "init":
-                manager, path, application, call_id, name = key
                 raise KeyError(
-                    f"manager {manager!r} has no variable {name!r} for application "
-                    f"{application!r} of {path}"
-                    + (f" (call {call_id})" if call_id is not None else "")
+                    f"manager {manager!r} has no variable {name!r} for {application!r} of "
+                    f"{path}" + (f" (call {call_id})" if call_id is not None else "")
                     + " in these variables: make them with this program's init (or a program "
                     "compiled over the same model and managers)"
                 )
-            # Initial values depend on shapes only: computed eagerly, so a variable first
-            # met inside an inner trace (jax.jit, a scan body) does not leak a tracer.
-            with jax.ensure_compile_time_eval():
+            if parameter is not None:
+                # From the parameter's value: traced by init's own jit, never in an inner
+                # trace whose values could not leave it.
+                self.check_base_trace(f"manager {manager!r} creating {name!r} from "
+                                      f"parameter {path}.{application}")
+                value = jnp.asarray(init(parameter))
+            elif current_trace() == self.base_trace:
+                # Traced by init's own jit: no eager dispatch per variable.
                 value = jnp.asarray(init() if callable(init) else init)
-            if isinstance(value, jax.core.Tracer):
-                raise ValueError(
-                    f"manager {key[0]!r}: the initial value of {key[4]!r} at {key[1]} depends "
-                    "on traced values; build it from shapes only (e.g. jnp.zeros(n))"
-                )
+            else:
+                # From shapes only: computed eagerly, so a variable first met inside an
+                # inner trace (jax.jit, a scan body) does not leak a tracer.
+                with jax.ensure_compile_time_eval():
+                    value = jnp.asarray(init() if callable(init) else init)
+                if isinstance(value, jax.core.Tracer):
+                    raise ValueError(
+                        f"manager {manager!r}: the initial value of {name!r} at {path} "
+                        "depends on traced values; build it from shapes only (e.g. "
+                        "jnp.zeros(n)) or, in a rewrite_parameter hook, from the parameter "
+                        "(init=lambda w: ...)"
+                    )
             self.owned[key] = value
             self.owned_roles[key] = role
         return self.owned[key]

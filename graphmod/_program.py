@@ -40,6 +40,7 @@ from graphmod._filter import VariableFilter
 from graphmod._frame import Frame, OwnedKey
 from graphmod._graph import ComputationGraph
 from graphmod._layout import Layout
+from graphmod._loop_keys import resolving
 from graphmod._manager import Manager
 from graphmod._rewrites import Rewrites, RewriteTrace
 from graphmod._validation import (
@@ -174,8 +175,10 @@ class Program:
         self._strict = strict
         self._argument_names = _argument_names(fn)
         self.rewrites = Rewrites()
+        # Keys drawn in loop bodies get their iteration index (also in optimize's steps).
+        self._train_traced = resolving(self._train_traced)  # type: ignore[method-assign]
         self._train = jax.jit(self._train_traced)
-        self._infer = jax.jit(self._infer_traced)
+        self._infer = jax.jit(self._infer_traced, static_argnames="mutable")
         # Provenance: recorded when cheap, assembled only when asked for.
         self._created = now()
         self._example: tuple[tuple, dict] | None = None
@@ -290,9 +293,31 @@ class Program:
             as_key(rng, _TRAIN)
         return self._train(variables, rng, args, kwargs)
 
-    def infer(self, variables: dict, *args: Any, **kwargs: Any) -> Any:
-        """Runs ``fn`` in inference mode: ``out`` (``(out, monitored)`` with monitor=)."""
-        return self._infer(variables, args, kwargs)
+    def infer(self, variables: dict, *args: Any, mutable: bool = False, **kwargs: Any) -> Any:
+        """Runs ``fn`` in inference mode: ``out`` (``(out, monitored)`` with monitor=).
+
+        With ``mutable=True`` (as in Linen's ``apply``) the model's writes are kept and
+        returned: ``(out, variables)`` (``+ monitored``), e.g. a decode cache and its index.
+        Parameters and manager-owned variables are never changed in inference.
+
+        Examples:
+            >>> import jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> class Count(nnx.Module):
+            ...     def __init__(self):
+            ...         self.calls = nnx.Variable(jnp.zeros((), jnp.int32))
+            ...     def __call__(self, x):
+            ...         self.calls[...] += 1
+            ...         return 2 * x
+            >>> program = gm.compile(lambda m, x: m(x), Count())
+            >>> variables = program.init(jnp.ones(2))
+            >>> out, variables = program.infer(variables, jnp.ones(2), mutable=True)
+            >>> int(variables["model"]["calls"]), out.tolist()
+            (1, [2.0, 2.0])
+        """
+        if not isinstance(mutable, bool):
+            raise TypeError(f"program.infer(..., mutable={mutable!r}): expected True or False")
+        return self._infer(variables, args, kwargs, mutable=mutable)
 
     def _train_traced(self, variables: dict, rng: Any, args: tuple, kwargs: dict) -> Any:
         values, owned, hparams = self._unpack(variables)
@@ -303,10 +328,17 @@ class Program:
         }
         return (frame.out, new, frame.monitored) if self._monitor else (frame.out, new)
 
-    def _infer_traced(self, variables: dict, args: tuple, kwargs: dict) -> Any:
+    def _infer_traced(self, variables: dict, args: tuple, kwargs: dict,
+                      mutable: bool = False) -> Any:
         values, owned, hparams = self._unpack(variables)
         frame = self._trace("infer", values, owned, hparams, None, args, kwargs)
-        return (frame.out, frame.monitored) if self._monitor else frame.out
+        out = (frame.out,)
+        if mutable:
+            out += ({"model": self._shared.layout.pure(frame.values),
+                     "managers": variables["managers"]},)
+        if self._monitor:
+            out += (frame.monitored,)
+        return out if len(out) > 1 else frame.out
 
     def _trace(self, mode: str, values: dict, owned: dict, hparams: dict, key: Any,
                args: tuple, kwargs: dict, record: bool = False) -> Frame:

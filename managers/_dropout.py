@@ -23,7 +23,8 @@ class Dropout(gm.Manager):
     Args:
         rate: drop probability, a float or ``graphmod.dynamic(float)``.
         broadcast_dims: axes along which one mask value is shared (e.g. the time axis).
-        per_step: inside ``graphmod.scan``, a new mask each step (default) or one for all.
+        per_step: inside ``graphmod.scan`` or a loop JAX traces once (``nnx.scan`` over
+            layers, ``nnx.fori_loop``), a new mask each step (default) or one for all.
         **filter: the manager's filter fields (``bricks``, ``roles``, ``variable_name``,
             ...), ``manager_name``, etc.
 

@@ -30,20 +30,24 @@ class _AdditiveNoise(gm.Manager):
         _check_std(type(self).__name__, std)
         self.std = std
 
-    def _noise(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def _noise(self, call: gm.ApplicationCall, name: str, value: jax.Array,
+               key: jax.Array | None = None) -> jax.Array:
         require_floating(self, call, name, value)
         if not call.training or (not isinstance(self.std, gm.Dynamic) and self.std == 0):
             return value
         dtype = jnp.result_type(value)
-        noise = jax.random.normal(call.rng(), jnp.shape(value), dtype)
+        noise = jax.random.normal(call.rng() if key is None else key, jnp.shape(value), dtype)
         return value + (jnp.asarray(self.hp("std"), dtype) * noise).astype(dtype)
 
 
 class WeightNoise(_AdditiveNoise):
     """Additive Gaussian noise on parameters while training (Graves, 2011).
 
-    Each application call perturbs a parameter once, however often it reads it; gradients
-    reach the stored parameter, which is never changed.
+    One noisy copy of each parameter per step, as Blocks: every application call that reads
+    it in a step sees the same draw (tied weights, e.g. an embedding's ``apply`` and
+    ``attend``, or a layer called twice). ``per_call=True`` draws anew for each application
+    call instead (a call reading the parameter twice still sees one draw). Gradients reach
+    the stored parameter, which is never changed.
 
     Examples:
         >>> import jax, jax.numpy as jnp, graphmod as gm, managers
@@ -56,9 +60,17 @@ class WeightNoise(_AdditiveNoise):
         ['W']
     """
 
+    def __init__(self, std: float | gm.Dynamic, *, per_call: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(std, **kwargs)
+        if not isinstance(per_call, bool):
+            raise TypeError(f"WeightNoise(per_call={per_call!r}): expected True or False")
+        self.per_call = per_call
+
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
-        return self._noise(call, name, value)
+        key = call.rng(per_call=True) if self.per_call and call.training else None
+        return self._noise(call, name, value, key)
 
 
 class GaussianNoise(_AdditiveNoise):

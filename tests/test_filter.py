@@ -92,3 +92,68 @@ def test_a_bound_application_is_recorded_by_path_and_rebuilt_on_the_new_model() 
     again = gm.rebuild(program.provenance)
     application, = again.managers[0].filter.applications
     assert application.brick is again.model.linear_layers[1] and application.name == "apply"
+
+
+class TwoFlaxLinears(nnx.Module):
+    def __init__(self) -> None:
+        self.linear1 = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+        self.linear2 = nnx.Linear(4, 2, rngs=nnx.Rngs(1))
+        self.embed = nnx.Embed(5, 2, rngs=nnx.Rngs(2))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.embed.attend(self.linear2(self.linear1(x)))
+
+
+def _flax_rewrites(applications: list) -> list[tuple[str, str]]:
+    model = TwoFlaxLinears()
+    noise = managers.WeightNoise(0.1, roles=[roles.PARAMETER], applications=applications)
+    program = gm.compile(lambda m, x: m(x), model, managers=[noise])
+    program.init(jnp.ones((2, 3)))
+    return [(r.path, r.application) for r in program.rewrites["init"]]
+
+
+def test_flax_methods_select_by_class_unbound_and_by_instance_bound() -> None:
+    model = TwoFlaxLinears()
+    bias = [("/linear1", "apply"), ("/linear2", "apply")]
+    assert _flax_rewrites([nnx.Linear.__call__]) == [b for b in bias for _ in (0, 1)]
+    assert _flax_rewrites([nnx.Embed.attend]) == [("/embed", "attend")]
+    one = gm.VariableFilter(applications=[model.linear2.__call__]).applications[0]
+    assert one.brick is model.linear2 and one.name == "apply"
+    # the parent's own __call__ reads no parameter itself (its children's calls do)
+    with pytest.raises(ValueError, match=r"matched nothing.*TwoFlaxLinears'>, name='apply'"):
+        _flax_rewrites([TwoFlaxLinears.__call__])
+
+
+def test_a_bound_flax_method_rewrites_that_instance_only() -> None:
+    model = TwoFlaxLinears()
+    noise = managers.WeightNoise(0.1, roles=[roles.PARAMETER],
+                                 applications=[model.linear2.__call__])
+    program = gm.compile(lambda m, x: m(x), model, managers=[noise])
+    program.init(jnp.ones((2, 3)))
+    assert {r.path for r in program.rewrites["init"]} == {"/linear2"}
+    record = program.provenance["managers"]["weight_noise"]["filter"]["applications"]
+    assert record == ({"$bound_application": {"brick": {"$brick_path": "/linear2"},
+                                              "name": "apply"}},)
+
+
+def test_an_unbound_flax_method_is_recorded_by_class_and_rebuilt() -> None:
+    from graphmod.provenance._rebuild import _class_application
+
+    noise = managers.WeightNoise(0.1, applications=[nnx.Linear.__call__])
+    program = gm.compile(lambda m, x: m(x), TwoFlaxLinears(), managers=[noise])
+    program.init(jnp.ones((2, 3)))
+    by_class = {"$class_application": {"class": {"$class": "flax.nnx.nn.linear.Linear"},
+                                       "name": "apply"}}
+    record = program.provenance["managers"]["weight_noise"]
+    assert record["arguments"]["applications"] == (by_class,)
+    assert record["filter"]["applications"] == (by_class,)
+    assert _class_application(nnx.Linear, "apply", "x") == noise.filter.applications[0]
+
+
+def test_a_method_of_a_class_defined_in_a_function_names_the_way_around() -> None:
+    class Local(nnx.Module):
+        def encode(self, x: jax.Array) -> jax.Array:
+            return x
+
+    with pytest.raises(TypeError, match=r"bricks=\[TheClass\], applications=\['encode'\]"):
+        gm.VariableFilter(applications=[Local.encode])

@@ -248,3 +248,61 @@ def test_call_rng_outside_a_program_raises() -> None:
 
     with pytest.raises(RuntimeError, match=r"call\.rng\(\).*needs a compiled program"):
         Draw()(jnp.ones(2))
+
+
+class Sowing(gm.Brick):
+    @gm.application(inputs=["x"], outputs=["y"])
+    def apply(self, x: jax.Array) -> jax.Array:
+        self.sow(nnx.Intermediate, "doubled", 2 * x)
+        return x + 1
+
+
+def test_sow_on_a_brick_is_monitorable_in_a_program_and_stored_eagerly() -> None:
+    brick = Sowing()
+    monitor = gm.VariableFilter(roles=[gm.roles.AUXILIARY])
+    program = gm.compile(lambda m, x: m(x).sum(), brick, monitor=monitor)
+    x = jnp.arange(3.0)
+    _, _, monitored = program.train(program.init(x), x, rng=jax.random.key(0))
+    np.testing.assert_array_equal(monitored["/.apply.doubled"], 2 * x)
+    _, monitored = program.infer(program.init(x), x)
+    np.testing.assert_array_equal(monitored["/.apply.doubled"], 2 * x)
+    assert not hasattr(brick, "doubled")  # the program stored nothing on the brick
+    brick(x)  # eagerly it is Flax's sow
+    np.testing.assert_array_equal(brick.doubled.get_value()[0], 2 * x)
+
+
+class Cached(nnx.Module):
+    """A decode-style cache: each call appends its input at the cache index."""
+
+    def __init__(self) -> None:
+        self.linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        self.cache = nnx.Cache(jnp.zeros((3, 2)))
+        self.index = nnx.Cache(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = self.linear(x)
+        self.cache[...] = self.cache[...].at[self.index[...]].set(y)
+        self.index[...] += 1
+        return self.cache[...].sum(0)
+
+
+def test_infer_mutable_returns_the_models_writes_and_changes_no_parameter() -> None:
+    model = Cached()
+    monitor = gm.VariableFilter(roles=[roles.OUTPUT], bricks=[nnx.Linear])
+    program = gm.compile(lambda m, x: m(x), model, monitor=monitor,
+                         managers=[managers.Dropout(0.5, roles=[roles.INPUT])])
+    variables = program.init(jnp.ones(2))
+    outs = []
+    for step in range(3):
+        out, variables, monitored = program.infer(variables, jnp.full(2, step + 1.0),
+                                                  mutable=True)
+        outs.append(out)
+    eager = nnx.clone(model)
+    expected = [eager(jnp.full(2, step + 1.0)) for step in range(3)]  # no dropout: inference
+    np.testing.assert_allclose(np.stack(outs), np.stack(expected), rtol=1e-6)
+    assert int(variables["model"]["index"]) == 3
+    np.testing.assert_array_equal(variables["model"]["linear"]["kernel"], model.linear.kernel[...])
+    assert list(monitored) == ["/linear.apply.output"]
+    assert program.infer(variables, jnp.ones(2), mutable=False)[0].shape == (2,)
+    with pytest.raises(TypeError, match=r"mutable='yes'\): expected True or False"):
+        program.infer(variables, jnp.ones(2), mutable="yes")

@@ -30,7 +30,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from graphmod._filter import VariableFilter, bound_application
+from graphmod._filter import (
+    ClassApplication,
+    VariableFilter,
+    bound_application,
+    class_application,
+)
 from graphmod.provenance._names import public_path
 
 CONFIG = "_graphmod_config"
@@ -51,6 +56,12 @@ def short_repr(value: Any, limit: int = 120) -> str:
 def class_path(cls: type) -> str:
     """A class's public import path, or ``module.qualname`` when it has none."""
     return public_path(cls) or f"{cls.__module__}.{cls.__qualname__}"
+
+
+def class_application_record(application: ClassApplication) -> dict:
+    """An unbound Flax method in a filter, by its class (``__call__`` is not a public name)."""
+    return {"$class_application": {"class": {"$class": class_path(application.owner)},
+                                   "name": application.name}}
 
 
 def _opaque(kind: str, value: Any, **extra: Any) -> dict:
@@ -214,6 +225,9 @@ class Encoder:
         name = getattr(value, "__graphmod_application__", None)
         if isinstance(name, str):
             return {"$application": name}
+        application = class_application(value)
+        if application is not None:  # nnx.Linear.__call__: by class
+            return class_application_record(application)
         if isinstance(value, functools.partial):
             return {"$partial": {"function": self(value.func),
                                  "args": [self(a) for a in value.args],

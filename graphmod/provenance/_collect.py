@@ -11,8 +11,15 @@ import jax
 import numpy as np
 from flax import nnx
 
+from graphmod._filter import ClassApplication
 from graphmod._layout import Layout, _walk, brick_path_string
-from graphmod.provenance._capture import BRICK_REFS, class_path, config_of, key_record
+from graphmod.provenance._capture import (
+    BRICK_REFS,
+    class_application_record,
+    class_path,
+    config_of,
+    key_record,
+)
 from graphmod.provenance._environment import host, now, platform_record, versions
 from graphmod.provenance._fingerprint import fingerprint
 from graphmod.provenance._record import Provenance
@@ -64,7 +71,8 @@ def filter_record(variable_filter: Any, layout: Layout) -> dict[str, Any]:
             else {"$brick_path": layout.brick_path(b) or "?"} for b in variable_filter.bricks]
     if variable_filter.applications is not None:
         out["applications"] = [
-            a if isinstance(a, str) else {"$bound_application": {
+            a if isinstance(a, str) else class_application_record(a)
+            if isinstance(a, ClassApplication) else {"$bound_application": {
                 "brick": {"$brick_path": layout.brick_path(a.brick) or "?"}, "name": a.name}}
             for a in variable_filter.applications]
     for field in ("name", "name_regex", "path", "call_id"):

@@ -244,6 +244,10 @@ class _Decoder:
             brick = self(_field(inner, "brick", where, Mapping), f"{where}.brick")
             name = _field(inner, "name", where, str)
             return None if self.dry else _bound_application(brick, name)
+        if tag == "$class_application":
+            cls = self(_field(inner, "class", where, Mapping), f"{where}.class")
+            name = _field(inner, "name", where, str)
+            return None if self.dry else _class_application(cls, name, where)
         if tag == "$filter":
             fields = {k: self(v, _join(where, k)) for k, v in _mapping(inner, where).items()}
             return None if self.dry else _filter(fields, where)
@@ -385,6 +389,17 @@ def _dynamic(value: Any) -> Any:
     from graphmod._manager import dynamic
 
     return dynamic(value)
+
+
+def _class_application(cls: Any, name: str, where: str) -> Any:
+    from flax import nnx
+
+    from graphmod._filter import ClassApplication
+
+    if not (isinstance(cls, type) and issubclass(cls, nnx.Module)):
+        raise RebuildError(f"rebuild: {where} names {cls!r}, which is not a flax.nnx.Module "
+                           "class")
+    return ClassApplication(cls, name)
 
 
 def _bound_application(brick: Any, name: str) -> Any:

@@ -71,8 +71,8 @@ def _tagged(tag: str, inner: Any) -> str | None:
         return "VariableFilter(" + ", ".join(f"{k}={_text(v)}" for k, v in inner.items()) + ")"
     if tag == "$enum":
         return f"{inner['class']}.{inner['name']}"
-    if tag == "$bound_application":
-        return f"{_text(inner['brick'])}.{inner['name']}"
+    if tag in ("$bound_application", "$class_application"):
+        return f"{_text(inner.get('brick', inner.get('class')))}.{inner['name']}"
     if tag == "$opaque":
         return f"<opaque {inner.get('repr', inner.get('type'))}>"
     return None

@@ -84,7 +84,8 @@ def test_weight_noise_over_weight_roles_of_plain_linears_draws_per_path() -> Non
     noisy = nnx.clone(model)
     for name in ("linear1", "linear2"):
         layer = getattr(noisy, name)
-        key = step_key("weight_noise", f"/{name}", "apply", "WEIGHT", "kernel")
+        # a parameter's key: folded with its path, not the application's (tied weights)
+        key = step_key("weight_noise", f"/{name}.kernel", "", "WEIGHT", "kernel")
         layer.kernel[...] += 0.1 * jax.random.normal(key, layer.kernel.shape)
     np.testing.assert_allclose(out, loss(noisy, X), **TOL)
     np.testing.assert_allclose(program.infer(variables, X), loss(model, X), **TOL)
@@ -219,6 +220,9 @@ def test_flax_dropout_draws_from_the_program_key_and_is_the_identity_in_inferenc
     out, _ = program.train(variables, X, rng=KEY)
     assert rewrites(program) == [("/dropout", "apply", "OUTPUT", "output")]
     assert program.rewrites["train"][0].manager == "nnx.Dropout"
+    marked = program.graph(X).rewritten  # the graph marks it too
+    assert [(r.tag.path, r.manager) for r in marked] == [("/dropout.apply.output",
+                                                          "nnx.Dropout")]
     hidden = nnx.relu(nnx.clone(model).norm(model.linear1(X)))  # batch statistics
     mask = jax.random.bernoulli(step_key("", "/dropout", "apply", "", ""), 0.5, hidden.shape)
     np.testing.assert_allclose(out, model.linear2(jnp.where(mask, hidden / 0.5, 0.0)), **TOL)
@@ -355,3 +359,49 @@ class SelfAttention(nnx.Module):
 
 
 SEQUENCE = np.random.default_rng(2).normal(size=(2, 5, 4)).astype(np.float32)
+
+
+class WithCell(nnx.Module):
+    """An LSTM cell called with its carry tuple."""
+
+    def __init__(self) -> None:
+        self.cell = nnx.LSTMCell(4, 3, rngs=nnx.Rngs(0))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        carry = (jnp.ones((x.shape[0], 3)), jnp.zeros((x.shape[0], 3)))
+        _, y = self.cell(carry, x)
+        return y
+
+
+def test_arrays_nested_in_arguments_are_inputs_named_by_their_keys() -> None:
+    model = WithCell()
+    noise = managers.GaussianNoise(0.5, bricks=[nnx.LSTMCell], roles=[roles.INPUT],
+                                   variable_name="carry.0")
+    program = gm.compile(lambda m, x: m(x), model, managers=[noise],
+                         monitor=gm.VariableFilter(bricks=[nnx.LSTMCell], roles=[roles.INPUT]))
+    variables = program.init(X)
+    out, _, monitored = program.train(variables, X, rng=KEY)
+    assert sorted(monitored) == ["/cell.apply.carry.0", "/cell.apply.carry.1",
+                                 "/cell.apply.inputs"]
+    assert rewrites(program) == [("/cell", "apply", "INPUT", "carry.0")]
+    # the cell saw the noisy first carry and the untouched second one
+    c0 = monitored["/cell.apply.carry.0"]
+    assert not np.allclose(c0, 1.0)
+    np.testing.assert_array_equal(monitored["/cell.apply.carry.1"], 0.0)
+    _, expected = nnx.clone(model).cell((c0, jnp.zeros((X.shape[0], 3))), X)
+    np.testing.assert_allclose(out, expected, **TOL)
+    np.testing.assert_allclose(program.infer(variables, X)[0], model(X), **TOL)
+
+
+class Scaled(nnx.Module):
+    def __call__(self, *xs: jax.Array, **extra: jax.Array) -> jax.Array:
+        return sum(xs) * extra["scale"]
+
+
+def test_var_positional_and_var_keyword_arrays_are_inputs() -> None:
+    program = gm.compile(lambda m, x: m(x, 2 * x, scale=jnp.float32(3.0)), Scaled(),
+                         monitor=gm.VariableFilter(roles=[roles.INPUT]))
+    variables = program.init(X)
+    out, _, monitored = program.train(variables, X, rng=KEY)
+    assert sorted(monitored) == ["/.apply.scale", "/.apply.xs.0", "/.apply.xs.1"]
+    np.testing.assert_allclose(out, 9 * X, **TOL)

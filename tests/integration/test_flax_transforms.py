@@ -4,7 +4,7 @@ The models are unmodified Flax NNX code: ``nnx.Rngs`` kept in the model, counter
 with ``var.value += 1`` / ``var[...] = x`` / ``var.value = x`` (the lm1b decode-cache
 pattern), ``sow``, ``nnx.MultiHeadAttention`` with its default ``keep_rngs=True``,
 ``nnx.RNN(nnx.LSTMCell)``, the scan-over-layers MLP of Flax's
-``examples/nnx_toy_examples/06_scan_over_layers.py`` (Apache-2.0, copied unmodified), and
+``examples/nnx_toy_examples/06_scan_over_layers.py`` (``examples/flax_nnx``), and
 ``nnx.remat``/``nnx.jit``/``nnx.cond``/``nnx.fori_loop``/``nnx.vmap`` over model modules.
 """
 
@@ -22,7 +22,9 @@ from flax import nnx
 
 import graphmod as gm
 import managers
+from examples.flax_nnx.scan_over_layers import ScanMLP
 from graphmod import roles
+from graphmod._frame import Frame, crc32
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 X = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
@@ -194,46 +196,6 @@ def test_sown_values_are_monitorable_auxiliary_variables_and_the_module_is_untou
 
 
 # -- lifted transforms -------------------------------------------------------------------
-class Block(nnx.Module):
-    """From Flax's ``examples/nnx_toy_examples/06_scan_over_layers.py`` (Apache-2.0)."""
-
-    def __init__(self, dim: int, *, rngs: nnx.Rngs):
-        self.linear = nnx.Linear(dim, dim, rngs=rngs)
-        self.bn = nnx.BatchNorm(dim, rngs=rngs)
-        self.dropout = nnx.Dropout(0.5, rngs=rngs)
-
-    def __call__(self, x: jax.Array):
-        return jax.nn.gelu(self.dropout(self.bn(self.linear(x))))
-
-
-class ScanMLP(nnx.Module):
-    """
-    An MLP that uses `vmap` during `__init__` to create a Block instance
-    with an additional `layer` axis, and `scan` during `__call__` to apply
-    the sequence of layers iteratively over the input / output `x`.
-    """
-
-    def __init__(self, dim: int, *, n_layers: int, rngs: nnx.Rngs):
-        self.n_layers = n_layers
-
-        @nnx.split_rngs(splits=n_layers)
-        @nnx.vmap(axis_size=n_layers)
-        def create_block(rngs: nnx.Rngs):
-            return Block(dim, rngs=rngs)
-
-        self.layers = create_block(rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        @nnx.scan
-        def scan_fn(x: jax.Array, block: Block):
-            x = block(x)
-            return x, None
-
-        x, _ = scan_fn(x, self.layers)
-
-        return x
-
-
 class Recurrent(nnx.Module):
     """``nnx.RNN(nnx.LSTMCell)``: ``nnx.scan`` over time, the carry drawn from stored Rngs."""
 
@@ -362,3 +324,82 @@ def test_assigning_a_new_module_attribute_in_a_program_stays_refused() -> None:
     with pytest.raises(flax.errors.TraceContextError, match="Stash"):
         program_of(model).init(X)
     assert not hasattr(model, "stash")
+
+
+# -- per-layer and per-iteration keys in loop bodies -------------------------------------------
+def recorded_keys(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[str, int]]:
+    """Filled while a program traces: what each manager's draw (``""``: Flax's own
+    Dropout's) folds into the step key outside loops (its parts and call id)."""
+    seen: dict[str, tuple[str, int]] = {}
+    rng = Frame.rng
+
+    def spy(frame: Frame, parts: tuple[str, ...], call_id: int, **kwargs: Any) -> Any:
+        seen[parts[0]] = ("|".join(parts), call_id)
+        return rng(frame, parts, call_id, **kwargs)
+
+    monkeypatch.setattr(Frame, "rng", spy)
+    return seen
+
+
+def layer_key(seen: dict[str, tuple[str, int]], manager: str, index: int) -> jax.Array:
+    """The key of layer (iteration) ``index``, as ``Frame.rng`` documents it."""
+    parts, call_id = seen[manager]
+    return jax.random.fold_in(jax.random.fold_in(KEY, crc32(f"{parts}#{call_id}")), index)
+
+
+def layer(model: ScanMLP, index: int) -> nnx.Module:
+    graphdef, state = nnx.split(model.layers)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[index], state))
+
+
+def test_scan_over_layers_draws_its_own_dropout_mask_per_layer_and_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = ScanMLP(4, n_layers=3, rngs=nnx.Rngs(0))
+    model.train()
+    keys = recorded_keys(monkeypatch)
+    program = program_of(model, lambda m, x: m(x))
+    variables = program.init(X)
+    out, _ = program.train(variables, X, rng=KEY)
+    masks = [jax.random.bernoulli(layer_key(keys, "", i), 0.5, X.shape)
+             for i in range(3)]
+    assert not np.array_equal(masks[0], masks[1]) and not np.array_equal(masks[1], masks[2])
+    x = X
+    for i, mask in enumerate(masks):
+        block = layer(model, i)
+        x = jax.nn.gelu(jnp.where(mask, block.bn(block.linear(x)) / 0.5, 0.0))
+    np.testing.assert_allclose(out, x, **TOL)
+    next_step, _ = program.train(variables, X, rng=jax.random.key(4))
+    assert not np.allclose(next_step, out)
+
+
+def test_managers_inside_a_scan_over_layers_draw_per_layer_from_the_layer_index(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = without_dropout(ScanMLP(4, n_layers=3, rngs=nnx.Rngs(0)))
+    noise = managers.WeightNoise(0.3, roles=[roles.WEIGHT])
+    drop = managers.Dropout(0.5, bricks=[nnx.Linear], roles=[roles.OUTPUT])
+    keys = recorded_keys(monkeypatch)
+    program = program_of(model, lambda m, x: m(x), managers=[noise, drop])
+    out, _ = program.train(program.init(X), X, rng=KEY)
+    x = X
+    for i in range(3):
+        block = layer(model, i)
+        kernel = block.linear.kernel[...] + 0.3 * jax.random.normal(
+            layer_key(keys, noise.name, i), (4, 4))
+        hidden = x @ kernel + block.linear.bias[...]
+        mask = jax.random.bernoulli(layer_key(keys, drop.name, i), 0.5, hidden.shape)
+        x = jax.nn.gelu(block.bn(jnp.where(mask, hidden / 0.5, 0.0)))
+    np.testing.assert_allclose(out, x, **TOL)
+
+
+def test_a_fori_loop_body_draws_per_iteration(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = Lifted("fori_loop")
+    model.train()
+    noise = managers.GaussianNoise(0.5, bricks=[nnx.Linear], roles=[roles.OUTPUT])
+    keys = recorded_keys(monkeypatch)
+    program = program_of(model, lambda m, x: m(x), managers=[noise])
+    out, _ = program.train(program.init(X), X, rng=KEY)
+    x = X
+    for i in range(3):
+        x = model.linear(x) + 0.5 * jax.random.normal(layer_key(keys, noise.name, i),
+                                                      x.shape)
+    np.testing.assert_allclose(out, x, **TOL)

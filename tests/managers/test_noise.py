@@ -62,16 +62,19 @@ def test_weight_noise_gradients_reach_the_stored_parameter() -> None:
     np.testing.assert_array_equal(model.W[...], stored)
 
 
-def test_a_weight_read_twice_in_one_call_is_perturbed_once() -> None:
+@pytest.mark.parametrize("per_call", [False, True])
+def test_a_weight_read_twice_in_one_call_is_perturbed_once(per_call: bool) -> None:
     model = ReadTwice(64)
-    program = gm.compile(lambda m, x: (m(x), m(x)), model,
-                         managers=[managers.WeightNoise(0.5, roles=[roles.WEIGHT])])
+    noise = managers.WeightNoise(0.5, roles=[roles.WEIGHT], per_call=per_call)
+    program = gm.compile(lambda m, x: (m(x), m(x)), model, managers=[noise])
     x = ones(64)
     ((first, second), (again, once_more)), _ = program.train(program.init(x), x, rng=key(0))
     np.testing.assert_array_equal(first, second)  # W[...] and W.reshape: one noise
     np.testing.assert_array_equal(again, once_more)
     assert not np.allclose(array(first), array(model.W[...]))
-    assert not np.allclose(array(first), array(again))  # the next call draws a new noise
+    # By default the next call sees the same noisy copy (one per step, as Blocks);
+    # per_call=True draws a new noise for it.
+    assert np.allclose(array(first), array(again)) != per_call
     assert rewritten_by(program) == [("weight_noise", "/", 0, "W"), ("weight_noise", "/", 1, "W")]
 
 
@@ -97,10 +100,12 @@ class Tied(gm.Brick):
         self.c = TwoNames(n)
 
 
-def test_tied_weights_are_perturbed_once_per_application_call() -> None:
+@pytest.mark.parametrize("per_call", [False, True])
+def test_tied_weights_get_one_noisy_copy_per_step_or_one_per_call(per_call: bool) -> None:
     model = Tied(64)
     fn = lambda m, x: (m.a(x), m.b(x), m.a(x), m.c(x))
-    program = gm.compile(fn, model, managers=[managers.WeightNoise(0.5, roles=[roles.WEIGHT])])
+    noise = managers.WeightNoise(0.5, roles=[roles.WEIGHT], per_call=per_call)
+    program = gm.compile(fn, model, managers=[noise])
     x = ones(64)
     variables = program.init(x)
     assert sorted(variables["model"]) == ["a", "c"]  # one variable per tied weight
@@ -112,7 +117,8 @@ def test_tied_weights_are_perturbed_once_per_application_call() -> None:
     grads, (a, b, a_again, (c_first, c_second)) = jax.grad(loss, has_aux=True)(variables)
     shared = array(model.a.W[...])
     for one, other in [(a, b), (a, a_again), (b, a_again)]:
-        assert not np.allclose(array(one), array(other))  # one noise per call
+        # Blocks' semantics by default: one noisy copy of the shared weight per step
+        assert np.allclose(array(one), array(other)) != per_call
     for noisy in (a, b, a_again):
         assert not np.allclose(array(noisy), shared)
     np.testing.assert_array_equal(c_first, c_second)  # two names, one call, one noise
