@@ -29,9 +29,11 @@ Sharp edges
     unaffected). A method called on the class (``nnx.Linear.__call__(layer, x)``,
     ``super().__call__(x)``) is not a separate application. Two programs with different
     ``applications=`` tracing one model at the same time share one subclass (the first
-    one's). A manager-owned variable first met inside an NNX loop body (``nnx.scan``,
-    ``nnx.fori_loop``) is one variable for every iteration, shaped like one iteration's
-    slice; one created from a parameter's value there is refused (use ``graphmod.scan``).
+    one's). A manager-owned variable of an application whose module a scan slices (``nnx.scan``
+    over layers) is one per iteration, stacked with the loops' lengths as leading axes (see
+    ``graphmod._loop_keys``); where the loop sees the whole module (``nnx.RNN``'s cell,
+    ``nnx.vmap``, ``jax.jit``) it is shared by every iteration and cannot be updated there,
+    nor created from a parameter's value (use ``graphmod.scan``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from graphmod import roles as _roles
 from graphmod._filter import Tag
 from graphmod._frame import current_trace
 from graphmod._rewrites import Rewrite, describe
+from graphmod._variables import identity_of
 
 if TYPE_CHECKING:
     from graphmod._frame import Frame, OwnedKey
@@ -75,7 +78,7 @@ class OwnedVariable:
 
     @property
     def value(self) -> jax.Array:
-        return self._frame.owned[self._key]
+        return self._frame.read_owned(self._key)
 
     @value.setter
     def value(self, new: Any) -> None:
@@ -211,7 +214,7 @@ class ApplicationCall:
             key = (self.manager.name, self.path, self.application,
                    self.call_id if per_call else None, name)
         given = self.parameter_value if per_parameter and _takes_one_argument(init) else None
-        self.frame.owned_value(key, init, role, given)
+        self.frame.owned_value(key, init, role, given, _iterates_over(self.brick, self.frame))
         return OwnedVariable(self.frame, key)
 
     def add_auxiliary_variable(
@@ -318,6 +321,20 @@ class ApplicationCall:
                                       (info.path, base))
         cached.append((trace, value))
         return value
+
+
+def _iterates_over(brick: Any, frame: Frame) -> bool:
+    """Whether the trace in progress sees a slice of ``brick``'s own variables (a loop over
+    layers stacked on a leading axis), rather than the whole (a cell broadcast over steps,
+    or no loop at all)."""
+    if current_trace() == frame.base_trace:
+        return False
+    for value in vars(brick).values():
+        info = frame.layout.by_identity.get(identity_of(value)) if isinstance(
+            value, nnx.Variable) else None
+        if info is not None and jnp.ndim(value.get_raw_value()) < len(info.shape):
+            return True
+    return False
 
 
 def _takes_one_argument(init: Any) -> bool:
@@ -514,7 +531,11 @@ def _run_plain(spec: _Spec, method: Callable, brick: Any, args: tuple, kwargs: d
 
 def _run_managed(frame: Frame, spec: _Spec, method: Callable, brick: Any, path: str,
                  args: tuple, kwargs: dict) -> Any:
-    _context.split_trace_caches()  # no later inner trace may replay this call's
+    if current_trace() != frame.base_trace:
+        # A call inside an inner trace (a jax.jit, nnx.remat, scan body): no later inner
+        # trace may replay it. Calls at the outer level run their Python anyway, so JAX's
+        # own jitted helpers (random bits, ...) stay cached across them.
+        _context.split_trace_caches()
     call_id = frame.next_call_id(path, spec.name)
     chain = tuple(
         m for m in frame.chain()

@@ -54,6 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from graphmod._validation import is_key
+
 FORMAT = 2
 LEGACY_FORMAT = 1  # graphmod 0.1's: one pytree of arrays, no run id, no checksums
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -80,16 +82,11 @@ class CheckpointError(ValueError):
         super().__init__(f"{self.path}: {reason}" + (f"; {fix}" if fix else ""))
 
 
-def _is_key(leaf: Any) -> bool:
-    dtype = getattr(leaf, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 def describe(state: Any) -> dict[str, list[Any]]:
     """``{leaf path: [shape, dtype]}`` of a state (keys described by their key data)."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if _is_key(leaf):  # described by its key data, for arrays and abstract keys alike
+        if is_key(leaf):  # described by its key data, for arrays and abstract keys alike
             data = jax.eval_shape(jax.random.key_data, leaf)
             shape, dtype = list(data.shape), str(leaf.dtype)
         else:
@@ -101,7 +98,7 @@ def describe(state: Any) -> dict[str, list[Any]]:
 def storable(state: Any) -> list[np.ndarray]:
     """The state's leaves as host NumPy arrays (keys as key data), safe to write later."""
     def host(leaf: Any) -> np.ndarray:
-        if _is_key(leaf):
+        if is_key(leaf):
             leaf = jax.random.key_data(leaf)
         return np.array(leaf)  # a copy: the loop donates the state's buffers next step
 
@@ -111,7 +108,7 @@ def storable(state: Any) -> list[np.ndarray]:
 def _stored(template: Any) -> list[tuple[list[int], str]]:
     """The shape and dtype each leaf of ``template`` is stored with (keys: their key data)."""
     def one(leaf: Any) -> tuple[list[int], str]:
-        if _is_key(leaf):
+        if is_key(leaf):
             leaf = jax.eval_shape(jax.random.key_data, leaf)
         dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype  # as np.array
         return list(np.shape(leaf)), str(np.dtype(dtype))
@@ -121,7 +118,7 @@ def _stored(template: Any) -> list[tuple[list[int], str]]:
 
 def _restored(template: Any, leaves: list[np.ndarray]) -> Any:
     def back(want: Any, got: Any) -> Any:
-        if _is_key(want):  # the key's implementation is part of its dtype
+        if is_key(want):  # the key's implementation is part of its dtype
             return jax.random.wrap_key_data(jnp.asarray(got), impl=want.dtype._impl)
         return jnp.asarray(got, dtype=getattr(want, "dtype", None))  # a Python number too
 

@@ -22,11 +22,13 @@ import jax
 import numpy as np
 
 from graphmod import metrics as _metrics
+from graphmod._clock import utc_now
 from graphmod._program import Program
 from graphmod._table import html_table, text_table
+from graphmod._validation import is_key
 from graphmod.provenance._capture import class_path
 from graphmod.provenance._collect import data_record, function_record
-from graphmod.provenance._environment import now, platform_record, versions
+from graphmod.provenance._environment import platform_record, versions
 from graphmod.provenance._record import Provenance
 
 
@@ -186,7 +188,7 @@ def _variables_record(variables: Any) -> dict[str, Any]:
     digest = hashlib.sha256()
     count = numbers = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]:
-        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+        if is_key(leaf):
             leaf = jax.random.key_data(leaf)
         host = np.asarray(leaf)
         digest.update(f"{jax.tree_util.keystr(path)}{host.dtype.str}{host.shape}".encode())
@@ -240,7 +242,7 @@ def evaluate(program: Program, variables: Any, source: Any, *, metrics: Sequence
         >>> result["accuracy"], result.examples, result.provenance.kind
         (1.0, 10, 'evaluation')
     """
-    started, clock = now(), _time.perf_counter()
+    started, clock = utc_now(), _time.perf_counter()
     if not isinstance(program, Program):
         raise TypeError(f"evaluate(program, ...): expected a graphmod Program, got "
                         f"{type(program).__name__}")
@@ -342,7 +344,7 @@ def evaluate(program: Program, variables: Any, source: Any, *, metrics: Sequence
         "examples": examples,
         "batches": count,
         "started": started,
-        "ended": now(),
+        "ended": utc_now(),
         "seconds": round(_time.perf_counter() - clock, 6),
         "source": class_path(type(data)),
     })

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from graphmod import roles as _roles
 from graphmod._filter import Tag, VariableFilter
-from graphmod._loop_keys import mark
+from graphmod._loop_keys import mark, read_slice, stacked, write_slice
 from graphmod._manager import Manager
 from graphmod._rewrites import Rewrite, describe
 from graphmod._variables import identity_of
@@ -80,6 +80,12 @@ class Frame:
         self.owned = dict(owned)
         self.owned_roles: dict[OwnedKey, _roles.Role] = {}
         self.owned_updated: set[OwnedKey] = set()
+        # Owned variables met in inner traces (loop bodies): the shape of one iteration's
+        # slice, the slice each trace wrote last, the keys created or written there.
+        self.owned_slices: dict[OwnedKey, tuple[int, ...]] = {}
+        self.owned_pending: dict[OwnedKey, tuple[Any, Any]] = {}
+        self.owned_in_loops: dict[OwnedKey, None] = {}
+        self.owned_shared: set[OwnedKey] = set()  # met in bodies that broadcast the module
         self.hparams = dict(hparams)
         self.managers = managers
         self.key = key
@@ -217,9 +223,18 @@ class Frame:
 
     # -- manager-owned variables and hyperparameters -----------------------------------------
     def owned_value(self, key: OwnedKey, init: Any, role: _roles.Role,
-                    parameter: Any = None) -> Any:
-        """An owned variable's value, created at ``init`` from ``init``: an array, a
-        callable of nothing (shapes only) or, given the parameter's value, of it."""
+                    parameter: Any = None, per_iteration: bool = True) -> None:
+        """Makes sure owned variable ``key`` exists: created at ``init`` from ``init`` (an
+        array, a callable of nothing: shapes only, or given the parameter's value, of it).
+
+        First met inside a loop body that slices its application's parameters (a scan over
+        layers: ``per_iteration``), it is one variable per iteration: stored stacked, the
+        loops' lengths as leading axes (see :meth:`read_owned`). In a body that sees the
+        whole module (a cell broadcast over time steps) it is one variable, shared by every
+        iteration, which the body cannot update."""
+        inner = current_trace() != self.base_trace
+        if inner and not per_iteration:
+            self.owned_shared.add(key)
         if key not in self.owned:
             manager, path, application, call_id, name = key
             if self.mode != "init":
@@ -235,12 +250,13 @@ class Frame:
                 self.check_base_trace(f"manager {manager!r} creating {name!r} from "
                                       f"parameter {path}.{application}")
                 value = jnp.asarray(init(parameter))
-            elif current_trace() == self.base_trace:
+            elif not inner:
                 # Traced by init's own jit: no eager dispatch per variable.
                 value = jnp.asarray(init() if callable(init) else init)
             else:
                 # From shapes only: computed eagerly, so a variable first met inside an
-                # inner trace (jax.jit, a scan body) does not leak a tracer.
+                # inner trace (jax.jit, a scan body) does not leak a tracer; stacked over
+                # the loops around it at the end of init's trace.
                 with jax.ensure_compile_time_eval():
                     value = jnp.asarray(init() if callable(init) else init)
                 if isinstance(value, jax.core.Tracer):
@@ -250,21 +266,70 @@ class Frame:
                         "jnp.zeros(n)) or, in a rewrite_parameter hook, from the parameter "
                         "(init=lambda w: ...)"
                     )
+                if per_iteration:
+                    self._write_slice(key, value)
             self.owned[key] = value
             self.owned_roles[key] = role
-        return self.owned[key]
+        elif self.mode == "init" and key in self.owned_in_loops and inner and (
+                self.owned_pending[key][0] != current_trace()):
+            self._write_slice(key, self.owned[key])  # JAX may trace a body twice
+        elif inner and key not in self.owned_slices:
+            self.owned_slices[key] = tuple(
+                jax.eval_shape(init, parameter).shape if parameter is not None
+                else jax.eval_shape(init).shape if callable(init) else jnp.shape(init))
+
+    def _depth(self, key: OwnedKey) -> int:
+        """How many loops ``key`` is stacked over (0 outside loops, or not stacked)."""
+        stored = jnp.shape(self.owned[key])
+        shape = self.owned_slices.get(key, stored)
+        return len(stored) - len(shape) if stored[len(stored) - len(shape):] == shape else 0
+
+    def read_owned(self, key: OwnedKey) -> Any:
+        """Owned variable ``key`` as the current trace sees it: in a loop body the
+        iteration's slice (its last write in this trace, else the stored stack's slice)."""
+        if current_trace() == self.base_trace:
+            if key in self.owned_in_loops and self.mode != "init":
+                raise RuntimeError(
+                    f"{key[0]} variable {key[4]!r} of application {key[2]!r} of {key[1]} is "
+                    "read outside the loop body that updated it in this step")
+            return self.owned[key]
+        pending = self.owned_pending.get(key)
+        if pending is not None and pending[0] == current_trace():
+            return pending[1]
+        depth = self._depth(key)
+        return read_slice(self.owned[key], depth, key) if depth else self.owned[key]
 
     def set_owned(self, key: OwnedKey, value: Any) -> None:
-        self.check_base_trace(f"updating {key[0]} variable {key[4]!r}",
-                              f"application {key[2]!r} of {key[1]}")
         old = self.owned[key]
-        if jnp.shape(value) != old.shape:
+        inner = current_trace() != self.base_trace
+        if inner and key in self.owned_shared:
+            self.check_base_trace(f"updating {key[0]} variable {key[4]!r}, shared by every "
+                                  "iteration of a loop over one module",
+                                  f"application {key[2]!r} of {key[1]}")
+        shape = old.shape[self._depth(key):] if inner else old.shape
+        if jnp.shape(value) != shape:
             raise ValueError(
                 f"manager {key[0]!r}: new value of {key[4]!r} at {key[1]} has shape "
-                f"{jnp.shape(value)}, expected {old.shape}"
+                f"{jnp.shape(value)}, expected {shape}"
             )
-        self.owned[key] = jnp.asarray(value, old.dtype)
+        value = jnp.asarray(value, old.dtype)
+        if inner:
+            self._write_slice(key, value)
+        else:
+            self.owned[key] = value
         self.owned_updated.add(key)
+
+    def _write_slice(self, key: OwnedKey, value: Any) -> None:
+        write_slice(value, key)
+        self.owned_pending[key] = (current_trace(), value)
+        self.owned_in_loops[key] = None
+
+    def owned_out(self) -> dict[OwnedKey, Any]:
+        """The owned variables at the end of the trace: those created or updated in loop
+        bodies as the stack of every iteration's slice."""
+        fresh = self.mode == "init"
+        return {key: stacked(value, key, fresh=fresh) if key in self.owned_in_loops else value
+                for key, value in self.owned.items()}
 
     def hparam(self, manager: Manager, name: str) -> Any:
         key = (manager.name, name)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
 import os
 import sys
 import time as _time
@@ -39,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from graphmod._batch import step_arguments
+from graphmod._clock import utc_now
 from graphmod._command import recorded_command
 from graphmod._events import (
     AnyOf,
@@ -54,6 +55,7 @@ from graphmod._interrupt import SigintGuard
 from graphmod._optimize import TrainState, TrainStep
 from graphmod._plugin import Plugin
 from graphmod._table import text_table
+from graphmod._validation import is_key
 
 _PLANNABLE = ("step", "epoch", "examples")
 
@@ -271,7 +273,7 @@ class Loop:
 
         def cast(n: Any, o: Any) -> Any:
             dtype = getattr(o, "dtype", None)
-            if n is o or dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            if n is o or dtype is None or is_key(o):
                 return n  # a leaf fn kept costs nothing (Anneal touches one of hundreds)
             return jnp.asarray(n, dtype=dtype)
 
@@ -449,7 +451,7 @@ class Loop:
         self._clock = (_time.perf_counter(), self.time)
         self._plugin_seconds = 0.0
         if not self._started:
-            self.started_at = _utc_now()
+            self.started_at = utc_now()
             self._emit("begin")
             self._started = True
         while not self._finished():
@@ -461,7 +463,7 @@ class Loop:
             self.time = dataclasses.replace(self.time, epoch=self.time.epoch + 1)
             self.position = 0
             self._emit("epoch_end")
-        self.ended_at = _utc_now()
+        self.ended_at = utc_now()
         self._emit("end")
 
     def _setup(self) -> list[_Entry]:
@@ -703,10 +705,6 @@ class Loop:
                       f"({why})", file=sys.stderr)
 
 
-def _utc_now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat()
-
-
 def _plugin_error(name: str, where: str, exc: BaseException) -> BaseException:
     """A plugin's exception as a :class:`PluginError` naming the plugin and where it
     raised; a PluginError (a nested loop's) or a KeyboardInterrupt is kept as it is."""
@@ -737,11 +735,8 @@ def _parts(template: Template) -> list[Template]:
 
 
 def _call(step: Callable[..., Any], state: Any, batch: Any) -> Any:
-    if isinstance(batch, dict):
-        return step(state, **batch)
-    if isinstance(batch, tuple | list):
-        return step(state, *batch)
-    return step(state, batch)
+    args, kwargs = step_arguments(batch)
+    return step(state, *args, **kwargs)
 
 
 def _abstract_state(step: Any, data: Iterable[Any]) -> Any:

@@ -1,4 +1,4 @@
-"""Per-iteration keys inside loop bodies that JAX traces once.
+"""Per-iteration keys and manager-owned variables inside loop bodies that JAX traces once.
 
 A body run by ``lax.scan``/``fori_loop``/``while_loop`` (and so ``nnx.scan``,
 ``nnx.fori_loop``, ``nnx.RNN``, scan over layers) is traced once: a key made inside it from
@@ -13,15 +13,30 @@ loop). The rewrite happens before any differentiation of the program, so a remat
 recomputed in the backward pass draws what the forward pass drew. A program without
 markers is traced as before, at no extra cost (see :func:`resolving`).
 
+Manager-owned variables met in such a body are one per iteration, marked the same way: a
+read is the ``owned_read`` of the variable's stack (:func:`read_slice`), resolved to the
+slice of the innermost loops' positions; a write, or the creation at ``init``, is an
+``owned_write`` of the iteration's slice (:func:`write_slice`), which the resolved scan
+returns as one more stacked output (so a nested scan stacks outermost first; a remat or a
+cond passes it on); and the variable's output at the end of the trace is an ``owned_out``
+(:func:`stacked`) replaced by that stack (at ``init``: the initial value in every slice).
+
 Sharp edges
     Markers are resolved through ``jit``/``closed_call``, ``checkpoint`` (``remat``) and
     ``cond`` inside loops; inside another primitive with a body (``custom_jvp``/
     ``custom_vjp`` functions, ``shard_map``) they stay the identity: one draw for every
-    iteration. Under ``vmap`` a marked key is not split: every mapped element draws the same
-    numbers, as Flax's unsplit ``Rngs`` do. ``graphmod.scan`` folds its own step index (its
-    body is the frame's base trace, so its own draws are not marked): a lifted loop inside
-    its body folds ``graphmod.scan``'s step twice (still one key per step), and a lifted
-    loop around a ``graphmod.scan`` is not folded into the draws of its body.
+    iteration (an owned variable there is refused at resolution). An owned variable is
+    written in one loop per step (two are refused: the second would read stale slices),
+    not in a ``while_loop`` (unknown length) nor under ``vmap`` (refused), and is not read
+    at the base trace after a loop wrote it (refused); its stack fits loops of the lengths
+    at ``init`` only (another length is refused). Which variables are stacked is the frame's
+    choice: those of applications whose module the loop slices (a scan over layers), not a
+    cell an ``nnx.RNN`` broadcasts over time steps. Under ``vmap`` a marked key is not
+    split: every mapped element draws the same numbers, as Flax's unsplit ``Rngs`` do.
+    ``graphmod.scan`` folds its own step index (its body is the frame's base trace, so its
+    own draws are not marked): a lifted loop inside its body folds ``graphmod.scan``'s step
+    twice (still one key per step), and a lifted loop around a ``graphmod.scan`` is not
+    folded into the draws of its body.
     ``program.graph`` traces without resolving: its jaxpr shows the markers. Uses
     ``jax._src.source_info_util`` (internal, like ``graphmod._context``) to keep each
     equation's name scope.
@@ -46,6 +61,37 @@ loop_key_p.def_abstract_eval(lambda aval: aval)
 ad.primitive_jvps[loop_key_p] = lambda primals, tangents: (loop_key_p.bind(*primals), tangents[0])
 batching.primitive_batchers[loop_key_p] = lambda args, dims: (loop_key_p.bind(*args), dims[0])
 mlir.register_lowering(loop_key_p, lambda ctx, key: [key])  # never resolved: the key itself
+
+# Manager-owned variables in loop bodies (no AD or lowering rules: resolved before any
+# transform of the program sees them; owned_write's batching rule refuses vmap).
+# ``owned_read``: the iteration's slice of a stack; ``owned_write``: an iteration's new slice
+# of variable ``key`` (no output: make_jaxpr keeps it); ``owned_out``: the variable's value
+# after the trace, replaced by the stacked writes.
+owned_read_p = jax.extend.core.Primitive("owned_read")
+owned_read_p.def_abstract_eval(
+    lambda aval, *, depth, key: jax.core.ShapedArray(aval.shape[depth:], aval.dtype))
+owned_write_p = jax.extend.core.Primitive("owned_write")
+owned_write_p.multiple_results = True
+owned_write_p.def_abstract_eval(lambda aval, *, key: [])
+owned_out_p = jax.extend.core.Primitive("owned_out")
+owned_out_p.def_abstract_eval(lambda aval, *, key, fresh: aval)
+_MARKERS = (loop_key_p, owned_read_p, owned_write_p, owned_out_p)
+
+
+def _refused(key: tuple, place: str) -> RuntimeError:
+    return RuntimeError(
+        f"updating {key[0]} variable {key[4]!r} in application {key[2]!r} of {key[1]} "
+        f"happens inside {place}: one value per iteration could not be stored. Use "
+        "graphmod.scan, or a loop of static length (lax.scan, nnx.scan, a fori_loop with "
+        "static bounds), where such a variable is stacked, one slice per iteration"
+    )
+
+
+def _batch_write(args: Any, dims: Any, *, key: tuple) -> Any:
+    raise _refused(key, "a raw JAX transform or an NNX lifted transform (jax.vmap, nnx.vmap)")
+
+
+batching.primitive_batchers[owned_write_p] = _batch_write
 
 # Set while ``resolving`` traces a function as it is, assuming it marks no key.
 _assume_unmarked: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -72,9 +118,51 @@ def mark(key: jax.Array) -> jax.Array:
         >>> bool(draw(key)[0] == first)
         True
     """
+    return _bind(loop_key_p, key)
+
+
+def read_slice(stack: jax.Array, depth: int, key: tuple) -> jax.Array:
+    """The slice of ``stack`` of this iteration of the ``depth`` innermost loops around it
+    (a manager-owned variable stacked one slice per iteration; see :func:`write_slice`).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> stack = jnp.arange(6.0).reshape(3, 2)
+        >>> f = resolving(lambda s: jax.lax.scan(lambda c, _: (c, read_slice(s, 1, ("k",))), 0,
+        ...                                      length=3)[1])
+        >>> f(stack).tolist() == stack.tolist()
+        True
+    """
+    return _bind(owned_read_p, stack, depth=depth, key=key)
+
+
+def write_slice(value: jax.Array, key: tuple) -> None:
+    """Notes ``value`` as this iteration's slice of owned variable ``key``: :func:`stacked`
+    of ``key`` at the end of the trace is every iteration's, stacked with the length of each
+    loop around the write as a leading axis, outermost first.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> def f(x):
+        ...     jax.lax.scan(lambda c, i: (write_slice(c * i, ("k",)), (c, None))[1], x,
+        ...                  jnp.arange(3.0))
+        ...     return stacked(x, ("k",), fresh=True)
+        >>> resolving(f)(jnp.ones(2)).tolist()
+        [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+    """
+    _bind(owned_write_p, value, key=key)
+
+
+def stacked(value: jax.Array, key: tuple, *, fresh: bool) -> jax.Array:
+    """Owned variable ``key`` after the trace: every iteration's :func:`write_slice`,
+    stacked; ``value`` is its stack before (``fresh``: the slice it was created with)."""
+    return _bind(owned_out_p, value, key=key, fresh=fresh)
+
+
+def _bind(primitive: Any, *args: Any, **params: Any) -> Any:
     if _assume_unmarked.get():
         raise _Marked
-    return loop_key_p.bind(key)
+    return primitive.bind(*args, **params)
 
 
 def resolving(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -86,38 +174,44 @@ def resolving(f: Callable[..., Any]) -> Callable[..., Any]:
     markers = False
 
     @functools.wraps(f)
-    def run(*args: Any) -> Any:
+    def run(*args: Any, **static: Any) -> Any:
         nonlocal markers
         if not markers:
             token = _assume_unmarked.set(True)
             try:
-                return f(*args)
+                return f(*args, **static)
             except _Marked:
                 markers = True
             finally:
                 _assume_unmarked.reset(token)
         token = _assume_unmarked.set(False)
         try:
-            closed, shapes = jax.make_jaxpr(f, return_shape=True)(*args)
+            closed, shapes = jax.make_jaxpr(functools.partial(f, **static),
+                                            return_shape=True)(*args)
         finally:
             _assume_unmarked.reset(token)
-        flat = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(args), ())
+        flat, _ = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(args), ())
         return jax.tree.unflatten(jax.tree.structure(shapes), flat)
 
     return run
 
 
-def _has_markers(jaxpr: Any) -> bool:
-    return any(eqn.primitive is loop_key_p
-               or any(map(_has_markers, jax.extend.core.jaxprs_in_params(eqn.params)))
+def _has_markers(jaxpr: Any, markers: tuple = _MARKERS) -> bool:
+    return any(eqn.primitive in markers
+               or any(_has_markers(inner, markers)
+                      for inner in jax.extend.core.jaxprs_in_params(eqn.params))
                for eqn in jaxpr.eqns)
 
 
 def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
-              counters: tuple[Any, ...]) -> list[Any]:
-    """``jax.core.eval_jaxpr`` with markers folded with ``counters`` (outermost first)."""
+              counters: tuple[Any, ...], loop_lengths: tuple[int | None, ...] = ()
+              ) -> tuple[list[Any], dict[tuple, Any]]:
+    """``jax.core.eval_jaxpr`` with markers resolved with ``counters`` (the loop indices,
+    outermost first; ``loop_lengths``: their loops' lengths, None for a while loop); also
+    the owned variables' slices written, by key."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
+    writes: dict[tuple, Any] = {}
 
     def read(atom: Any) -> Any:
         return atom.val if isinstance(atom, jax.extend.core.Literal) else env[atom]
@@ -129,76 +223,152 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
               eqn.ctx.manager):
             if eqn.primitive is loop_key_p:
                 outs = [functools.reduce(jax.random.fold_in, counters, invals[0])]
+            elif eqn.primitive is owned_read_p:
+                outs = [_index(invals[0], counters, loop_lengths, **eqn.params)]
+            elif eqn.primitive is owned_write_p:
+                outs, writes[eqn.params["key"]] = [], invals[0]  # the last write wins
+            elif eqn.primitive is owned_out_p:
+                outs = [_collected(writes, invals[0], **eqn.params)]
             elif eqn.primitive.name in _RULES and any(
                     map(_has_markers, jax.extend.core.jaxprs_in_params(eqn.params))):
-                outs = _RULES[eqn.primitive.name](invals, counters, **eqn.params)
+                outs, inner = _RULES[eqn.primitive.name](invals, counters, loop_lengths,
+                                                         **eqn.params)
+                if eqn.primitive.name == "scan" and not inner.keys().isdisjoint(writes):
+                    key = next(iter(inner.keys() & writes.keys()))
+                    raise RuntimeError(
+                        f"{key[0]} variable {key[4]!r} of application {key[2]!r} of {key[1]} "
+                        "is updated in two loops of one step: the second would read the "
+                        "values from before the first. Run the application in one loop")
+                writes.update(inner)
+            elif any(_has_markers(inner, _MARKERS[1:])
+                     for inner in jax.extend.core.jaxprs_in_params(eqn.params)):
+                raise RuntimeError(
+                    f"a manager-owned variable of a loop body is used inside {eqn.primitive} "
+                    "(a custom_jvp or custom_vjp function, shard_map...), whose body is not "
+                    "rewritten: its stack cannot be sliced there. Run the application outside")
             else:
                 params = eqn.primitive.get_bind_params(eqn.params)
                 outs = eqn.primitive.bind(*invals, **params)
                 outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]
+    return [read(v) for v in jaxpr.outvars], writes
 
 
-def _scan(invals: list, counters: tuple, *, jaxpr: Any, num_consts: int, num_carry: int,
-          length: int, reverse: bool, unroll: Any, **_: Any) -> list:
+def _index(stack: Any, counters: tuple, loop_lengths: tuple, *, depth: int, key: tuple
+           ) -> Any:
+    lengths = loop_lengths[len(loop_lengths) - depth:]
+    if depth > len(counters) or stack.shape[:depth] != lengths:
+        raise RuntimeError(
+            f"{key[0]} variable {key[4]!r} of application {key[2]!r} of {key[1]} is stacked "
+            f"over loops of lengths {stack.shape[:depth]} (as at init) and read in loops of "
+            f"lengths {lengths}: run its application in loops of the lengths it was created "
+            "in (e.g. the sequence length of an nnx.RNN)")
+    return stack[tuple(counters[len(counters) - depth:])]
+
+
+def _collected(writes: dict, value: Any, *, key: tuple, fresh: bool) -> Any:
+    new = writes.get(key)
+    fits = new is not None and (new.shape[new.ndim - value.ndim:] == value.shape if fresh
+                                else new.shape == value.shape)
+    if not fits:
+        raise RuntimeError(
+            f"{key[0]} variable {key[4]!r} of application {key[2]!r} of {key[1]}: "
+            + ("its update inside a loop body could not be found (inside a custom_jvp, "
+               "custom_vjp or shard_map body?)" if new is None else
+               f"its stack has shape {value.shape}, its slices written in loop bodies stack "
+               f"to {new.shape}: the application runs in other loops than at init")
+        )
+    return new.astype(value.dtype)
+
+
+def _scan(invals: list, counters: tuple, loop_lengths: tuple, *, jaxpr: Any, num_consts: int,
+          num_carry: int, length: int, reverse: bool, unroll: Any, **_: Any) -> tuple:
     consts, carry, xs = (invals[:num_consts], invals[num_consts:num_consts + num_carry],
                          invals[num_consts + num_carry:])
 
-    def body(carry: list, inputs: tuple) -> tuple[list, list]:
+    order: list[tuple] = []
+
+    def body(carry: list, inputs: tuple) -> tuple[list, tuple]:
         x, index = inputs
-        outs = _evaluate(jaxpr.jaxpr, jaxpr.consts, [*consts, *carry, *x], (*counters, index))
-        return outs[:num_carry], outs[num_carry:]
+        outs, writes = _evaluate(jaxpr.jaxpr, jaxpr.consts, [*consts, *carry, *x],
+                                 (*counters, index), (*loop_lengths, length))
+        order[:] = writes
+        return outs[:num_carry], (outs[num_carry:], list(writes.values()))
 
-    # The index rides along xs, so a reverse scan sees length-1 first, as its xs.
-    carry, ys = jax.lax.scan(body, carry, (xs, jnp.arange(length, dtype=jnp.int32)), length,
-                             reverse=reverse, unroll=unroll)
-    return [*carry, *ys]
+    # The index rides along xs, so a reverse scan sees length-1 first, as its xs; the slices
+    # written come out as more ys, stacked in the order of xs.
+    carry, (ys, slices) = jax.lax.scan(body, carry, (xs, jnp.arange(length, dtype=jnp.int32)),
+                                       length, reverse=reverse, unroll=unroll)
+    return [*carry, *ys], dict(zip(order, slices, strict=True))
 
 
-def _while(invals: list, counters: tuple, *, cond_jaxpr: Any, body_jaxpr: Any,
-           cond_nconsts: int, body_nconsts: int, **_: Any) -> list:
+def _while(invals: list, counters: tuple, loop_lengths: tuple, *, cond_jaxpr: Any, body_jaxpr: Any,
+           cond_nconsts: int, body_nconsts: int, **_: Any) -> tuple:
     cond_consts, body_consts = invals[:cond_nconsts], invals[cond_nconsts:cond_nconsts
                                                              + body_nconsts]
 
+    def run(closed: Any, consts: list, carry: list, count: Any) -> list:
+        outs, writes = _evaluate(closed.jaxpr, closed.consts, [*consts, *carry],
+                                 (*counters, count), (*loop_lengths, None))
+        if writes:
+            raise _refused(next(iter(writes)), "a while loop (lax.while_loop, nnx.while_loop, "
+                           "a fori_loop with traced bounds), of unknown length")
+        return outs
+
     def cond(state: tuple) -> Any:
-        count, carry = state
-        return _evaluate(cond_jaxpr.jaxpr, cond_jaxpr.consts, [*cond_consts, *carry],
-                         (*counters, count))[0]
+        return run(cond_jaxpr, cond_consts, state[1], state[0])[0]
 
     def body(state: tuple) -> tuple:
-        count, carry = state
-        return count + 1, _evaluate(body_jaxpr.jaxpr, body_jaxpr.consts,
-                                    [*body_consts, *carry], (*counters, count))
+        return state[0] + 1, run(body_jaxpr, body_consts, state[1], state[0])
 
     init = (jnp.int32(0), invals[cond_nconsts + body_nconsts:])
-    return jax.lax.while_loop(cond, body, init)[1]
+    return jax.lax.while_loop(cond, body, init)[1], {}
 
 
-def _cond(invals: list, counters: tuple, *, branches: Sequence[Any], **_: Any) -> list:
-    def branch(closed: Any, operands: list) -> list:
-        return _evaluate(closed.jaxpr, closed.consts, operands, counters)
+def _cond(invals: list, counters: tuple, loop_lengths: tuple, *, branches: Sequence[Any],
+          **_: Any) -> tuple:
+    order: list[tuple] = []
 
-    return jax.lax.switch(invals[0], [functools.partial(branch, b) for b in branches],
-                          invals[1:])
+    def branch(closed: Any, operands: list) -> tuple[list, list]:
+        outs, writes = _evaluate(closed.jaxpr, closed.consts, operands, counters,
+                                 loop_lengths)
+        if not order:
+            order.append(list(writes))
+        elif set(order[0]) != set(writes):
+            key = next(iter(set(order[0]) ^ set(writes)))
+            raise RuntimeError(f"{key[0]} variable {key[4]!r} of application {key[2]!r} of "
+                               f"{key[1]} is updated in some branches of a cond only: run its "
+                               "application in every branch, or outside the cond")
+        return outs, [writes[k] for k in order[0]]
+
+    outs, slices = jax.lax.switch(invals[0], [functools.partial(branch, b) for b in branches],
+                                  invals[1:])
+    return outs, dict(zip(order[0] if order else (), slices, strict=True))
 
 
-def _remat(invals: list, counters: tuple, *, jaxpr: Any, prevent_cse: bool, policy: Any,
-           **_: Any) -> list:
+def _remat(invals: list, counters: tuple, loop_lengths: tuple, *, jaxpr: Any, prevent_cse: bool,
+           policy: Any, **_: Any) -> tuple:
+    order: list[tuple] = []
+
+    def evaluate(counters: tuple, args: list) -> tuple[list, list]:
+        outs, writes = _evaluate(jaxpr, (), args, counters, loop_lengths)
+        order[:] = writes
+        return outs, list(writes.values())
+
     # The counters go in as arguments: the recomputation reads the forward pass's.
-    run = jax.checkpoint(lambda counters, args: _evaluate(jaxpr, (), args, counters),
-                         prevent_cse=prevent_cse, policy=policy)
-    return run(counters, invals)
+    run = jax.checkpoint(evaluate, prevent_cse=prevent_cse, policy=policy)
+    outs, slices = run(counters, invals)
+    return outs, dict(zip(order, slices, strict=True))
 
 
-def _call(invals: list, counters: tuple, *, jaxpr: Any = None, call_jaxpr: Any = None,
-          **_: Any) -> list:
+def _call(invals: list, counters: tuple, loop_lengths: tuple, *, jaxpr: Any = None,
+          call_jaxpr: Any = None, **_: Any) -> tuple:
     closed = jaxpr if jaxpr is not None else call_jaxpr
-    return _evaluate(closed.jaxpr, closed.consts, invals, counters)  # inlined
+    return _evaluate(closed.jaxpr, closed.consts, invals, counters, loop_lengths)  # inlined
 
 
 # How each primitive with a body is rebuilt when markers are inside it (by primitive name).
-_RULES: dict[str, Callable[..., list]] = {
+_RULES: dict[str, Callable[..., tuple]] = {
     "scan": _scan, "while": _while, "cond": _cond, "remat2": _remat,
     "jit": _call, "closed_call": _call,
 }

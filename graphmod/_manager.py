@@ -21,7 +21,6 @@ What is undefined
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 
 from graphmod import _context
 from graphmod._filter import Tag, VariableFilter
+from graphmod._naming import snake_case
 from graphmod.provenance._capture import record_construction
 
 
@@ -120,10 +120,6 @@ class HParam:
             return {**node, head: replace(node[head], tuple(rest)) if rest else new}
 
         return replace(variables, self.keys)
-
-
-def _snake_case(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
 def _deprecated_name(manager: Manager, name: str, manager_name: str | None) -> str:
@@ -242,7 +238,7 @@ class Manager:
         self.filter = filter if filter is not None else VariableFilter(
             **{"name" if k == "variable_name" else k: v for k, v in given.items()})
         self.priority = priority
-        self.name = manager_name or _snake_case(type(self).__name__)
+        self.name = manager_name or snake_case(type(self).__name__)
         self.strict = strict
         self._entered: list[Any] = []
 

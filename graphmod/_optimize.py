@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from graphmod import roles as _roles
+from graphmod._batch import step_arguments
 from graphmod._program import Program
 from graphmod._validation import as_key
 from graphmod.provenance._capture import key_record
@@ -133,10 +134,7 @@ class TrainStep:
 
     def _scanned(self, state: TrainState, batches: Any) -> tuple[TrainState, dict]:
         def one(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-            if isinstance(batch, dict):
-                return self._traced(state, (), batch)
-            return self._traced(state, tuple(batch) if isinstance(batch, tuple | list)
-                                else (batch,), {})
+            return self._traced(state, *step_arguments(batch))
 
         return jax.lax.scan(one, state, batches)
 

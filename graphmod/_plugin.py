@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
 from graphmod._events import Event, Template
+from graphmod._naming import snake_case
 
 
 class Plugin:
@@ -43,7 +43,7 @@ class Plugin:
                  every: Template | None = None) -> None:
         if every is not None and not isinstance(every, Template):
             raise TypeError(f"{type(self).__name__}(every=...): expected On(...), got {every!r}")
-        self.name = name or re.sub(r"(?<!^)(?=[A-Z])", "_", type(self).__name__).lower()
+        self.name = name or snake_case(type(self).__name__)
         self.priority = priority
         self.every = every
 

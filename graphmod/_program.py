@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from graphmod import _context
 from graphmod import roles as _roles
 from graphmod._application import interceptor
+from graphmod._clock import utc_now
 from graphmod._filter import VariableFilter
 from graphmod._frame import Frame, OwnedKey
 from graphmod._graph import ComputationGraph
@@ -53,7 +54,6 @@ from graphmod._validation import (
     tree_difference,
 )
 from graphmod.provenance._capture import key_record
-from graphmod.provenance._environment import now
 
 _TRAIN = "program.train(variables, *args, rng=key)"
 
@@ -178,9 +178,11 @@ class Program:
         # Keys drawn in loop bodies get their iteration index (also in optimize's steps).
         self._train_traced = resolving(self._train_traced)  # type: ignore[method-assign]
         self._train = jax.jit(self._train_traced)
+        # Owned variables stacked over loops are read one slice per iteration.
+        self._infer_traced = resolving(self._infer_traced)  # type: ignore[method-assign]
         self._infer = jax.jit(self._infer_traced, static_argnames="mutable")
         # Provenance: recorded when cheap, assembled only when asked for.
-        self._created = now()
+        self._created = utc_now()
         self._example: tuple[tuple, dict] | None = None
         self._abstract_variables: dict | None = None
         self._init_rng: dict | None = None
@@ -270,9 +272,11 @@ class Program:
                                 args, kwargs, record=probe)
             found["roles"] = frame.owned_roles
             found["managers"] = [m.name for m in frame.seen_managers.values()]
-            return _owned_tree(frame.owned, frame.hparams)
+            return _owned_tree(frame.owned_out(), frame.hparams)
 
-        run = functools.partial(jax.eval_shape, trace) if probe else jax.jit(trace)
+        # Owned variables first met in loop bodies are stacked over the loops' lengths.
+        resolved = resolving(trace)
+        run = functools.partial(jax.eval_shape, resolved) if probe else jax.jit(resolved)
         managers = run(model, args, kwargs, key)
         for name in found["managers"]:
             managers.setdefault(name, {"hparams": {}})
@@ -324,7 +328,8 @@ class Program:
         frame = self._trace("train", values, owned, hparams, as_key(rng, _TRAIN), args, kwargs)
         new = {
             "model": self._shared.layout.pure(frame.values),
-            "managers": _replace_owned(variables["managers"], frame.owned, frame.owned_updated),
+            "managers": _replace_owned(variables["managers"], frame.owned_out(),
+                                       frame.owned_updated),
         }
         return (frame.out, new, frame.monitored) if self._monitor else (frame.out, new)
 

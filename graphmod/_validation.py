@@ -68,6 +68,19 @@ def spec_differences(found: Mapping[Key, Any], expected: Mapping[Key, Spec],
     return lines
 
 
+def is_key(value: Any) -> bool:
+    """Whether ``value`` (an array, a tracer, an abstract value) holds typed PRNG keys.
+
+    Examples:
+        >>> import jax
+        >>> from graphmod._validation import is_key
+        >>> is_key(jax.random.key(0)), is_key(jax.random.key_data(jax.random.key(0)))
+        (True, False)
+    """
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def as_key(rng: Any, where: str) -> Any:
     """``rng`` as one typed PRNG key (a key, or its ``jax.random.key_data``), else an error
     naming ``rng`` and the fix."""

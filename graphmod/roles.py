@@ -45,6 +45,7 @@ __all__ = [
     "Role",
     "add_role",
     "as_role",
+    "as_roles",
     "get_role",
 ]
 
@@ -165,7 +166,13 @@ def as_role(value: Any, *, argument: str = "roles") -> Role:
 
 
 def as_roles(values: Iterable[Any] | Role, *, argument: str = "roles") -> tuple[Role, ...]:
-    """A tuple of roles from one role or an iterable of roles, checking each."""
+    """A tuple of roles from one role or an iterable of roles, checking each.
+
+    Examples:
+        >>> from graphmod import roles
+        >>> roles.as_roles(roles.WEIGHT), roles.as_roles([roles.WEIGHT, roles.BIAS])
+        ((WEIGHT,), (WEIGHT, BIAS))
+    """
     if isinstance(values, Role):
         return (values,)
     if isinstance(values, str) or not isinstance(values, Iterable):

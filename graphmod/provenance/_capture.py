@@ -36,6 +36,7 @@ from graphmod._filter import (
     bound_application,
     class_application,
 )
+from graphmod._validation import is_key
 from graphmod.provenance._names import public_path
 
 CONFIG = "_graphmod_config"
@@ -82,7 +83,7 @@ def key_record(value: Any) -> dict | None:
     """``{"impl": ..., "data": [...]}`` of a typed key or raw uint32 key data, or None."""
     if value is None or _is_tracer(value):
         return None
-    if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
+    if is_key(value):
         return _key(value)
     data = np.asarray(value)
     if data.dtype == np.uint32:
@@ -94,7 +95,7 @@ def key_record(value: Any) -> dict | None:
 def _array(value: Any) -> dict:
     if _is_tracer(value):
         return _opaque("traced array", value, shape=list(value.shape), dtype=str(value.dtype))
-    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+    if is_key(value):
         return {"$key": _key(value)}
     host = np.asarray(value)
     kind = "scalar" if isinstance(value, np.generic) else \

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from graphmod._clock import utc_now
 from graphmod._filter import ClassApplication
 from graphmod._layout import Layout, _walk, brick_path_string
 from graphmod.provenance._capture import (
@@ -20,7 +21,7 @@ from graphmod.provenance._capture import (
     config_of,
     key_record,
 )
-from graphmod.provenance._environment import host, now, platform_record, versions
+from graphmod.provenance._environment import host, platform_record, versions
 from graphmod.provenance._fingerprint import fingerprint
 from graphmod.provenance._record import Provenance
 
@@ -235,7 +236,8 @@ def training_derived(step: Any, loop: Any = None) -> dict[str, Any]:
                         "seconds": round(time.seconds, 6),
                         "train_seconds": round(time.train_seconds, 6),
                         # Wall-clock times the loop noted as they happened.
-                        "started": loop.started_at or now(), "ended": loop.ended_at or now()})
+                        "started": loop.started_at or utc_now(),
+                        "ended": loop.ended_at or utc_now()})
     return derived
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import importlib.metadata
 import platform
 import sys
@@ -49,9 +48,6 @@ def platform_record() -> dict[str, Any]:
     }
 
 
-def now() -> str:
-    """The current time in UTC, ISO 8601 with microseconds."""
-    return datetime.datetime.now(datetime.UTC).isoformat()
 
 
 def host() -> str:

@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from graphmod._validation import is_key
+
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -46,7 +48,7 @@ def fingerprint(jaxpr: Any) -> str:
     """
     digest = hashlib.sha256(canonical_text(jaxpr).encode())
     for const in getattr(jaxpr, "consts", ()):
-        if jax.dtypes.issubdtype(getattr(const, "dtype", None), jax.dtypes.prng_key):
+        if is_key(const):
             const = jax.random.key_data(const)
         host = np.asarray(const)
         digest.update(f"{host.dtype.str}{host.shape}".encode())
