@@ -188,6 +188,7 @@ class Program:
         self._init_rng: dict | None = None
         self._provenance: Any = None
         self._origin: Program | None = None  # the program this one was derived from
+        self._derived: dict[Callable[..., Any], Program] = {}  # by derive, by function
 
     # -- public properties ------------------------------------------------------------------
     @property
@@ -537,6 +538,9 @@ class Program:
     def derive(self, fn: Callable[..., Any]) -> Program:
         """A program for another function over the same model, managers and variables.
 
+        The same ``fn`` gives the same derived program, so its compiled functions are reused
+        (``evaluate(..., predict=fn)`` called every epoch traces once).
+
         Examples:
             >>> import jax.numpy as jnp, graphmod as gm
             >>> from flax import nnx
@@ -550,9 +554,13 @@ class Program:
         if not callable(fn):
             raise TypeError(f"program.derive(fn): fn must be callable, e.g. lambda model, x: "
                             f"model(x); got {fn!r}")
-        derived = Program(fn, self._shared, self._managers, self._monitor, self._axis_name,
-                          strict=False)
-        derived._origin = self._origin or self
+        origin = self._origin or self
+        derived = origin._derived.get(fn)
+        if derived is None:
+            derived = Program(fn, self._shared, self._managers, self._monitor,
+                              self._axis_name, strict=False)
+            derived._origin = origin
+            origin._derived[fn] = derived
         return derived
 
     def graph(self, *args: Any, mode: str = "train", **kwargs: Any) -> ComputationGraph:

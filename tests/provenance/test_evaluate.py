@@ -148,3 +148,20 @@ def test_a_cost_program_needs_predict(task: Classifier) -> None:
                     metrics=["accuracy"], targets="y", inputs=["x", "y"])
     with pytest.raises(ValueError, match=r"unknown metric 'auc'"):
         gm.evaluate(task.predict, task.variables, {"x": task.x, "y": task.y}, metrics=["auc"])
+
+
+def test_evaluating_again_with_the_same_predict_traces_it_once(task: Classifier) -> None:
+    traces = []
+
+    def predict(model: Any, x: Any) -> Any:
+        traces.append(None)  # runs while JAX traces, not per batch
+        return model(x)
+
+    first = gm.evaluate(task.program, task.variables, {"x": task.x, "y": task.y},
+                        metrics=["accuracy"], predict=predict, batch_size=16)
+    traced = len(traces)
+    again = gm.evaluate(task.program, task.variables, {"x": task.x, "y": task.y},
+                        metrics=["accuracy"], predict=predict, batch_size=16)
+    assert traced > 0 and len(traces) == traced  # the derived program is reused
+    assert again["accuracy"] == first["accuracy"]
+    assert task.program.derive(predict) is task.program.derive(predict)
