@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -80,6 +79,7 @@ from train_step import (
     functional,
     interleave,
     percentile,
+    write_results,
 )
 
 import graphmod
@@ -477,13 +477,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "",
         *(line for name, result in results.items() for line in section(MODELS[name], result)),
     ])
-    print(report)
     out = {"environment": env, "quick": args.quick, "repeats": repeats, "block": block,
            "builds": builds, "models": results}
-    if not args.no_write:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "flax_results.md").write_text(report)
-        (args.out / "flax_results.json").write_text(json.dumps(out, indent=2) + "\n")
+    write_results(args, "flax_results", report, out)
     return out
 
 

@@ -304,6 +304,16 @@ def build_variants(seed: int, batch: Batch, rates: Rates) -> list[Variant]:
     return variants
 
 
+def write_results(args: argparse.Namespace, stem: str, report: str, results: dict) -> None:
+    """Prints ``report`` and, unless ``--no-write``, writes it and ``results`` to
+    ``<--out>/<stem>.md`` and ``<stem>.json``."""
+    print(report)
+    if not args.no_write:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{stem}.md").write_text(report)
+        (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
 def count_instructions(hlo: str) -> int:
     """Instruction lines of an HLO module's text (every computation, fusions included)."""
     return sum(1 for line in hlo.splitlines()
@@ -541,15 +551,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{difference:.1e}. Benchmark time {seconds:.0f} s.",
         "",
     ])
-    print(report)
     results = {"environment": env, "quick": args.quick, "repeats": repeats, "block": block,
                "rates": dataclasses.asdict(rates), "train_step": step_rows,
                "dispatch": dispatch_rows, "same_math_difference": difference,
                "seconds": seconds}
-    if not args.no_write:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.md").write_text(report)
-        (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_results(args, "results", report, results)
     return results
 
 

@@ -266,12 +266,18 @@ class ApplicationCall:
         new = getattr(manager, hook)(bound, tag.name, value)
         if new is value:  # the manager left it alone (e.g. dropout in inference)
             return value
-        frame.rewrites.append(Rewrite(
-            manager.name, self.path or "", self.application, self.call_id, tag.role.name,
-            tag.name, *describe(value), *describe(new),
-        ))
-        frame.record(tag, new, manager.name)
+        self.note_rewrite(manager.name, tag, value, new)
         return new
+
+    def note_rewrite(self, by: str, tag: Tag, before: Any, after: Any) -> None:
+        """Notes a rewrite of ``tag`` by ``by`` (a manager, or ``nnx.Dropout`` following the
+        program) in the rewrite trace and, marked with it, in the computation graph."""
+        assert self.frame is not None
+        self.frame.rewrites.append(Rewrite(
+            by, self.path or "", self.application, self.call_id, tag.role.name, tag.name,
+            *describe(before), *describe(after),
+        ))
+        self.frame.record(tag, after, by)
 
     def rewrite_inputs(self, manager: Manager, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``manager.rewrite_input`` applied to each selected input of this call."""
@@ -714,19 +720,8 @@ def _dropout(self: nnx.Dropout, inputs: Any, *, deterministic: bool | None = Non
         mask = jnp.broadcast_to(jax.random.bernoulli(call.rng(), keep, shape),
                                 jnp.shape(inputs))
         out = jax.lax.select(mask, inputs / keep, jnp.zeros_like(inputs))
-    _flax_rewrite(call, _roles.OUTPUT, "output", inputs, out)
+    call.note_rewrite("nnx.Dropout", call.tag(_roles.OUTPUT, "output"), inputs, out)
     return out
-
-
-def _flax_rewrite(call: ApplicationCall, role: _roles.Role, name: str, before: Any,
-                  after: Any) -> None:
-    """Notes a rewrite made by Flax's own code following the program (``nnx.Dropout``) in
-    the rewrite trace and, marked with it, in the computation graph."""
-    assert call.frame is not None
-    call.frame.rewrites.append(Rewrite("nnx.Dropout", call.path or "", call.application,
-                                       call.call_id, role.name, name, *describe(before),
-                                       *describe(after)))
-    call.frame.record(call.tag(role, name), after, "nnx.Dropout")
 
 
 def _batch_norm(self: nnx.BatchNorm, x: Any, use_running_average: bool | None = None, *,
@@ -754,7 +749,8 @@ def _attention(self: nnx.MultiHeadAttention, inputs_q: Any, inputs_k: Any = None
         weights = jax.ShapeDtypeStruct(
             (*jnp.shape(inputs_q)[:-2], self.num_heads, jnp.shape(inputs_q)[-2],
              jnp.shape(keys)[-2]), jnp.result_type(inputs_q))
-        _flax_rewrite(call, _roles.AUXILIARY, "attention_weights", weights, weights)
+        call.note_rewrite("nnx.Dropout", call.tag(_roles.AUXILIARY, "attention_weights"),
+                          weights, weights)
     return _FLAX_ATTENTION(self, inputs_q, inputs_k, inputs_v, deterministic=frozen,
                            rngs=None if key is None else (lambda: key), **kwargs)
 

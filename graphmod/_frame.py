@@ -83,8 +83,8 @@ class Frame:
         # Owned variables met in inner traces (loop bodies): the shape of one iteration's
         # slice, the slice each trace wrote last, the keys created or written there.
         self.owned_slices: dict[OwnedKey, tuple[int, ...]] = {}
+        # (keys in owned_pending: created or written in a loop body, stacked at the end)
         self.owned_pending: dict[OwnedKey, tuple[Any, Any]] = {}
-        self.owned_in_loops: dict[OwnedKey, None] = {}
         self.owned_shared: set[OwnedKey] = set()  # met in bodies that broadcast the module
         self.hparams = dict(hparams)
         self.managers = managers
@@ -270,7 +270,7 @@ class Frame:
                     self._write_slice(key, value)
             self.owned[key] = value
             self.owned_roles[key] = role
-        elif self.mode == "init" and key in self.owned_in_loops and inner and (
+        elif self.mode == "init" and key in self.owned_pending and inner and (
                 self.owned_pending[key][0] != current_trace()):
             self._write_slice(key, self.owned[key])  # JAX may trace a body twice
         elif inner and key not in self.owned_slices:
@@ -288,7 +288,7 @@ class Frame:
         """Owned variable ``key`` as the current trace sees it: in a loop body the
         iteration's slice (its last write in this trace, else the stored stack's slice)."""
         if current_trace() == self.base_trace:
-            if key in self.owned_in_loops and self.mode != "init":
+            if key in self.owned_pending and self.mode != "init":
                 raise RuntimeError(
                     f"{key[0]} variable {key[4]!r} of application {key[2]!r} of {key[1]} is "
                     "read outside the loop body that updated it in this step")
@@ -322,13 +322,12 @@ class Frame:
     def _write_slice(self, key: OwnedKey, value: Any) -> None:
         write_slice(value, key)
         self.owned_pending[key] = (current_trace(), value)
-        self.owned_in_loops[key] = None
 
     def owned_out(self) -> dict[OwnedKey, Any]:
         """The owned variables at the end of the trace: those created or updated in loop
         bodies as the stack of every iteration's slice."""
         fresh = self.mode == "init"
-        return {key: stacked(value, key, fresh=fresh) if key in self.owned_in_loops else value
+        return {key: stacked(value, key, fresh=fresh) if key in self.owned_pending else value
                 for key, value in self.owned.items()}
 
     def hparam(self, manager: Manager, name: str) -> Any:
