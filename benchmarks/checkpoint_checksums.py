@@ -46,8 +46,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-import graphmod._checkpoint as checkpoint_module
-from graphmod._checkpoint import Checkpointer
+import graphmod._train._checkpoint._format as checkpoint_module
+from graphmod._train._checkpoint import Checkpointer
 
 HERE = pathlib.Path(__file__).parent
 CHECKSUMS: dict[str, Callable[[np.ndarray], str]] = {

@@ -4,9 +4,15 @@
 ``graphmod resume DIR`` runs the script recorded in DIR's latest checkpoint again, with its
 ``Checkpoint(DIR)`` plugins continuing from that checkpoint: it prints the command, then
 replaces itself with it (signals and the exit status are the script's own). It re-runs only
-a recorded script file and refuses every other record (see :mod:`graphmod._command`).
+a recorded script file and refuses every other record (see :mod:`graphmod._train._command`).
 ``graphmod inspect DIR`` prints what a run directory holds. Errors go to standard error with
 exit status 2; an interrupted command exits with status 130.
+
+Start-up: this module imports only the standard library and the command records
+(:mod:`graphmod._train._command`, standard library only); the checkpoint reader and the
+provenance record, which import JAX, are imported inside the functions of the commands that
+need them (the only function-local imports of graphmod's own modules), so ``graphmod --help``
+and a usage error answer at once.
 """
 
 from __future__ import annotations
@@ -22,8 +28,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from graphmod._command import ResumeRefusedError, describe_command, resume_command
-from graphmod.plugins._checkpoint import RESUME_VARIABLE
+from graphmod._train._command import (
+    RESUME_VARIABLE,
+    ResumeRefusedError,
+    command_text,
+    resume_command,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -60,19 +70,19 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checkpointer(directory: str) -> Any:
-    """A Checkpointer of an existing run directory (one that creates nothing)."""
-    from graphmod._checkpoint import Checkpointer
+def _reader(directory: str) -> Any:
+    """A reader of an existing run directory (it creates nothing)."""
+    from graphmod._train._checkpoint import CheckpointReader  # loads JAX: see the module docstring
 
     if not pathlib.Path(directory).is_dir():
         raise _Failure(f"no run directory at {directory} (check the path)")
-    return Checkpointer(directory, keep=None)
+    return CheckpointReader(directory)
 
 
 def _latest_meta(reader: Any, directory: str) -> tuple[int, dict[str, Any]]:
     """The newest checkpoint's step and meta that can be read; each unreadable one is
     named on standard error (orbax's errors go to the debug log)."""
-    from graphmod._checkpoint import CheckpointError
+    from graphmod._train._checkpoint import CheckpointError  # loads JAX: see the module docstring
 
     if not reader.steps():
         raise _Failure(f"{directory} holds no checkpoint (a run saves them with "
@@ -92,7 +102,7 @@ def _latest_meta(reader: Any, directory: str) -> tuple[int, dict[str, Any]]:
 
 def _resume(args: argparse.Namespace) -> int:
     directory = os.path.abspath(args.directory)
-    reader = _checkpointer(directory)
+    reader = _reader(directory)
     try:
         step, meta = _latest_meta(reader, directory)
     finally:
@@ -111,11 +121,11 @@ def _resume(args: argparse.Namespace) -> int:
     return 0  # reached only where os.execve is replaced (tests)
 
 
-def describe_run(directory: str) -> str:
+def run_report(directory: str) -> str:
     """What a run directory holds: checkpoints, counters, timelines, plugins, metrics, and
     a summary of the provenance record (model, managers, optimizer, data, seeds,
     fingerprint, versions)."""
-    reader = _checkpointer(directory)
+    reader = _reader(directory)
     try:
         steps = reader.steps()
         failures = {step: reader.verify(step) for step in steps}  # None: verified
@@ -142,7 +152,7 @@ def describe_run(directory: str) -> str:
         for name, state in meta.get("plugins", {}).items():
             lines.append(f"plugin {name}: {json.dumps(state)}")
         if meta.get("command"):
-            lines.append(f"command: {describe_command(meta['command'])}")
+            lines.append(f"command: {command_text(meta['command'])}")
         lines += _provenance_lines(meta)
     for log in sorted(pathlib.Path(directory).glob("*.jsonl")):
         rows = log.read_text().splitlines()
@@ -155,7 +165,7 @@ def _provenance_lines(meta: dict[str, Any]) -> list[str]:
     if "provenance" not in meta:
         error = meta.get("provenance_error")
         return [f"provenance: not recorded ({error})"] if error else []
-    from graphmod.provenance._record import Provenance
+    from graphmod._records._record import Provenance  # loads JAX: see the module docstring
 
     try:
         record = Provenance.from_dict(meta["provenance"])
@@ -175,7 +185,7 @@ def _count(shape: Sequence[int]) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     try:
-        report = describe_run(args.directory)
+        report = run_report(args.directory)
     except _Failure:
         raise
     except Exception as error:  # orbax raises many kinds; the user needs the path

@@ -31,8 +31,8 @@ from flax import nnx
 import graphmod as gm
 import managers
 from graphmod import plugins, roles
-from graphmod._checkpoint import Checkpointer
 from graphmod._cli import main as cli
+from graphmod._train._checkpoint import Checkpointer
 from graphmod.data import ArraySource
 
 

@@ -137,7 +137,8 @@ def test_a_bound_flax_method_rewrites_that_instance_only() -> None:
 
 
 def test_an_unbound_flax_method_is_recorded_by_class_and_rebuilt() -> None:
-    from graphmod.provenance._rebuild import _class_application
+    from graphmod.provenance._decoder import RecordDecoder
+    from graphmod.provenance._names import Rules
 
     noise = managers.WeightNoise(0.1, applications=[nnx.Linear.__call__])
     program = gm.compile(lambda m, x: m(x), TwoFlaxLinears(), managers=[noise])
@@ -147,7 +148,8 @@ def test_an_unbound_flax_method_is_recorded_by_class_and_rebuilt() -> None:
     record = program.provenance["managers"]["weight_noise"]
     assert record["arguments"]["applications"] == (by_class,)
     assert record["filter"]["applications"] == (by_class,)
-    assert _class_application(nnx.Linear, "apply", "x") == noise.filter.applications[0]
+    decoded = RecordDecoder(Rules(), None, dry=False)(by_class, "x")
+    assert decoded == noise.filter.applications[0]
 
 
 def test_a_method_of_a_class_defined_in_a_function_names_the_way_around() -> None:

@@ -64,14 +64,14 @@ def test_inference_never_reuses_a_training_trace(how: str, first: str) -> None:
     assert float(jnp.abs(out.mean() - out_train.mean())) > 1.0
 
 
-def test_each_outer_trace_has_a_fresh_token() -> None:
-    from graphmod import _context
+def test_a_program_whose_inner_traces_read_no_frame_shares_one_token() -> None:
+    from graphmod._core import _context
 
     seen = []
 
     def fn(model: gm.Brick, x: jax.Array) -> jax.Array:
         seen.append(_context.trace_token())
-        return model(x)
+        return jax.jit(jnp.tanh)(model(x))  # an inner trace of arrays only: shareable
 
     lin = gm.bricks.Linear(2, 2, rngs=nnx.Rngs(0))
     program = gm.compile(fn, lin)
@@ -79,8 +79,45 @@ def test_each_outer_trace_has_a_fresh_token() -> None:
     variables = program.init(x)
     program.train(variables, x, rng=jax.random.key(0))
     program.infer(variables, x)
-    assert len(seen) == 3 and len(set(seen)) == 3 and None not in seen
+    # One token for every program trace, never None (what traces outside programs use).
+    assert seen == [_context.trace_token_shared()] * 3
     assert _context.trace_token() is None
+
+
+def test_an_inner_trace_reading_the_frame_isolates_every_later_trace() -> None:
+    from graphmod._core import _context
+
+    seen = []
+
+    def fn(model: gm.Brick, x: jax.Array) -> jax.Array:
+        seen.append(_context.trace_token())
+        return _jitted(model, x)  # the brick's application call is inside jax.jit
+
+    lin = gm.bricks.Linear(2, 2, rngs=nnx.Rngs(0))
+    with managers.Dropout(0.5, bricks=[lin], roles=[roles.INPUT]):
+        program = gm.compile(fn, lin)
+    x = jnp.ones((4, 2))
+    variables = program.init(x)
+    program.train(variables, x, rng=jax.random.key(0))
+    program.infer(variables, x)
+    # The first trace stopped at the inner call and was traced again isolated; from then
+    # on every outer trace has its own token.
+    shared, *fresh = seen
+    assert shared == _context.trace_token_shared()
+    assert len(fresh) >= 3 and len(set(fresh)) == len(fresh) and shared not in fresh
+    assert _context.trace_token() is None
+
+
+def test_a_function_jitted_before_compile_is_traced_again_in_a_program() -> None:
+    lin = gm.bricks.Linear(16, 16, rngs=nnx.Rngs(0))
+    x = jnp.ones((4, 16))
+    eager = _jitted(lin, x)  # cached outside any program: no manager, no frame
+    with managers.Dropout(0.5, bricks=[lin], roles=[roles.INPUT]):
+        program = gm.compile(lambda m, x: _jitted(m, x), lin)
+    variables = program.init(x)
+    out, _ = program.train(variables, x, rng=jax.random.key(0))
+    assert not np.allclose(out, eager)  # the dropout ran: the eager trace was not replayed
+    np.testing.assert_allclose(program.infer(variables, x), eager, rtol=1e-6)
 
 
 _REMAT = nnx.remat(lambda lin, x: lin(x))

@@ -14,8 +14,9 @@ from flax import nnx
 
 import graphmod as gm
 import managers
-from graphmod import _loop_keys, roles
-from graphmod._loop_keys import mark, resolving
+from graphmod import roles
+from graphmod._core import _loop_keys
+from graphmod._core._loop_keys import mark, resolving
 
 KEY = jax.random.key(5)
 X = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)

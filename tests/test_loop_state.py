@@ -13,7 +13,8 @@ from flax import nnx
 import graphmod as gm
 import managers
 from examples.flax_nnx.scan_over_layers import ScanMLP
-from graphmod import _loop_keys, roles
+from graphmod import roles
+from graphmod._core import _loop_keys
 from tests.test_loop_keys import Stack
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from graphmod import roles
-from graphmod._application import ApplicationCall, application
-from graphmod._brick import Brick
-from graphmod._scan import scan
-from graphmod._variables import Bias, Weight
+from graphmod._core._application import ApplicationCall, application
+from graphmod._core._brick import Brick
+from graphmod._core._scan import scan
+from graphmod._core._variables import Bias, Weight
 from graphmod.bricks._checks import check_sizes
 
 

@@ -9,6 +9,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from graphmod._core._codec import hash_array
+
 
 class ArraySource:
     """Batches of ``batch_size`` rows from arrays sharing their first dimension.
@@ -105,8 +107,7 @@ class ArraySource:
         """Name, size, shapes, dtypes and a content hash (for provenance)."""
         digest = hashlib.sha256()
         for leaf in self._leaves:
-            digest.update(str((leaf.shape, leaf.dtype.str)).encode())
-            digest.update(np.ascontiguousarray(leaf).tobytes())
+            hash_array(digest, leaf, str((leaf.shape, leaf.dtype.str)))
         return {
             "name": self.name,
             "size": self.size,

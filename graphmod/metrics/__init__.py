@@ -2,7 +2,8 @@
 
 Metrics are named by string (``"accuracy"``, ``"cross_entropy"``, ``"mean_squared_error"``
 or ``"mse"``, ``"precision"``, ``"recall"``, ``"f1"`` per class, ``"macro_precision"``,
-``"macro_recall"``, ``"macro_f1"``, ``"confusion_matrix"``) or given as instances.
+``"macro_recall"``, ``"macro_f1"``, ``"confusion_matrix"``) or given as instances;
+:class:`Mean` averages a function's per-example values (``Validation(metrics={name: fn})``).
 
 Examples:
     >>> from graphmod import metrics
@@ -21,6 +22,7 @@ from graphmod.metrics._classification import (
     Precision,
     Recall,
 )
+from graphmod.metrics._per_example import Mean
 from graphmod.metrics._regression import MeanSquaredError
 
 _NAMED = {
@@ -59,6 +61,7 @@ __all__ = [
     "Accuracy",
     "ConfusionMatrix",
     "CrossEntropy",
+    "Mean",
     "MeanSquaredError",
     "Metric",
     "Precision",

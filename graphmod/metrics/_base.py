@@ -1,4 +1,5 @@
-"""``Metric``: a quantity computed from sums over the batches of an evaluation."""
+"""``Metric``: a quantity computed from sums over the batches of an evaluation (the one
+metric protocol of :func:`graphmod.evaluate` and the ``Validation`` plugin)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from graphmod._core._construction import class_path
 
 
 class Metric:
@@ -16,7 +19,9 @@ class Metric:
     broadcast against the targets' leading axes) and returns a dict of sums;
     :func:`graphmod.evaluate` adds them up over the batches in float64 and calls
     ``result(totals)``. ``check`` runs first on the shapes of the first batch and raises
-    a clear error when predictions and targets cannot be compared.
+    a clear error when predictions and targets cannot be compared. A metric with
+    ``takes_batch = True`` (e.g. :class:`graphmod.metrics.Mean`) gets the program's outputs
+    as they are and the whole batch as ``targets``, and is not shape-checked.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -35,6 +40,7 @@ class Metric:
 
     name: str = "metric"
     needs_targets: bool = True
+    takes_batch: bool = False
 
     def check(self, predictions: jax.ShapeDtypeStruct, targets: jax.ShapeDtypeStruct | None,
               field: str) -> None:
@@ -51,8 +57,6 @@ class Metric:
 
     def config(self) -> dict[str, Any]:
         """What the evaluation's provenance records about this metric."""
-        from graphmod.provenance._capture import class_path
-
         settings = {k: v for k, v in vars(self).items() if not k.startswith("_")}
         return {"name": self.name, "class": class_path(type(self)), **settings}
 

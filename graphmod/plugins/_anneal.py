@@ -8,10 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from graphmod._events import Event, On, Template, Time
-from graphmod._manager import HParam
-from graphmod._plugin import Plugin
+from graphmod._core._manager import HParam
+from graphmod._train._events import Event, On, Template, Time
+from graphmod._train._plugin import Plugin
 from graphmod.plugins._common import template_or
+from graphmod.typing import LoopLike
 
 
 class Anneal(Plugin):
@@ -66,7 +67,7 @@ class Anneal(Plugin):
         self.fn = fn
         self.value: Any = None
 
-    def setup(self, loop: Any) -> None:
+    def setup(self, loop: LoopLike) -> None:
         # A fresh run's first step uses fn(start). A resumed run keeps the value its
         # checkpoint holds: recomputing it from the restored time would differ from the
         # uninterrupted run (which last set it at a step event).
@@ -77,7 +78,7 @@ class Anneal(Plugin):
     def __call__(self, event: Event) -> None:
         self.set(event.loop, event.time)
 
-    def set(self, loop: Any, time: Time) -> None:
+    def set(self, loop: LoopLike, time: Time) -> None:
         """Writes ``fn(time)`` into the loop's train state."""
         value = self.fn(time)
         if value is None:

@@ -8,11 +8,14 @@ import shlex
 import sys
 from typing import Any
 
-from graphmod._checkpoint import Checkpointer, CheckpointError
-from graphmod._events import Event, On, Template
-from graphmod._plugin import Plugin
+from graphmod._records._collect import training_inputs, training_provenance
+from graphmod._train._checkpoint import Checkpointer, CheckpointError
+from graphmod._train._command import RESUME_VARIABLE
+from graphmod._train._events import Event, On, Template
+from graphmod._train._optimize import TrainStep
+from graphmod._train._plugin import Plugin
+from graphmod.typing import LoopLike
 
-RESUME_VARIABLE = "GRAPHMOD_RESUME"
 _log = logging.getLogger("graphmod.checkpoint")
 
 
@@ -70,7 +73,7 @@ class Checkpoint(Plugin):
         forced = os.environ.get(RESUME_VARIABLE)
         return self.resume or (forced is not None and os.path.abspath(forced) == self.directory)
 
-    def setup(self, loop: Any) -> None:
+    def setup(self, loop: LoopLike) -> None:
         # A new run (no run id yet) must not meet another run's checkpoints; a run that
         # goes on keeps its id, so keep=N prunes only what it wrote.
         writer = Checkpointer(self.directory, keep=self.keep, asynchronous=self.asynchronous,
@@ -137,12 +140,9 @@ class Checkpoint(Plugin):
                                                        **self._provenance(loop)})
         self._saved_step = loop.time.step
 
-    def _provenance(self, loop: Any) -> dict[str, Any]:
+    def _provenance(self, loop: LoopLike) -> dict[str, Any]:
         """``{"provenance": record}`` for a graphmod.optimize step (inputs kept from the
         first save: the data are hashed once); a failure is noted, never raised."""
-        from graphmod._optimize import TrainStep
-        from graphmod.provenance._collect import training_inputs, training_provenance
-
         if not isinstance(loop.step, TrainStep):
             return {}
         try:
@@ -158,7 +158,7 @@ class Checkpoint(Plugin):
         if self._writer is not None:
             self._writer.wait()
 
-    def teardown(self, loop: Any, error: BaseException | None) -> None:
+    def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
         writer, self._writer = self._writer, None
         self._inputs = None
         if writer is None:

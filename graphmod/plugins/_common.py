@@ -8,7 +8,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from graphmod._events import Event, Template, as_template
+from graphmod._train._events import Event, Template, as_template
+from graphmod.typing import LoopLike
 
 
 def template_or(every: Template | str | None, default: Template, who: str) -> Template:
@@ -53,7 +54,7 @@ def scalar_metrics(metrics: Mapping[str, Any], names: tuple[str, ...] = ()) -> d
     return {name: float(value) for name, value in zip(chosen, values, strict=True)}
 
 
-def planned_steps(loop: Any) -> int | None:
+def planned_steps(loop: LoopLike) -> int | None:
     """The step at which ``loop`` stops unless terminated (None when unknown)."""
     limits = []
     if getattr(loop, "max_steps", None) is not None:

@@ -9,9 +9,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from graphmod._events import AnyOf, Event, On, Template
-from graphmod._plugin import Plugin
+from graphmod._train._events import AnyOf, Event, On, Template
+from graphmod._train._plugin import Plugin
 from graphmod.plugins._common import event_metrics, host_value, template_or
+from graphmod.typing import LoopLike
 
 
 class EarlyStopping(Plugin):
@@ -85,7 +86,7 @@ class EarlyStopping(Plugin):
         self.best_state: Any = None
         self._restored = False
 
-    def setup(self, loop: Any) -> None:
+    def setup(self, loop: LoopLike) -> None:
         self._restored = False
 
     def __call__(self, event: Event) -> None:
@@ -118,7 +119,7 @@ class EarlyStopping(Plugin):
             self.stopped_step = event.time.step
             event.loop.terminate()
 
-    def restore(self, loop: Any) -> None:
+    def restore(self, loop: LoopLike) -> None:
         """Puts the best state kept back into the loop (when ``restore_best``)."""
         self._restored = True
         if not self.restore_best:
@@ -131,7 +132,7 @@ class EarlyStopping(Plugin):
                           "before the run resumed and was not saved; the final state stays",
                           stacklevel=2)
 
-    def teardown(self, loop: Any, error: BaseException | None) -> None:
+    def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
         if error is None and not self._restored:
             self.restore(loop)  # registered without the `end` event (loop.on(template, ...))
 

@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from graphmod._events import Event, On, Template
-from graphmod._plugin import Plugin
-from graphmod._schedule import each
+from graphmod._train._events import Event, On, Template
+from graphmod._train._plugin import Plugin
+from graphmod._train._schedule import each
 from graphmod.plugins._common import event_metrics, metric_names, scalar_metrics, template_or
+from graphmod.typing import LoopLike
 
 
 class LivePlot(Plugin):
@@ -76,7 +77,7 @@ class LivePlot(Plugin):
         self._drawn_at: float | None = None
         self._handle: Any = None
 
-    def setup(self, loop: Any) -> None:
+    def setup(self, loop: LoopLike) -> None:
         self._drawn_at = None
         self._handle = None
 
@@ -90,7 +91,7 @@ class LivePlot(Plugin):
         if values and (self._drawn_at is None or now - self._drawn_at >= self.redraw_seconds):
             self.draw()
 
-    def teardown(self, loop: Any, error: BaseException | None) -> None:
+    def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
         if not self.history:
             return
         try:

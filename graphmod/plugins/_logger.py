@@ -20,9 +20,9 @@ from typing import Any, TextIO
 
 import jax
 
-from graphmod._events import TIMELINES, Event, On, Template
-from graphmod._plugin import Plugin
-from graphmod._schedule import each
+from graphmod._train._events import TIMELINES, Event, On, Template
+from graphmod._train._plugin import Plugin
+from graphmod._train._schedule import each
 from graphmod.plugins._common import (
     event_metrics,
     metric_names,
@@ -30,6 +30,7 @@ from graphmod.plugins._common import (
     scalars,
     template_or,
 )
+from graphmod.typing import LoopLike
 
 _FORMATS = {".csv": "csv", ".jsonl": "jsonl"}
 
@@ -118,7 +119,7 @@ class Logger(Plugin):
         while self._pending and all(_on_host(v) for v in self._pending[0][1].values()):
             self.write(_finish(*self._pending.pop(0)))
 
-    def teardown(self, loop: Any, error: BaseException | None) -> None:
+    def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
         self.close()
 
     def state_dict(self) -> dict[str, Any]:

@@ -7,10 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from graphmod._events import Event, On, Template
-from graphmod._plugin import Plugin
-from graphmod._schedule import each
+from graphmod._train._events import Event, On, Template
+from graphmod._train._plugin import Plugin
+from graphmod._train._schedule import each
 from graphmod.plugins._common import template_or
+from graphmod.typing import LoopLike
 
 SKIPPED = "skipped_steps"
 
@@ -70,7 +71,7 @@ class NaNGuard(Plugin):
         self.stopped_step: int | None = None
         self._checked_step: int | None = None
 
-    def setup(self, loop: Any) -> None:
+    def setup(self, loop: LoopLike) -> None:
         if getattr(loop.step, "skip_nonfinite", True) is False:
             raise ValueError("NaNGuard: the loop's step does not skip non-finite steps; make "
                              "it with graphmod.optimize(program, tx, skip_nonfinite=True)")
@@ -85,12 +86,12 @@ class NaNGuard(Plugin):
             self.stopped_step = event.time.step
             event.loop.terminate()
 
-    def teardown(self, loop: Any, error: BaseException | None) -> None:
+    def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
         if error is None and self.stopped_step is None and loop.metrics \
                 and self._checked_step != loop.time.step:
             self._check(loop, loop.metrics, loop.time.step)
 
-    def _check(self, loop: Any, metrics: Any, step: int) -> bool:
+    def _check(self, loop: LoopLike, metrics: Any, step: int) -> bool:
         """Reads the count; warns and returns True when too many steps were skipped."""
         if SKIPPED not in metrics:
             raise ValueError(f"{self.name}: the step's metrics have no {SKIPPED!r}; make the "

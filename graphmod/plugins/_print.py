@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, TextIO
+from typing import TextIO
 
 import numpy as np
 
-from graphmod._events import Event, On, Template
-from graphmod._plugin import Plugin
-from graphmod._schedule import each
+from graphmod._train._events import Event, On, Template
+from graphmod._train._plugin import Plugin
+from graphmod._train._schedule import each
 from graphmod.plugins._common import event_metrics, host_value, metric_names, template_or
+from graphmod.typing import LoopLike
 
 
 class Print(Plugin):
@@ -56,7 +57,7 @@ class Print(Plugin):
         self._seen: set[str] = set()
         self._printed = 0
 
-    def setup(self, loop: Any) -> None:
+    def setup(self, loop: LoopLike) -> None:
         self._seen = set()
         self._printed = 0
 
@@ -77,7 +78,7 @@ class Print(Plugin):
                 parts.append(f"{name} {_format(host_value(metrics[name]))}")
         return "  ".join(parts)
 
-    def teardown(self, loop: Any, error: BaseException | None) -> None:
+    def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
         missing = [n for n in self.metric_names if n not in self._seen]
         if error is None and missing and self._printed:
             warnings.warn(f"{self.name}: no event it printed had the metric(s) {missing}; "

@@ -7,9 +7,10 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from graphmod._events import Event, On, Template
-from graphmod._plugin import Plugin
+from graphmod._train._events import Event, On, Template
+from graphmod._train._plugin import Plugin
 from graphmod.plugins._common import metric_names, planned_steps, scalar_metrics, template_or
+from graphmod.typing import LoopLike
 
 
 class ProgressBar(Plugin):
@@ -70,7 +71,7 @@ class ProgressBar(Plugin):
         self._bar: Any = None
         self._shown_at = -math.inf
 
-    def setup(self, loop: Any) -> None:
+    def setup(self, loop: LoopLike) -> None:
         self.total = self._requested_total or planned_steps(loop)
         self._bar = None
         self._shown_at = -math.inf
@@ -116,7 +117,7 @@ class ProgressBar(Plugin):
             self.postfix = values
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()})
 
-    def teardown(self, loop: Any, error: BaseException | None) -> None:
+    def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
         if self._bar is None:
             return
         try:

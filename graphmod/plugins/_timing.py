@@ -6,9 +6,10 @@ import dataclasses
 import time as _time
 from typing import Any
 
-from graphmod._events import Event
-from graphmod._plugin import Plugin
-from graphmod._table import html_table, text_table
+from graphmod._core._table import html_table, text_table
+from graphmod._train._events import Event
+from graphmod._train._plugin import Plugin
+from graphmod.typing import LoopLike
 
 
 @dataclasses.dataclass
@@ -74,7 +75,7 @@ class Timing(Plugin):
         self._last: Any = None
         self._start: tuple[float, float, int] | None = None
 
-    def setup(self, loop: Any) -> None:
+    def setup(self, loop: LoopLike) -> None:
         self.totals = {}
         self._last = _newest(loop.trace)
         self._start = (_time.perf_counter(), loop.time.train_seconds, loop.time.step)
@@ -82,7 +83,7 @@ class Timing(Plugin):
     def __call__(self, event: Event) -> None:
         self._collect(event.loop.trace)
 
-    def teardown(self, loop: Any, error: BaseException | None) -> None:
+    def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
         self._collect(loop.trace)
         if self._start is not None:
             began, train, step = self._start

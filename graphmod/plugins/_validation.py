@@ -1,13 +1,18 @@
 """``Validation``: a nested inference pass over a held-out source, fired as ``validated``.
 
 What is averaged
-    The inference program's outputs become metrics in one of two ways. With
-    ``metrics={"accuracy": fn}``, each ``fn(outputs, batch)`` returns a per-example array
-    (first axis the batch; any further axes are averaged per example), and the metric is
-    its mean over the real rows. Without ``metrics``, the program's own output is taken
-    apart: a dict of values, ``(cost, dict)`` as a training function returns (the cost as
-    ``"loss"``), or a lone scalar (``"loss"``); per-example values are averaged over the
-    real rows, scalar values are averaged over batches weighted by their real rows.
+    Validation runs on :func:`graphmod.evaluate`'s engine (``graphmod._train._engine``:
+    per-batch sums on the device, one wait and a float64 reduction on the host) with its
+    metric protocol (:class:`graphmod.metrics.Metric`). ``metrics={"accuracy": fn}`` means
+    :class:`graphmod.metrics.Mean`: each ``fn(outputs, batch)`` returns a per-example array
+    (first axis the batch; any further axes are averaged per example; a scalar is refused,
+    naming the metric), averaged over the real rows. ``metrics=["accuracy", ...]`` takes
+    evaluate's metrics (names or instances), with the targets in the field the program's
+    arguments leave over. Without ``metrics``, the program's own output is taken apart
+    (:class:`graphmod.metrics._per_example.Output`): a dict of values, ``(cost, dict)`` as a
+    training function returns (the cost as ``"loss"``), or a lone scalar (``"loss"``);
+    per-example values are averaged over the real rows, scalar values are averaged over
+    batches weighted by their real rows.
 
 Padding
     :meth:`ArraySource.iter_padded` pads the short final batch by repeating its last row,
@@ -19,21 +24,21 @@ Padding
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from graphmod._events import Event, On, Template
-from graphmod._plugin import Plugin
-from graphmod._program import Program
+from graphmod import metrics as _metrics
+from graphmod._train._engine import Engine, metric_list, output_shapes, prepare
+from graphmod._train._events import Event, On, Template
+from graphmod._train._plugin import Plugin
+from graphmod._train._program import Program
+from graphmod.metrics._per_example import Output, named_outputs
 from graphmod.plugins._common import template_or
 
 MetricFn = Callable[[Any, Any], Any]
 """``fn(outputs, batch) -> per-example array``, traced with ``jax.jit`` (use ``jnp``)."""
+
+_HINT = " (or validate a program derived over a function of these fields)"
 
 
 class Validation(Plugin):
@@ -42,20 +47,22 @@ class Validation(Plugin):
     On each due event it runs ``program.infer`` (in inference mode: no dropout, running
     batch-norm statistics) with ``event.state.variables`` over every row of ``source``
     once, in padded batches, and fires ``validated`` with
-    ``metrics={prefix + name: float}`` (plugins such as ``EarlyStopping`` and ``Print``
+    ``metrics={prefix + name: value}`` (plugins such as ``EarlyStopping`` and ``Print``
     read them there). The inference call gets the entries of each batch its function
     takes: a dict batch by argument name, a tuple batch by position (so
     ``program.derive(lambda m, x: m(x))`` over ``(x, y)`` batches gets ``x``); metric
-    functions get the whole batch. One jitted function computes each batch's masked sums,
-    and the loop waits on the device once per evaluation. See the module docstring for
-    what is averaged.
+    functions get the whole batch. It runs on :func:`graphmod.evaluate`'s engine: one
+    jitted function computes each batch's masked sums, and the loop waits on the device
+    once per evaluation. See the module docstring for what is averaged.
 
     Args:
         program: an inference program over the trained model, e.g.
             ``program.derive(lambda m, x: m(x))``, or the training program itself.
         source: an :class:`graphmod.data.ArraySource` of held-out data.
-        metrics: ``{name: fn(outputs, batch) -> per-example array}`` (default: the
-            program's own outputs).
+        metrics: ``{name: fn(outputs, batch) -> per-example array}``, or a list of
+            :func:`graphmod.evaluate`'s metrics (names or :class:`graphmod.metrics.Metric`
+            objects; the targets are the field the program's arguments leave over);
+            default: the program's own outputs.
         every: the events to validate on (default: ``On("epoch_end")``).
         prefix: put before every metric name.
         name: the plugin's name (and the ``issuer`` of its events).
@@ -77,124 +84,74 @@ class Validation(Plugin):
         ...                 plugins=[valid]).run(state)
         >>> [(step, sorted(metrics)) for step, metrics in valid.history]
         [(4, ['valid/mse']), (8, ['valid/mse'])]
+        >>> sorted(Validation(predict, ArraySource((x, y), 8), metrics=["mse"]).evaluate(
+        ...     state.variables))
+        ['valid/mean_squared_error']
     """
 
     def __init__(self, program: Program, source: Any, *,
-                 metrics: Mapping[str, MetricFn] | None = None, every: Template | str | None = None,
-                 prefix: str = "valid/", name: str = "validation") -> None:
+                 metrics: Mapping[str, MetricFn] | Sequence[Any] | None = None,
+                 every: Template | str | None = None, prefix: str = "valid/",
+                 name: str = "validation") -> None:
         if not isinstance(program, Program):
             raise TypeError(f"Validation(program): expected a graphmod Program (e.g. "
                             f"program.derive(lambda m, x: m(x))), got {type(program).__name__}")
         if not hasattr(source, "iter_padded"):
             raise TypeError(f"Validation(source): expected a graphmod.data.ArraySource (it "
                             f"pads and masks the final batch), got {type(source).__name__}")
-        if metrics is not None:
-            if not isinstance(metrics, Mapping) or not metrics:
-                raise TypeError(f"Validation(metrics=...): expected a non-empty dict "
-                                f"{{name: fn(outputs, batch)}}, got {metrics!r}")
-            for key, fn in metrics.items():
-                if not isinstance(key, str) or not callable(fn):
-                    raise TypeError(f"Validation(metrics=...): entry {key!r} must map a "
-                                    f"name to fn(outputs, batch), got {fn!r}")
+        chosen = None if metrics is None else _protocol(metrics)
         if not isinstance(prefix, str):
             raise TypeError(f"Validation(prefix={prefix!r}): expected a string")
         super().__init__(name=name,
                          every=template_or(every, On("epoch_end"), "Validation"))
         self.program = program
         self.source = source
-        self.metrics = dict(metrics) if metrics is not None else None
+        self.metrics = chosen
         self.prefix = prefix
-        self.history: list[tuple[int, dict[str, float]]] = []
-        self._parameters = _parameters(program.fn)
-        self._sums = jax.jit(self._batch_sums)
+        self.history: list[tuple[int, dict[str, Any]]] = []
+        self._engine: Engine | None = None
 
     def __call__(self, event: Event) -> None:
         results = self.evaluate(_variables(event.state, self.name))
         self.history.append((event.time.step, results))
         event.loop.fire("validated", metrics=results)
 
-    def evaluate(self, variables: dict) -> dict[str, float]:
-        """``{prefix + name: mean}`` over every row of the source, for ``variables``."""
-        totals: Any = None
-        rows = 0
-        for batch, mask in self.source.iter_padded():
-            sums = self._sums(variables, batch, mask)
-            totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-            rows += int(mask.sum())
-        host = jax.device_get(totals)  # the one wait on the device
-        return {self.prefix + key: float(value) / rows for key, value in host.items()}
+    def evaluate(self, variables: dict) -> dict[str, Any]:
+        """``{prefix + name: value}`` over every row of the source, for ``variables``."""
+        if self._engine is None:
+            self._engine = self._prepare(dict(variables))
+        totals = self._engine.run(variables, self.source.iter_padded())
+        return {self.prefix + key: value for key, value in totals.values.items()}
 
-    # -- traced ---------------------------------------------------------------------------------
-    def _batch_sums(self, variables: dict, batch: Any, mask: jax.Array) -> dict[str, jax.Array]:
-        args, kwargs = self._arguments(batch)
-        outputs = self.program.infer(variables, *args, **kwargs)
-        if self.metrics is not None:
-            values = {key: fn(outputs, batch) for key, fn in self.metrics.items()}
-        else:
-            values = _as_metrics(outputs)
-        rows = mask.shape[0]
-        sums = {}
-        for key, value in values.items():
-            value = jnp.asarray(value)
-            if not jnp.issubdtype(value.dtype, jnp.floating):
-                value = value.astype(jnp.float32)
-            if value.ndim == 0:
-                sums[key] = value * mask.sum()
-            elif value.shape[0] == rows:
-                per_example = value.reshape(rows, -1).mean(axis=1)
-                sums[key] = jnp.where(mask, per_example, 0).sum()
-            else:
-                raise ValueError(
-                    f"{self.name}: metric {key!r} has shape {value.shape}; expected a scalar "
-                    f"or per-example values with a first axis of the batch size {rows} "
-                    f"(return per-example values, or pass metrics={{name: fn}})")
-        return sums
-
-    def _arguments(self, batch: Any) -> tuple[tuple, dict]:
-        """The entries of ``batch`` that the program's function takes."""
-        positional, names, var_args, var_kwargs = self._parameters
-        if isinstance(batch, Mapping):
-            if var_kwargs:
-                return (), dict(batch)
-            missing = [n for n, required in names.items() if required and n not in batch]
-            if missing:
-                raise ValueError(f"{self.name}: the program's function takes {missing}, which "
-                                 f"the batches of the source lack (they have {sorted(batch)})")
-            return (), {k: batch[k] for k in names if k in batch}
-        if isinstance(batch, tuple | list):
-            return (tuple(batch) if var_args else tuple(batch[:positional])), {}
-        return (batch,), {}
+    def _prepare(self, variables: dict) -> Engine:
+        """The engine, checked on the first batch: the metrics given or the outputs'."""
+        source = str(getattr(self.source, "name", None) or type(self.source).__name__)
+        first = next(iter(self.source.iter_padded()), None)
+        if first is None:
+            raise ValueError(f"{self.name}: the source {source!r} is empty (it yielded no "
+                             "batch); nothing to validate")
+        chosen = self.metrics
+        if chosen is None:
+            bare = prepare(self.program, variables, first[0], [], who=self.name,
+                           source=source, hint=_HINT)
+            outputs = output_shapes(bare, variables, first[0], who=self.name, source=source)
+            chosen = [Output(key) for key in named_outputs(outputs)]
+        return prepare(self.program, variables, first[0], chosen, who=self.name,
+                       source=source, hint=_HINT)
 
 
-def _parameters(fn: Callable[..., Any]) -> tuple[int, dict[str, bool], bool, bool]:
-    """Of ``fn(model, ...)``: positional count, names (required?), *args, **kwargs."""
-    try:
-        parameters = list(inspect.signature(fn).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return 0, {}, True, True  # unknown: pass the whole batch
-    kinds = inspect.Parameter
-    positional = sum(p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
-                     for p in parameters)
-    names = {p.name: p.default is kinds.empty for p in parameters
-             if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
-    return (positional, names, any(p.kind is kinds.VAR_POSITIONAL for p in parameters),
-            any(p.kind is kinds.VAR_KEYWORD for p in parameters))
-
-
-def _as_metrics(outputs: Any) -> dict[str, Any]:
-    """A program's output as named values: a dict, ``(cost, dict)``, or a scalar loss."""
-    if isinstance(outputs, Mapping):
-        return dict(outputs)
-    if isinstance(outputs, tuple) and len(outputs) == 2 and isinstance(outputs[1], Mapping):
-        first = outputs[0]
-        base = _as_metrics(first) if isinstance(first, Mapping | tuple) else {"loss": first}
-        return {**base, **outputs[1]}
-    if not isinstance(outputs, tuple | list) and np.ndim(outputs) == 0:
-        return {"loss": outputs}
-    shape = getattr(outputs, "shape", type(outputs).__name__)
-    raise TypeError(f"Validation: the program returned {shape}, not metrics (a dict of "
-                    "per-example or scalar values, (cost, dict), or a scalar); pass "
-                    "metrics={name: fn(outputs, batch) -> per-example array}")
+def _protocol(metrics: Any) -> list[_metrics.Metric]:
+    """``metrics=`` as metrics of the one protocol: functions as :class:`Mean`."""
+    if isinstance(metrics, Mapping) and metrics:
+        for key, fn in metrics.items():
+            if not isinstance(key, str) or not callable(fn):
+                raise TypeError(f"Validation(metrics=...): entry {key!r} must map a "
+                                f"name to fn(outputs, batch), got {fn!r}")
+        return [_metrics.Mean(fn, name=key) for key, fn in metrics.items()]
+    if isinstance(metrics, Sequence) and not isinstance(metrics, str) and metrics:
+        return metric_list(metrics, "Validation")
+    raise TypeError(f"Validation(metrics=...): expected a non-empty dict "
+                    f"{{name: fn(outputs, batch)}} or list of metrics, got {metrics!r}")
 
 
 def _variables(state: Any, who: str) -> dict:

@@ -6,13 +6,13 @@ Examples:
     (True, True)
 """
 
-from graphmod.provenance._collect import capture
+from graphmod._records._collect import capture
+from graphmod._records._optimizer import optimizer
+from graphmod._records._record import Provenance, ProvenanceError
 from graphmod.provenance._diff import Difference, Differences, diff
 from graphmod.provenance._files import read
 from graphmod.provenance._names import DEFAULT_ALLOWED, DEFAULT_FACTORIES, RebuildError
-from graphmod.provenance._optimizer import optimizer
 from graphmod.provenance._rebuild import Rebuilt, rebuild
-from graphmod.provenance._record import Provenance, ProvenanceError
 
 __all__ = [
     "DEFAULT_ALLOWED",

@@ -7,9 +7,9 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from graphmod._table import html_table, text_table
-from graphmod.provenance._record import Provenance, _is_record
-from graphmod.provenance._summary import readable
+from graphmod._core._table import html_table, text_table
+from graphmod._records._record import Provenance, is_record
+from graphmod._records._summary import readable
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _MISSING = object()
@@ -28,7 +28,7 @@ def _is_leaf_tag(value: Any) -> bool:
 
 
 def _flatten(value: Any, prefix: str, derived: bool, out: dict[str, tuple[bool, Any]]) -> None:
-    if _is_record(value):
+    if is_record(value):
         out[_join(prefix, "kind")] = (derived, value["kind"])
         _flatten(value["inputs"], prefix, derived, out)
         _flatten(value["derived"], prefix, True, out)

@@ -6,7 +6,8 @@ import os
 import pathlib
 from typing import Any
 
-from graphmod.provenance._record import Provenance, ProvenanceError
+from graphmod._records._record import Provenance, ProvenanceError
+from graphmod._train._checkpoint import Checkpointer
 
 
 def read(path: str | os.PathLike, *, step: int | None = None) -> Provenance:
@@ -29,7 +30,6 @@ def read(path: str | os.PathLike, *, step: int | None = None) -> Provenance:
     if not path.is_dir():
         raise FileNotFoundError(f"no provenance at {path}: neither a JSON file nor a run "
                                 "directory")
-    from graphmod._checkpoint import Checkpointer
 
     reader = Checkpointer(path, keep=None)
     try:

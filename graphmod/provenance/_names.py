@@ -1,9 +1,9 @@
 """Import paths of classes and functions: found when recording, checked before rebuilding.
 
-Recording (:func:`public_path`) finds the shortest *public* path under which an object is
-reachable in modules already imported (``jax.nn.relu``, ``graphmod.bricks.MLP``), never
-importing anything. An object with no public path (a lambda, a local function, anything
-defined in ``__main__`` or only in a private module) has none and is recorded as opaque.
+Recording (the core's ``public_path``) finds the shortest *public* path under which an
+object is reachable in modules already imported (``jax.nn.relu``, ``graphmod.bricks.MLP``),
+never importing anything. An object with no public path (a lambda, a local function,
+anything defined in ``__main__`` or only in a private module) is recorded as opaque.
 
 Rebuilding treats every path in a record as hostile. :class:`Rules` checks a path *before
 anything is imported*, in this order:
@@ -36,7 +36,7 @@ modules, so no descriptor runs). Every module passed through and the object reac
 belong to an allowed package (a public name may still re-export ``os.system`` or
 ``numpy.save``), its own ``__name__`` must pass rule 5, and it must be what the record
 claims: a class, a plain Python function for a factory, a callable that is neither a class
-nor a module for a value. Rebuild adds its own checks on classes (see ``_rebuild``).
+nor a module for a value. Rebuild adds its own checks on classes (see ``_decoder``).
 """
 
 from __future__ import annotations
@@ -45,12 +45,11 @@ import dataclasses
 import importlib
 import inspect
 import re
-import sys
 import types
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from graphmod.provenance._record import ProvenanceError
+from graphmod._records._record import ProvenanceError
 
 DEFAULT_ALLOWED = frozenset({"graphmod", "managers", "jax", "flax", "optax"})
 
@@ -105,11 +104,6 @@ _DENIED_WORDS = frozenset({
     "file", "fromfile", "tofile", "checkpoint", "checkpoints", "restore", "read", "resume",
     "rebuild", "download", "request", "getattr", "setattr", "delattr", "globals", "locals"})
 _PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
-# Public namespaces tried first, in order, for objects defined in private modules.
-_NAMESPACES = ("jax.nn", "jax.nn.initializers", "jax.numpy", "jax.lax", "jax.random",
-               "jax.scipy.special", "jax.image", "flax.nnx", "flax.nnx.initializers",
-               "optax", "optax.schedules", "graphmod", "graphmod.bricks", "managers")
-
 # factory: called by rebuild; function: a value; partial: a value bound to recorded arguments.
 Kind = Literal["factory", "function", "partial", "class"]
 
@@ -126,60 +120,6 @@ class RebuildError(ProvenanceError):
         >>> issubclass(gm.provenance.RebuildError, gm.provenance.ProvenanceError)
         True
     """
-
-
-def _is_public(path: str) -> bool:
-    """Whether no part of a dotted path starts with an underscore."""
-    return not any(part.startswith("_") for part in path.split("."))
-
-
-def _find_path(obj: Any) -> str | None:
-    """The shortest public path to ``obj`` among imported modules, or None."""
-    name = getattr(obj, "__name__", None)
-    module = getattr(obj, "__module__", None)
-    qualname = getattr(obj, "__qualname__", name)
-    if not isinstance(name, str) or not isinstance(module, str) or not isinstance(qualname, str):
-        return None
-    if "<" in qualname:  # a lambda or a function defined inside another
-        return None
-    if qualname != name:  # a nested class: reachable through its owner's public path
-        outer, _, rest = qualname.partition(".")
-        found = owner = getattr(sys.modules.get(module), outer, None)
-        for part in rest.split("."):
-            found = getattr(found, part, None)
-        prefix = _find_path(owner) if found is obj and owner is not obj else None
-        return f"{prefix}.{rest}" if prefix and _is_public(rest) else None
-    top = module.split(".")[0]
-    parts = module.split(".")
-    candidates = [".".join(parts[:i]) for i in range(len(parts), 0, -1)
-                  if _is_public(".".join(parts[:i]))]
-    candidates += [n for n in _NAMESPACES if n.split(".")[0] == top]
-    if not _is_public(name):
-        return None
-    for candidate in candidates:
-        if getattr(sys.modules.get(candidate), name, None) is obj:
-            return f"{candidate}.{name}"
-    found = sorted((len(m), m) for m, mod in list(sys.modules.items())
-                   if m.split(".")[0] == top and _is_public(m)
-                   and getattr(mod, name, None) is obj)
-    return f"{found[0][1]}.{name}" if found else None
-
-
-def public_path(obj: Any) -> str | None:
-    """The shortest public import path reaching ``obj`` (a class or function), or None.
-
-    Examples:
-        >>> import jax, graphmod as gm
-        >>> from graphmod.provenance._names import public_path
-        >>> public_path(jax.nn.relu), public_path(gm.bricks.MLP)
-        ('jax.nn.relu', 'graphmod.bricks.MLP')
-        >>> public_path(lambda x: x) is None
-        True
-    """
-    try:
-        return _find_path(obj)
-    except Exception:  # an object whose attributes cannot be read has no path
-        return None
 
 
 def _words(name: str) -> set[str]:

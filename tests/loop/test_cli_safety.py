@@ -18,13 +18,14 @@ import jax.numpy as jnp
 import pytest
 
 import graphmod as gm
-from graphmod._checkpoint import Checkpointer
 from graphmod._cli import main
-from graphmod._command import recorded_command
+from graphmod._train._checkpoint import Checkpointer
+from graphmod._train._command import recorded_command
 
 ROOT = pathlib.Path(__file__).parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-PROBE = "import json, graphmod._command as c; print('RECORD' + json.dumps(c.recorded_command()))"
+PROBE = ("import json, graphmod._train._command as c; "
+         "print('RECORD' + json.dumps(c.recorded_command()))")
 
 
 def _python(*args: str, cwd: pathlib.Path, stdin: str | None = None,
@@ -101,7 +102,7 @@ def test_a_jupyter_kernel_start_is_recorded_as_jupyter(tmp_path: pathlib.Path) -
         from jupyter_client.manager import start_new_kernel
         km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
         try:
-            code = ("import json, graphmod._command as c; "
+            code = ("import json, graphmod._train._command as c; "
                     "open({str(out)!r}, 'w').write(json.dumps(c.recorded_command()))")
             assert kc.execute_interactive(code, timeout=60)["content"]["status"] == "ok"
         finally:

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import graphmod as gm
-from graphmod._checkpoint import Checkpointer
+from graphmod._train._checkpoint import Checkpointer
 from tests.loop import interrupted_run
 
 SCRIPT = pathlib.Path(__file__).with_name("interrupted_run.py")

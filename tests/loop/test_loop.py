@@ -315,11 +315,11 @@ def test_ctrl_c_without_a_saving_plugin_says_nothing_was_saved(
 
 def test_a_second_ctrl_c_in_a_session_aborts_the_remaining_interrupt_handlers(
         problem: Problem, python_sigint: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    import graphmod._interrupt
+    import graphmod._train._interrupt
 
     # In a script the second Ctrl-C ends the process (test_interrupt.py); in a notebook or
     # REPL it raises KeyboardInterrupt at once, so the session survives.
-    monkeypatch.setattr(graphmod._interrupt, "_interactive", lambda: True)
+    monkeypatch.setattr(graphmod._train._interrupt, "_interactive", lambda: True)
     log: list = []
 
     class Slow(Saver):

@@ -16,7 +16,7 @@ import pytest
 
 import graphmod as gm
 from graphmod import On, at
-from graphmod._checkpoint import Checkpointer, CheckpointError
+from graphmod._train._checkpoint import Checkpointer, CheckpointError
 from graphmod.plugins import Checkpoint
 from tests.loop.conftest import Problem
 

@@ -10,7 +10,7 @@ import pytest
 
 import graphmod as gm
 from graphmod import On
-from graphmod._checkpoint import Checkpointer
+from graphmod._train._checkpoint import Checkpointer
 from graphmod.data import ArraySource
 from graphmod.plugins import Checkpoint
 from tests.loop.conftest import Problem

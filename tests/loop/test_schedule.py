@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import graphmod as gm
 from graphmod import On, Schedule, after, always, at, before, each, never
-from graphmod._events import Event, Time
+from graphmod._train._events import Event, Time
 from tests.loop.conftest import Problem
 
 small = st.integers(min_value=0, max_value=200)

@@ -19,8 +19,8 @@ from flax import nnx
 import graphmod as gm
 import managers
 from graphmod import roles
+from graphmod._records._fingerprint import canonical_text
 from graphmod.provenance import RebuildError
-from graphmod.provenance._fingerprint import canonical_text
 from tests.provenance.provenance_workload import cost, flat, train
 
 ROOT = pathlib.Path(__file__).parents[2]

@@ -23,9 +23,9 @@ from flax import nnx
 import graphmod as gm
 import managers
 from graphmod import roles
+from graphmod._core._construction import config_of
 from graphmod.plugins import Checkpoint
 from graphmod.provenance import DEFAULT_FACTORIES, ProvenanceError, RebuildError
-from graphmod.provenance._capture import config_of
 from graphmod.provenance._names import Rules
 from tests.provenance.provenance_workload import build, source
 

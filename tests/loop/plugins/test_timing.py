@@ -6,7 +6,7 @@ import io
 
 import graphmod as gm
 from graphmod import On, each
-from graphmod._loop import DispatchTrace
+from graphmod._train._loop import DispatchTrace
 from graphmod.plugins import Print, Timing
 from tests.loop.conftest import Problem
 

@@ -1,0 +1,181 @@
+"""Checks of what users pass to programs, with errors that name the culprit."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from graphmod._core._layout import Key
+
+Spec = tuple[tuple[int, ...], str]  # (shape, canonical dtype name)
+
+
+def flat_leaves(tree: Any, prefix: Key = ()) -> dict[Key, Any]:
+    """The leaves of a nested dict by key path."""
+    if not isinstance(tree, Mapping):
+        return {prefix: tree}
+    leaves: dict[Key, Any] = {}
+    for key, value in tree.items():
+        leaves.update(flat_leaves(value, (*prefix, key)))
+    return leaves
+
+
+def flat_keys(tree: Any) -> set[Key]:
+    """The key paths of the leaves of a nested dict."""
+    return set(flat_leaves(tree))
+
+
+def tree_difference(expected: set[Key], actual: set[Key]) -> tuple[list[str], list[str]]:
+    """``(missing, extra)`` key paths, as readable strings, sorted."""
+    show = lambda keys: sorted("/".join(map(str, k)) for k in keys)
+    return show(expected - actual), show(actual - expected)
+
+
+def canonical_dtype(dtype: Any) -> str:
+    """The name of the dtype a value of ``dtype`` has inside ``jit`` (float64 becomes
+    float32 without x64; weak types count as their dtype; '' stays unknown)."""
+    if dtype == "":
+        return ""
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:  # an extended dtype's name, e.g. 'key<fry>'
+        return str(dtype)
+    return str(jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True))
+
+
+def spec(value: Any) -> Spec:
+    """The shape and canonical dtype of an array, a tracer or a ShapeDtypeStruct."""
+    return tuple(np.shape(value)), canonical_dtype(jnp.result_type(value))
+
+
+def spec_differences(found: Mapping[Key, Any], expected: Mapping[Key, Spec],
+                     name: Any) -> list[str]:
+    """One line per leaf of ``found`` whose shape or dtype differs from ``expected``'s
+    (leaves ``expected`` lacks are not compared; a '' dtype is not compared)."""
+    lines = []
+    for key, value in found.items():
+        if key not in expected:
+            continue
+        (want_shape, want_dtype), (shape, dtype) = expected[key], spec(value)
+        want_dtype = canonical_dtype(want_dtype)
+        if shape != tuple(want_shape) or (want_dtype and dtype != want_dtype):
+            lines.append(f"{name(key)} has shape {shape} and dtype {dtype}; expected "
+                         f"{tuple(want_shape)} and {want_dtype or 'any dtype'}")
+    return lines
+
+
+def is_key(value: Any) -> bool:
+    """Whether ``value`` (an array, a tracer, an abstract value) holds typed PRNG keys.
+
+    Examples:
+        >>> import jax
+        >>> from graphmod._core._arguments import is_key
+        >>> is_key(jax.random.key(0)), is_key(jax.random.key_data(jax.random.key(0)))
+        (True, False)
+    """
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def as_key(rng: Any, where: str) -> Any:
+    """``rng`` as one typed PRNG key (a key, or its ``jax.random.key_data``), else an error
+    naming ``rng`` and the fix."""
+    if rng is None:
+        raise TypeError(f"{where}: rng is required, e.g. rng=jax.random.key(0)")
+    try:
+        dtype = jnp.result_type(rng)
+        if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+            key = rng
+        elif dtype == jnp.uint32:
+            key = jax.random.wrap_key_data(rng)
+        else:
+            raise TypeError
+    except (TypeError, ValueError):
+        key = None
+    if key is None or np.shape(key) != ():
+        raise TypeError(
+            f"{where}: rng must be one JAX random key, e.g. rng=jax.random.key(0) (or its "
+            f"jax.random.key_data), got {_describe(rng)}")
+    return key
+
+
+def _describe(value: Any) -> str:
+    """A short description of a value for error messages."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"
+
+
+def check_arguments(examples: dict[str, Any], actual: dict[str, Any]) -> None:
+    """Compares traced arguments with ``init``'s examples: ranks, feature sizes, dtypes,
+    and the leading (batch) sizes of the arguments that shared one in the examples.
+
+    The leading (batch) dimension and the middle ones (time, space) may differ; the rank,
+    the last (feature) dimension and the canonical dtype must match. Integer and boolean
+    arguments (token ids, labels, indices, masks) have no feature axis: any length fits.
+    """
+    batched: dict[int, list[tuple[str, int]]] = {}  # init's leading size → (where, size)
+    for name, example in examples.items():
+        if name not in actual:
+            continue
+        got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(actual[name])
+        want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(example)
+        if got_tree != want_tree:
+            raise ValueError(
+                f"argument {name!r}: expected the structure of init's example {want_tree}, "
+                f"got {got_tree}"
+            )
+        for (path, got), (_, want) in zip(got_leaves, want_leaves, strict=True):
+            where = f"argument {name!r}{jax.tree_util.keystr(path)}"
+            (got_shape, got_dtype), want_shape = spec(got), tuple(want.shape)
+            want_dtype = canonical_dtype(want.dtype)
+            features = _has_features(want_dtype)
+            fits = (len(got_shape) == len(want_shape) and got_dtype == want_dtype
+                    and (len(want_shape) < 2 or not features
+                         or got_shape[-1] == want_shape[-1]))
+            if not fits:
+                expected = _expected_shape(want_shape, features)
+                raise ValueError(
+                    f"{where}: expected shape {expected} and dtype {want_dtype} (as in "
+                    f"init's example), got shape {got_shape} and dtype {got_dtype}"
+                )
+            if want_shape:
+                batched.setdefault(want_shape[0], []).append((where, got_shape[0]))
+    for size, group in batched.items():
+        check_leading_sizes(group, f"init's example gave them all {size}")
+
+
+def check_leading_sizes(group: list[tuple[str, int]], why: str) -> None:
+    """Raises when the leading sizes of ``group`` (``(where, size)`` pairs) disagree."""
+    if len({size for _, size in group}) > 1:
+        shown = ", ".join(f"{where} has {size} rows" for where, size in group)
+        raise ValueError(
+            f"the arguments disagree on their leading (batch) dimension: {shown} ({why}). "
+            "Pass the same number of rows in each. If one of them is not batched (e.g. a "
+            "per-feature array as long as init's batch), call init with another batch size")
+
+
+def _has_features(dtype: str) -> bool:
+    """Whether arrays of ``dtype`` have a feature axis (floats do; integers, booleans and
+    keys hold ids, labels, indices, masks: any length fits)."""
+    try:
+        return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.inexact))
+    except TypeError:  # an extended dtype (a typed PRNG key)
+        return False
+
+
+def _expected_shape(shape: tuple[int, ...], features: bool = True) -> str:
+    """``(batch, *, 4)``: the leading and middle dimensions may vary, the last (feature)
+    one may not; ``(batch, *)`` where there is no feature axis."""
+    if not shape:
+        return "()"
+    if not features:
+        return "(batch" + ", *" * (len(shape) - 1) + ")"
+    middle = ", *" * (len(shape) - 2)
+    last = f", {shape[-1]}" if len(shape) >= 2 else ""
+    return f"(batch{middle}{last})"

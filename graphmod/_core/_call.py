@@ -1,0 +1,260 @@
+"""What a manager hook or an application method knows about one application call.
+
+:class:`ApplicationCall` is read-only, like Haiku's ``GetterContext``: the brick, path,
+application, call id and mode, the variable a hook rewrites, and three verbs (``rng()``,
+``variable()``, ``add_auxiliary_variable()``). The chain runner that made it
+(``graphmod._core._chain``) does the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from graphmod import roles as _roles
+from graphmod._core._variables import identity_of
+
+if TYPE_CHECKING:
+    from graphmod._core._frame import Frame, OwnedKey
+    from graphmod._core._manager import Manager
+
+
+class OwnedVariable:
+    """A manager-owned variable of one application: read and write ``.value``.
+
+    Examples:
+        >>> # inside a manager hook: stats = call.variable("mean", jnp.zeros(4))
+        >>> # stats.value = 0.9 * stats.value + 0.1 * batch_mean
+    """
+
+    __slots__ = ("_frame", "_key")
+
+    def __init__(self, frame: Frame, key: tuple) -> None:
+        self._frame = frame
+        self._key = key
+
+    @property
+    def value(self) -> jax.Array:
+        return self._frame.read_owned(self._key)
+
+    @value.setter
+    def value(self, new: Any) -> None:
+        if self._frame.training and self._frame.mode != "init":
+            self._frame.set_owned(self._key, new)
+        # inference and init never update state: the update is dropped on purpose
+
+
+class CallRunner(Protocol):
+    """What an :class:`ApplicationCall` asks of the chain runner that made it."""
+
+    frame: Frame
+
+    def rewrite_inputs(self, manager: Manager, args: tuple, kwargs: dict
+                       ) -> tuple[tuple, dict]: ...
+
+    def rewrite_outputs(self, manager: Manager, out: Any) -> Any: ...
+
+    def auxiliary(self, value: Any, role: _roles.Role, name: str) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ApplicationCall:
+    """One call of an application; what managers and the method know about it.
+
+    Attributes:
+        brick: the brick whose application runs.
+        application: the application's name.
+        path: the brick's path in the model (``"/layers/0"``), None outside a program.
+        call_id: how many earlier calls of this (path, application) the trace saw.
+        training: whether the program runs in training mode.
+        manager: in a manager's hook, that manager, else None.
+        role, name: in a ``rewrite_*`` hook, the role and name of the variable rewritten.
+        parameter: in a ``rewrite_parameter`` hook, the parameter's path
+            (``"/linear1.kernel"``), else None.
+        parameter_value: in a ``rewrite_parameter`` hook, the parameter's stored value as
+            this call reads it, before any manager's rewrite (a layer's slice inside
+            ``nnx.scan``).
+
+    It is read-only: hooks read it and draw keys and variables through it; the plumbing
+    of the call (tags, rewrites, monitors) is its chain runner's (``graphmod._core._chain``).
+    ``rewrite_inputs`` and ``rewrite_outputs`` are the two steps of the default
+    ``Manager.wrap``, for a ``wrap`` that calls ``super().wrap(...)``.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> class Scale(gm.Brick):
+        ...     @gm.application(inputs=["x"], outputs=["y"])
+        ...     def apply(self, x, application_call):
+        ...         return x * (2.0 if application_call.training else 1.0)
+        >>> Scale().apply(3.0)  # eagerly: not training
+        3.0
+    """
+
+    brick: Any
+    application: str
+    path: str | None
+    call_id: int
+    training: bool
+    manager: Manager | None = None
+    role: _roles.Role | None = None
+    name: str | None = None
+    parameter: str | None = None
+    parameter_value: Any = dataclasses.field(default=None, repr=False)
+    # The chain runner that made this call (None outside a compiled program).
+    _runner: CallRunner | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def _frame(self) -> Frame | None:
+        return None if self._runner is None else self._runner.frame
+
+    # -- public API for methods and managers ------------------------------------------
+    def rng(self, *, per_step: bool = True, per_call: bool = False) -> jax.Array:
+        """A key for this call: the step key folded with CRC32 of (manager, path,
+        application, role, variable name) and the call id; inside ``graphmod.scan`` also
+        the step index, inside a loop JAX traces once (``nnx.scan`` over layers,
+        ``nnx.fori_loop``) the iteration's position (unless ``per_step=False``: one key for
+        every step); under ``compile(axis_name=...)`` also the device index.
+
+        In a ``rewrite_parameter`` hook the key is the parameter's, not the call's: folded
+        with (manager, parameter path, role, name) only, so every application call that
+        reads the parameter in a step (tied weights: an embedding's ``apply`` and
+        ``attend``; a layer called twice) sees one draw, as Blocks' one noisy copy of a
+        shared variable per graph. ``per_call=True`` keys it by the call instead.
+        """
+        frame = self._frame
+        if frame is None or self.path is None:
+            raise RuntimeError(
+                f"call.rng() in {type(self.brick).__name__}.{self.application} needs a "
+                "compiled program: outside graphmod.compile managers do nothing and there "
+                "is no step key"
+            )
+        by_parameter = self.parameter is not None and not per_call
+        parts = (
+            self.manager.name if self.manager is not None else "",
+            self.parameter if by_parameter else self.path,
+            "" if by_parameter else self.application,
+            self.role.name if self.role is not None else "",
+            self.name or "",
+        )
+        return frame.rng(parts, 0 if by_parameter else self.call_id, per_step=per_step)
+
+    def variable(
+        self, name: str, init: Any, *, role: _roles.Role = _roles.STATE, per_call: bool = False,
+        per_parameter: bool | None = None,
+    ) -> OwnedVariable:
+        """A variable owned by the current manager for this (path, application), or in a
+        ``rewrite_parameter`` hook for this parameter.
+
+        Created at ``init``. ``init`` is an array, a zero-argument callable computed from
+        the shapes it sees, or — in a parameter hook — a callable of one argument, given the
+        parameter's initial value (weight norm's ``g = ||W||``). Shared by all call ids
+        unless ``per_call=True``. ``per_parameter`` (default: True in parameter hooks) keys
+        it by the parameter rather than the application, so two parameters of one
+        application get two variables and a tied parameter read by two applications one;
+        it lives at ``variables["managers"][manager][owner path][parameter name][name]``.
+
+        Examples:
+            >>> import jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> class Norm(gm.Manager):  # weight norm: W * g / ||W||, g starts at ||W||
+            ...     def rewrite_parameter(self, call, name, value):
+            ...         norm = lambda w: jnp.linalg.norm(w, axis=0)
+            ...         g = call.variable("g", norm, role=gm.roles.PARAMETER)
+            ...         return value * g.value / norm(value)
+            >>> class Two(nnx.Module):
+            ...     def __init__(self):
+            ...         self.a = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+            ...         self.b = nnx.Linear(3, 1, rngs=nnx.Rngs(1))
+            ...     def __call__(self, x):
+            ...         return self.b(self.a(x))
+            >>> model = Two()
+            >>> with Norm(roles=[gm.roles.WEIGHT]):
+            ...     program = gm.compile(lambda m, x: m(x), model)
+            >>> owned = program.init(jnp.ones((1, 2)))["managers"]["norm"]
+            >>> sorted(owned), owned["/a"]["kernel"]["g"].shape
+            (['/a', '/b', 'hparams'], (3,))
+        """
+        frame = self._frame
+        if frame is None or self.path is None:
+            raise RuntimeError(f"call.variable({name!r}) needs a compiled program")
+        if self.manager is None:
+            raise RuntimeError(f"call.variable({name!r}) is for managers' hooks")
+        _roles.as_role(role, argument="call.variable(role=...)")
+        if per_parameter is None:
+            per_parameter = self.parameter is not None
+        key = self._owned_key(self.manager, name, per_call, per_parameter)
+        given = self.parameter_value if per_parameter and _takes_one_argument(init) else None
+        frame.owned_value(key, init, role, given, _iterates_over(self.brick, frame))
+        return OwnedVariable(frame, key)
+
+    def _owned_key(self, manager: Manager, name: str, per_call: bool, per_parameter: bool
+                   ) -> OwnedKey:
+        """The key of this call's (or parameter's) owned variable ``name``."""
+        if per_parameter and (self.parameter is None or per_call):
+            raise ValueError(
+                f"manager {manager.name!r}: call.variable({name!r}, per_parameter=True) "
+                + ("is for rewrite_parameter hooks; this call rewrites an input or output"
+                   if self.parameter is None else
+                   "cannot also be per_call: a parameter's variable is shared by its calls")
+            )
+        if per_parameter:
+            owner, _, parameter = self.parameter.rpartition(".")
+            return (manager.name, owner, parameter, None, name)
+        return (manager.name, self.path, self.application,
+                self.call_id if per_call else None, name)
+
+    def add_auxiliary_variable(
+        self, value: Any, *, roles: Sequence[_roles.Role] = (), name: str | None = None
+    ) -> Any:
+        """Tags ``value`` as an auxiliary variable of this call (monitorable); returns it."""
+        role_list = _roles.as_roles(roles, argument="add_auxiliary_variable(roles=...)")
+        role = role_list[0] if role_list else _roles.AUXILIARY
+        if self._runner is not None and self.path is not None:
+            self._runner.auxiliary(value, role, name or role.name.lower())
+        return value
+
+    # -- the default Manager.wrap: one layer of the chain --------------------------------
+    def rewrite_inputs(self, manager: Manager, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``manager.rewrite_input`` applied to each selected input of this call."""
+        assert self._runner is not None
+        return self._runner.rewrite_inputs(manager, args, kwargs)
+
+    def rewrite_outputs(self, manager: Manager, out: Any) -> Any:
+        """``manager.rewrite_output`` applied to each selected output of this call."""
+        assert self._runner is not None
+        return self._runner.rewrite_outputs(manager, out)
+
+
+def _iterates_over(brick: Any, frame: Frame) -> bool:
+    """Whether the trace in progress sees a slice of ``brick``'s own variables (a loop over
+    layers stacked on a leading axis), rather than the whole (a cell broadcast over steps,
+    or no loop at all)."""
+    if not frame.inner():
+        return False
+    for value in vars(brick).values():
+        info = frame.layout.by_identity.get(identity_of(value)) if isinstance(
+            value, nnx.Variable) else None
+        if info is not None and jnp.ndim(value.get_raw_value()) < len(info.shape):
+            return True
+    return False
+
+
+def _takes_one_argument(init: Any) -> bool:
+    """Whether an owned variable's ``init`` is a callable of exactly one required argument
+    (given the parameter's value), not of none (computed from shapes) or an array."""
+    if not callable(init) or hasattr(init, "shape"):
+        return False
+    try:
+        parameters = inspect.signature(init).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: called with nothing
+        return False
+    required = [p for p in parameters if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(required) == 1
+

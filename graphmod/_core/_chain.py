@@ -1,0 +1,204 @@
+"""The chain runner: runs the matching managers around one application call.
+
+For each call of an application inside a compiled program, :func:`run_managed` makes a
+:class:`Chain`, which
+
+1. gives the call its id and the read-only :class:`~graphmod._core._call.ApplicationCall`
+   that hooks and the method see (one per manager and variable, :meth:`Chain.bound`);
+2. tags its inputs ``INPUT``, every parameter read inside it with its role, its outputs
+   ``OUTPUT``, recording them for the computation graph and collecting monitored ones;
+3. runs each manager's ``wrap`` around the method, outermost first; the default ``wrap``
+   rewrites the selected inputs and outputs (:meth:`Chain.rewrite_inputs`,
+   :meth:`Chain.rewrite_outputs`), and a parameter read in the call is rewritten by every
+   ``rewrite_parameter`` hook once per JAX trace (:meth:`Chain.read_parameter`);
+4. opens ``jax.named_scope`` with the brick's path relative to the calling application.
+
+What the trace collects (matches, exclusive claims, rewrites, records, monitored values)
+goes to the frame through its verbs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from graphmod import roles as _roles
+from graphmod._core import _context
+from graphmod._core._call import ApplicationCall
+from graphmod._core._filter import Tag
+from graphmod._core._spec import Spec, nested, replaced
+
+if TYPE_CHECKING:
+    from graphmod._core._frame import Frame
+    from graphmod._core._layout import VariableInfo
+    from graphmod._core._manager import Manager
+
+# What a chain does with a tagged value it sees: (tag, value, tag name).
+See = Callable[[Tag, Any, str], None]
+
+
+class Chain:
+    """The managers matching one application call, and the call's plumbing."""
+
+    def __init__(self, frame: Frame, spec: Spec, brick: Any, path: str) -> None:
+        self.frame = frame
+        self.spec = spec
+        self.brick = brick
+        self.path = path
+        self.application = spec.name
+        self.call_id = frame.next_call_id(path, spec.name)
+        self.managers = tuple(
+            m for m in frame.chain()
+            if m.filter.matches_application(brick, path, spec.name, self.call_id,
+                                            frame.layout.instance_paths)
+        )
+        self.call = ApplicationCall(brick, spec.name, path, self.call_id, frame.training,
+                                    _runner=self)
+
+    def bound(self, manager: Manager, role: _roles.Role | None = None,
+              name: str | None = None, parameter: tuple[str, Any] | None = None
+              ) -> ApplicationCall:
+        """The call as ``manager``'s hook sees it (rewriting variable ``name``)."""
+        path, value = parameter or (None, None)
+        return dataclasses.replace(self.call, manager=manager, role=role, name=name,
+                                   parameter=path, parameter_value=value)
+
+    def tag(self, role: _roles.Role, name: str, path: str | None = None) -> Tag:
+        return Tag(role, name, path or f"{self.path}.{self.application}.{name}",
+                   self.path, self.application, self.call_id, self.brick)
+
+    def monitor_key(self, name: str) -> str:
+        call = f"#{self.call_id}" if self.call_id else ""
+        return f"{self.path}.{self.application}{call}.{name}"
+
+    def auxiliary(self, value: Any, role: _roles.Role, name: str) -> None:
+        """Tags ``value`` as auxiliary variable ``name``: recorded and monitorable."""
+        tag = self.tag(role, name)
+        self.frame.record(tag, value, None)
+        self.frame.collect(tag, value, self.monitor_key(name))
+
+    def note_rewrite(self, by: str, tag: Tag, before: Any, after: Any) -> None:
+        self.frame.note_rewrite(by, tag, before, after)
+
+    # -- rewrites -------------------------------------------------------------------------
+    def rewrite(self, manager: Manager, hook: str, tag: Tag, value: Any,
+                parameter: tuple[str, Any] | None = None) -> Any:
+        """``value`` through ``manager``'s ``hook`` if the manager selects ``tag``."""
+        if not manager.selects(tag):
+            return value
+        self.frame.note_match(manager)
+        if manager.exclusive:
+            self.frame.claim_exclusive(tag, manager)
+        bound = self.bound(manager, tag.role, tag.name, parameter)
+        new = getattr(manager, hook)(bound, tag.name, value)
+        if new is value:  # the manager left it alone (e.g. dropout in inference)
+            return value
+        self.frame.note_rewrite(manager.name, tag, value, new)
+        return new
+
+    def rewrite_inputs(self, manager: Manager, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``manager.rewrite_input`` applied to each selected input of this call."""
+        if not manager.has_hook("rewrite_input"):
+            return args, kwargs
+        bound = self.spec.signature.bind_partial(self.brick, *args, **kwargs)
+        for name, argument, keys in self.spec.input_slots(bound.arguments):
+            value = nested(bound.arguments[argument], keys)
+            new = self.rewrite(manager, "rewrite_input", self.tag(_roles.INPUT, name), value)
+            if new is not value:
+                bound.arguments[argument] = replaced(bound.arguments[argument], keys, new)
+        return bound.args[1:], bound.kwargs
+
+    def rewrite_outputs(self, manager: Manager, out: Any) -> Any:
+        """``manager.rewrite_output`` applied to each selected output of this call."""
+        if not manager.has_hook("rewrite_output"):
+            return out
+        new = [self.rewrite(manager, "rewrite_output", self.tag(_roles.OUTPUT, n), v)
+               for n, v in self.spec.output_items(out)]
+        return self.spec.with_outputs(out, new)
+
+    def read_parameter(self, info: VariableInfo, base: Any) -> Any:
+        """The value ``base`` of a model variable as this call sees it: rewritten once per
+        call (and JAX trace)."""
+        if not info.role.is_a(_roles.PERSISTENT):
+            return base
+
+        def rewritten() -> Any:
+            tag = self.tag(info.role, info.name, info.path)
+            self.frame.record(tag, base, None)
+            value = base
+            for manager in self.managers:
+                if manager.has_hook("rewrite_parameter"):
+                    value = self.rewrite(manager, "rewrite_parameter", tag, value,
+                                         (info.path, base))
+            return value
+
+        key = (self.path, self.application, self.call_id, info.identity)
+        return self.frame.rewritten_once(key, rewritten)
+
+    # -- running the call -----------------------------------------------------------------
+    def see_inputs(self, args: tuple, kwargs: dict, see: See) -> None:
+        bound = self.spec.signature.bind_partial(self.brick, *args, **kwargs)
+        for name, argument, keys in self.spec.input_slots(bound.arguments):
+            see(self.tag(_roles.INPUT, name), nested(bound.arguments[argument], keys), name)
+
+    def see_outputs(self, out: Any, see: See) -> None:
+        for name, value in self.spec.output_items(out):
+            see(self.tag(_roles.OUTPUT, name), value, name)
+
+    def _record(self, tag: Tag, value: Any, name: str) -> None:
+        self.frame.record(tag, value, None)
+
+    def _collect(self, tag: Tag, value: Any, name: str) -> None:
+        self.frame.collect(tag, value, self.monitor_key(name))
+
+    def run(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Runs ``method`` inside the chain of managers (see the module docstring)."""
+        for manager in self.managers:
+            if not manager.filter.selects_variables and manager.has_hook("wrap"):
+                self.frame.note_match(manager)  # a pure middleware matches the application
+        parent = self.frame.calls[-1] if self.frame.calls else None
+
+        def innermost(*args: Any, **kwargs: Any) -> Any:
+            self.see_inputs(args, kwargs, self._collect)  # monitored: as the method sees them
+            if self.spec.takes_call:
+                kwargs = {**kwargs, "application_call": self.call}
+            with self.frame.calling(self):
+                out = method(self.brick, *args, **kwargs)
+            self.see_outputs(out, self._record)  # recorded: the outputs before any rewrite
+            return out
+
+        layer: Callable[..., Any] = innermost
+        for manager in reversed(self.managers):
+            layer = functools.partial(_layer, manager, self, layer)
+        with jax.named_scope(_scope_name(parent, self.path, self.application)):
+            self.see_inputs(args, kwargs, self._record)
+            out = layer(*args, **kwargs)
+        self.see_outputs(out, self._collect)  # monitored: the outputs as the caller sees them
+        return out
+
+
+def run_managed(frame: Frame, spec: Spec, method: Callable, brick: Any, path: str,
+                args: tuple, kwargs: dict) -> Any:
+    """Runs ``method`` of ``brick`` at ``path`` as an application call inside ``frame``."""
+    if frame.inner():
+        # A call inside an inner trace (a jax.jit, nnx.remat, scan body): no later inner
+        # trace may replay it. Calls at the outer level run their Python anyway, so JAX's
+        # own jitted helpers (random bits, ...) stay cached across them.
+        _context.split_trace_caches()
+    return Chain(frame, spec, brick, path).run(method, args, kwargs)
+
+
+def _layer(manager: Manager, chain: Chain, next: Callable[..., Any],
+           *args: Any, **kwargs: Any) -> Any:
+    return manager.wrap(chain.bound(manager), next, args, kwargs)
+
+
+def _scope_name(parent: Chain | None, path: str, application: str) -> str:
+    base = parent.path if parent is not None and parent.path is not None else "/"
+    relative = path[len(base):] if path.startswith(base) else path
+    relative = relative.strip("/")
+    return f"{relative}.{application}" if relative else application

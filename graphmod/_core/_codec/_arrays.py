@@ -1,0 +1,246 @@
+"""Numbers JSON cannot hold and arrays: non-finite floats, dtypes, arrays, PRNG keys, Rngs.
+
+None of these names an import path: they decode the same way in both passes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from graphmod._core._arguments import is_key
+from graphmod._core._codec._tag import SKIP, Decoding, Encoding, Tag, opaque
+
+MAX_ARRAY = 4096  # larger arrays are recorded by shape, dtype and hash only
+_KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+
+
+def _is_tracer(value: Any) -> bool:
+    return isinstance(value, jax.core.Tracer)
+
+
+def host_array(value: Any) -> np.ndarray:
+    """A concrete array on the host; a typed PRNG key as its key data.
+
+    Examples:
+        >>> import jax
+        >>> from graphmod._core._codec import host_array
+        >>> host_array(jax.random.key(0)).dtype
+        dtype('uint32')
+    """
+    return np.asarray(jax.random.key_data(value) if is_key(value) else value)
+
+
+def hash_array(digest: Any, array: np.ndarray, header: str = "") -> Any:
+    """The one array hash of records: feeds ``header`` (what the caller records of the
+    array: dtype, shape, path), then the array's bytes in C order, to ``digest`` (a
+    ``hashlib`` hash); returns ``digest``.
+
+    Examples:
+        >>> import hashlib, numpy as np
+        >>> from graphmod._core._codec import hash_array
+        >>> hash_array(hashlib.sha256(), np.zeros(2, np.uint8)).hexdigest()[:12]
+        '96a296d224f2'
+    """
+    digest.update(header.encode())
+    digest.update(np.ascontiguousarray(array).tobytes())
+    return digest
+
+
+class Float(Tag):
+    """A float; ``{"$float": "nan"}`` for the non-finite ones JSON cannot hold.
+
+    Examples:
+        >>> from graphmod._core._codec import TAGS
+        >>> TAGS["$float"].encode(float("inf"), repr)
+        {'$float': 'inf'}
+    """
+
+    name = "$float"
+
+    def encode(self, value: Any, encode: Encoding) -> Any:
+        if not isinstance(value, float):
+            return SKIP
+        return value if math.isfinite(value) else {self.name: repr(value)}
+
+    def decode(self, inner: Any, decoding: Decoding, where: str) -> Any:
+        return float(str(inner))
+
+    def text(self, inner: Any, text: Callable[[Any], str]) -> str:
+        return str(inner)
+
+
+def _is_dtype(value: Any) -> bool:
+    if isinstance(value, np.dtype):
+        return True
+    return isinstance(value, type) and (issubclass(value, np.generic)
+                                        or type(value).__name__ == "_ScalarMeta")
+
+
+class Dtype(Tag):
+    """``{"$dtype": "float32"}``: a numeric or boolean dtype (``jnp.float32`` included).
+
+    Examples:
+        >>> import numpy as np
+        >>> from graphmod._core._codec import TAGS
+        >>> TAGS["$dtype"].encode(np.float32, repr)
+        {'$dtype': 'float32'}
+    """
+
+    name = "$dtype"
+
+    def encode(self, value: Any, encode: Encoding) -> Any:
+        return {self.name: np.dtype(value).name} if _is_dtype(value) else SKIP
+
+    def decode(self, inner: Any, decoding: Decoding, where: str) -> Any:
+        return _dtype(inner, decoding, where)
+
+    def text(self, inner: Any, text: Callable[[Any], str]) -> str:
+        return str(inner)
+
+
+def _dtype(name: Any, decoding: Decoding, where: str) -> np.dtype:
+    """A numeric or boolean dtype by name; objects, strings and raw bytes are refused."""
+    dtype = np.dtype(str(name))
+    if dtype != np.bool_ and not jax.numpy.issubdtype(dtype, np.number):
+        decoding.fail(f"rebuild: {where} names the dtype {str(name)!r}; only numeric and "
+                      "boolean dtypes are recorded")
+    return dtype
+
+
+def key_data_record(key: Any) -> dict[str, Any]:
+    """``{"impl": ..., "data": [...]}`` of a concrete typed PRNG key."""
+    return {"impl": str(jax.random.key_impl(key)),
+            "data": np.asarray(jax.random.key_data(key)).tolist()}
+
+
+def _key(inner: Any, decoding: Decoding, where: str) -> Any:
+    """A typed PRNG key from its implementation's name and key data."""
+    impl = decoding.field(inner, "impl", where, str)
+    if impl not in _KEY_IMPLS:
+        decoding.fail(f"rebuild: {where}: unknown PRNG implementation {impl!r}")
+    return jax.random.wrap_key_data(np.asarray(inner["data"], np.uint32), impl=impl)
+
+
+class Key(Tag):
+    """``{"$key": {"impl": ..., "data": [...]}}``: a typed PRNG key by its key data.
+
+    Examples:
+        >>> import jax
+        >>> from graphmod._core._codec import TAGS
+        >>> TAGS["$key"].encode(jax.random.key(0), repr)
+        {'$key': {'impl': 'threefry2x32', 'data': [0, 0]}}
+    """
+
+    name = "$key"
+
+    def encode(self, value: Any, encode: Encoding) -> Any:
+        if isinstance(value, jax.Array) and not _is_tracer(value) and is_key(value):
+            return {self.name: key_data_record(value)}
+        return SKIP
+
+    def decode(self, inner: Any, decoding: Decoding, where: str) -> Any:
+        return _key(inner, decoding, where)
+
+    def text(self, inner: Any, text: Callable[[Any], str]) -> str:
+        return f"key({list(inner['data'])})"
+
+
+class Array(Tag):
+    """``{"$array": {"kind", "dtype", "shape", "data"}}``: a small numeric array by value;
+    a large one, or one of strings or objects, is opaque with its shape, dtype and hash.
+
+    Examples:
+        >>> import numpy as np
+        >>> from graphmod._core._codec import TAGS
+        >>> TAGS["$array"].text(TAGS["$array"].encode(np.ones(2), repr)["$array"], str)
+        'array(2,) float64'
+    """
+
+    name = "$array"
+
+    def encode(self, value: Any, encode: Encoding) -> Any:
+        if not isinstance(value, jax.Array | np.ndarray | np.generic):
+            return SKIP
+        if _is_tracer(value):
+            return opaque("traced array", value, shape=list(value.shape),
+                          dtype=str(value.dtype))
+        host = np.asarray(value)
+        kind = "scalar" if isinstance(value, np.generic) else \
+            "numpy" if isinstance(value, np.ndarray) else "jax"
+        if host.size > MAX_ARRAY or host.dtype.kind not in "biuf":
+            return opaque("array", value, shape=list(host.shape), dtype=host.dtype.name,
+                          sha256=hash_array(hashlib.sha256(), host).hexdigest())
+        data = host.ravel().tolist()
+        if host.dtype.kind == "f":  # non-finite values as strings float() reads back
+            data = [v if math.isfinite(v) else repr(v) for v in data]
+        return {self.name: {"kind": kind, "dtype": host.dtype.name,
+                            "shape": list(host.shape), "data": data}}
+
+    def decode(self, inner: Any, decoding: Decoding, where: str) -> Any:
+        dtype = _dtype(decoding.field(inner, "dtype", where, str), decoding, where)
+        data = [float(v) if isinstance(v, str) else v
+                for v in decoding.field(inner, "data", where, tuple | list)]
+        if not all(isinstance(v, int | float) for v in data):
+            decoding.fail(f"rebuild: {where} holds array data that are not numbers")
+        shape = tuple(decoding.field(inner, "shape", where, tuple | list))
+        array = np.asarray(data, dtype).reshape(shape)
+        if inner.get("kind") == "scalar":
+            return dtype.type(array.item())
+        if inner.get("kind") == "jax":
+            return jax.numpy.asarray(array)
+        return array
+
+    def text(self, inner: Any, text: Callable[[Any], str]) -> str:
+        return f"array{tuple(inner['shape'])} {inner['dtype']}"
+
+
+class Rngs(Tag):
+    """``{"$rngs": {stream: {"key": ..., "count": n}}}``: ``nnx.Rngs`` with each stream's
+    key data and count as they were at construction.
+
+    Examples:
+        >>> from flax import nnx
+        >>> from graphmod._core._codec import TAGS
+        >>> TAGS["$rngs"].encode(nnx.Rngs(0), repr)["$rngs"]["default"]["count"]
+        0
+    """
+
+    name = "$rngs"
+
+    def encode(self, value: Any, encode: Encoding) -> Any:
+        if not isinstance(value, nnx.Rngs):
+            return SKIP
+        streams = {}
+        for name, stream in vars(value).items():
+            if not isinstance(stream, nnx.RngStream):
+                continue
+            key, count = stream.key[...], stream.count[...]
+            if _is_tracer(key) or _is_tracer(count):
+                return opaque("traced rngs", value)
+            streams[name] = {"key": key_data_record(key), "count": int(count)}
+        return {self.name: streams}
+
+    def decode(self, inner: Any, decoding: Decoding, where: str) -> Any:
+        streams = decoding.mapping(inner, where)
+        rngs = nnx.Rngs(**{
+            name: _key(decoding.field(s, "key", f"{where}.{name}", Mapping), decoding,
+                       f"{where}.{name}.key")
+            for name, s in streams.items()})
+        for name, stream in streams.items():
+            count = getattr(rngs, name).count
+            count[...] = jax.numpy.asarray(
+                decoding.field(stream, "count", f"{where}.{name}", int), count[...].dtype)
+        return rngs
+
+    def text(self, inner: Any, text: Callable[[Any], str]) -> str:
+        streams = [f"{name}={list(s['key']['data'])}@{s['count']}"
+                   for name, s in inner.items()]
+        return f"Rngs({', '.join(streams)})"
+

@@ -1,0 +1,213 @@
+"""The one home of graphmod's trace-time context: every ``contextvars`` stack lives here.
+
+Two stacks exist:
+
+* the **manager stack**: managers entered with ``with manager:`` (captured by ``compile``);
+* the **frame stack**: the :class:`~graphmod._core._frame.Frame` of the function being traced
+  (one per outer trace of a program), and inside it the application calls in progress.
+
+Trace isolation: JAX caches inner traces (an inner ``jax.jit``, a ``lax.scan`` body,
+``nnx.remat``) by function and input types, not by ``contextvars``; a cached inner trace is
+replayed without running its Python, so one that read the frame (an application call, a
+variable, a key) must never be replayed in another program, mode, trace or call. While a
+frame is active a JAX config state (part of JAX's trace context, hence of those cache keys)
+holds a token:
+
+* **shared** (first): one token for every program trace. An inner trace that reads the frame
+  stops the trace at once (:class:`NeedsIsolation`, before JAX caches it), so the cache
+  under this token holds only inner traces that never read a frame: JAX's own jitted helpers
+  and user functions of arrays, reused across programs like in hand-written JAX (trace time,
+  no compile or memory growth per program build). Traces outside programs (token None)
+  never share with it.
+* **isolated** (from then on, for every program over the layout): a token fresh for every
+  outer trace, renewed at every application call inside an inner trace, so no inner trace
+  is ever replayed from another program, mode, trace or application call.
+
+This uses ``jax._src.config`` (internal): the JAX minor version is pinned in
+``pyproject.toml`` and ``tests/test_isolation.py`` guards it.
+
+Module interception: plain Flax modules of the model (no ``@application``) become
+applications by having their class swapped, for the duration of a trace only, to a cached
+subclass whose intercepted methods run the manager chain (see ``graphmod._core._intercept``).
+The swap is the one piece of process-wide state here: a lock-guarded count per module
+instance, so that overlapping traces over one model (nested, or in other threads) share one
+swap and the last to finish restores the original class, also when the trace raises. Other
+threads calling the model eagerly meanwhile see the subclass, whose methods run the original
+code unchanged when no program is tracing in their context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from jax._src import config as _jax_config
+
+from graphmod._core._trace import current_trace
+
+# The stacks hold frames and managers; their modules import this one, not the reverse.
+Frame = Any
+Manager = Any
+
+_MANAGERS: contextvars.ContextVar[tuple[Manager, ...]] = contextvars.ContextVar(
+    "graphmod_managers", default=()
+)
+_FRAME: contextvars.ContextVar[Frame | None] = contextvars.ContextVar(
+    "graphmod_frame", default=None
+)
+
+# In a shared-token trace: the outer trace, where the frame may be read (else None).
+_SHARED_IN: contextvars.ContextVar[Any] = contextvars.ContextVar("graphmod_shared_in",
+                                                                 default=None)
+_SHARED = "graphmod-shared"  # the token of traces whose inner traces never read a frame
+
+# The trace tokens entered in the current outer trace (see split_trace_caches).
+_TOKENS: contextvars.ContextVar[contextlib.ExitStack | None] = contextvars.ContextVar(
+    "graphmod_trace_tokens", default=None
+)
+
+_TRACE_TOKEN = _jax_config.string_or_object_state(
+    name="graphmod_trace_token",
+    default=None,
+    help="graphmod internal: a token per kind of trace, splitting JAX's trace caches.",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+
+
+# id(module) -> [module, original class, number of traces holding the swap]
+_SWAPPED: dict[int, list[Any]] = {}
+_SWAP_LOCK = threading.Lock()
+
+
+def active_managers() -> tuple[Manager, ...]:
+    """Managers entered with ``with`` in this context, outermost first."""
+    return _MANAGERS.get()
+
+
+@contextlib.contextmanager
+def entered(manager: Manager) -> Iterator[None]:
+    """Pushes ``manager`` on the manager stack for the duration of a ``with`` block."""
+    stack = _MANAGERS.get()
+    if any(m is manager for m in stack):
+        raise RuntimeError(f"manager {manager.name!r} is already active: it was entered twice")
+    token = _MANAGERS.set((*stack, manager))
+    try:
+        yield
+    finally:
+        popped = _MANAGERS.get()
+        _MANAGERS.reset(token)
+        assert popped[-1] is manager, "manager stack corrupted: exits out of order"
+
+
+class NeedsIsolation(BaseException):
+    """An inner trace read the frame of a shared-token trace: trace it again, isolated.
+
+    A BaseException, so that no ``except Exception`` in JAX or user code swallows it.
+
+    Examples:
+        >>> from graphmod._core._context import NeedsIsolation
+        >>> issubclass(NeedsIsolation, Exception)
+        False
+    """
+
+
+def current_frame() -> Frame | None:
+    """The frame of the trace in progress, or None outside a compiled program.
+
+    Raises :class:`NeedsIsolation` when asked from an inner trace of a shared-token trace.
+    """
+    frame = _FRAME.get()
+    outer = _SHARED_IN.get()
+    if outer is not None and current_trace() != outer:
+        raise NeedsIsolation
+    return frame
+
+
+@contextlib.contextmanager
+def tracing(frame: Frame, *, isolated: bool) -> Iterator[Frame]:
+    """Makes ``frame`` current, under the shared token or, ``isolated``, a fresh one."""
+    token = _FRAME.set(frame)
+    frame.layout.reset_node_states()  # NNX lifted transforms rebuild them (_variables)
+    try:
+        with _swapped(frame.layout.swaps), contextlib.ExitStack() as tokens:
+            tokens_token = _TOKENS.set(tokens if isolated else None)
+            shared_token = _SHARED_IN.set(None if isolated else current_trace())
+            try:
+                tokens.enter_context(_TRACE_TOKEN(uuid.uuid4().hex if isolated else _SHARED))
+                yield frame
+            finally:
+                _SHARED_IN.reset(shared_token)
+                _TOKENS.reset(tokens_token)
+    finally:
+        frame.layout.reset_node_states()
+        popped = _FRAME.get()
+        _FRAME.reset(token)
+        assert popped is frame, "frame stack corrupted: traces exited out of order"
+
+
+def traced(shared: Any, make_frame: Callable[[], Frame], body: Callable[[Frame], None]
+           ) -> Frame:
+    """Runs ``body(frame)`` in a fresh frame under the shared token; again, isolated, if an
+    inner trace read the frame, and isolated from then on (``shared.isolated``: one flag for
+    the programs over one layout)."""
+    while True:
+        frame = make_frame()
+        try:
+            with tracing(frame, isolated=shared.isolated):
+                body(frame)
+            return frame
+        except NeedsIsolation:  # what the stopped try traced is dead code
+            shared.isolated = True
+
+
+@contextlib.contextmanager
+def _swapped(swaps: Sequence[tuple[Any, type, type]]) -> Iterator[None]:
+    """Switches each ``(module, original, intercepting)`` to its intercepting class while
+    any trace holds it; restores the original when the last one ends."""
+    held: list[Any] = []
+    try:
+        with _SWAP_LOCK:
+            for module, original, intercepting in swaps:
+                entry = _SWAPPED.get(id(module))
+                if entry is None:  # else a trace in progress keeps the class it switched to
+                    object.__setattr__(module, "__class__", intercepting)
+                    entry = _SWAPPED[id(module)] = [module, original, 0]
+                entry[2] += 1
+                held.append(module)
+        yield
+    finally:
+        with _SWAP_LOCK:
+            for module in held:
+                entry = _SWAPPED[id(module)]
+                entry[2] -= 1
+                if entry[2] == 0:
+                    object.__setattr__(module, "__class__", entry[1])
+                    del _SWAPPED[id(module)]
+
+
+def split_trace_caches() -> None:
+    """Gives the rest of the current trace a fresh token (no-op outside an isolated trace).
+
+    Called at every application call, so an inner trace started after it is never
+    replayed from one started before: two calls of a brick through one jitted or
+    ``nnx.remat`` function each run their Python, with their own call ids and masks. The
+    tokens are restored when the outer trace ends.
+    """
+    tokens = _TOKENS.get()
+    if tokens is not None:
+        tokens.enter_context(_TRACE_TOKEN(uuid.uuid4().hex))
+
+
+def trace_token_shared() -> str:
+    """The token of shared traces; exposed for the isolation test."""
+    return _SHARED
+
+
+def trace_token() -> Any:
+    """The current trace token (None outside a trace); exposed for the isolation test."""
+    return _TRACE_TOKEN.value

@@ -1,0 +1,388 @@
+"""The frame: what one outer trace of a program knows and collects.
+
+A frame is created by a program for each outer trace (``init``, ``train``, ``infer``,
+``graph``) and is current while the model function runs. It maps variable identities to the
+program's values, holds the stack of application calls in progress, the manager-owned
+variables (:class:`~graphmod._core._owned.OwnedStore`) and hyperparameters, and collects the
+rewrite trace, tagged variables (for the computation graph) and monitored values.
+
+The frame owns its state: other modules read it through read-only properties and change it
+through its verbs only (reading and writing variables, noting matches, rewrites and
+exclusive claims, and the snapshot, carry and restore of a ``graphmod.scan`` step).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+from graphmod import roles as _roles
+from graphmod._core._filter import Tag, VariableFilter
+from graphmod._core._loop_keys import mark
+from graphmod._core._manager import Manager
+from graphmod._core._owned import OwnedKey, OwnedStore
+from graphmod._core._rewrites import Rewrite, shape_and_dtype
+from graphmod._core._trace import TraceScope, current_trace
+from graphmod._core._variables import identity_of
+from graphmod.errors import ManagerConflict
+
+if TYPE_CHECKING:
+    from graphmod._core._layout import Layout
+
+__all__ = ["Frame", "LoopSnapshot", "OwnedKey", "Recorded", "crc32"]
+
+
+def crc32(text: str) -> int:
+    """A stable 31-bit hash of ``text`` (Python's ``hash`` is salted per process)."""
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """A tagged variable seen in a trace: before a rewrite (``manager`` None) or after."""
+
+    tag: Tag
+    shape: tuple[int, ...]
+    dtype: str
+    manager: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSnapshot:
+    """What a ``graphmod.scan`` body restores before each trace of it (JAX may trace a body
+    twice: its calls are counted and recorded once)."""
+
+    call_counts: dict[tuple[str, str], int]
+    rewrites: int
+    records: int
+
+
+@dataclasses.dataclass
+class Collected:
+    """What a trace collects beside its result (``records`` None: no graph is built)."""
+
+    records: list[Recorded] | None
+    monitored: dict[str, Any] = dataclasses.field(default_factory=dict)
+    rewrites: list[Rewrite] = dataclasses.field(default_factory=list)
+    matches: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
+    # (brick path, application, call id, variable path) -> the manager rewriting it alone
+    exclusive: dict[tuple[Any, ...], str] = dataclasses.field(default_factory=dict)
+
+
+class Frame:
+    """Per-trace state of a program (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        layout: Layout,
+        mode: str,
+        values: dict[str, Any],
+        owned: dict[OwnedKey, Any],
+        hparams: dict[tuple[str, str], Any],
+        managers: tuple[Manager, ...],
+        key: Any = None,
+        axis_name: Any = None,
+        monitor: dict[str, VariableFilter] | None = None,
+        record: bool = False,
+    ) -> None:
+        self.layout = layout
+        self.mode = mode
+        self.training = mode != "infer"
+        self.managers = managers
+        self.key = key
+        self.axis_name = axis_name
+        self.monitor = monitor or {}
+        self._out: Any = None  # what the traced function returned (see returned)
+        self._scope = TraceScope()
+        self._values = dict(values)
+        self._updated: set[str] = set()
+        self._owned = OwnedStore(owned, mode, self._scope, self.check_base_trace)
+        self._hparams = dict(hparams)
+        self._seen = Collected([] if record else None)
+        self._seen_managers: dict[int, Manager] = {id(m): m for m in managers}
+        # The application calls in progress (their chain runners, innermost last).
+        self._calls: list[Any] = []
+        self._local_managers: list[Manager] = []
+        self._call_counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._parameter_cache: dict[tuple[Any, ...], list[tuple[Any, Any]]] = {}
+        self._scan_indices: list[Any] = []
+
+    # -- read-only views ------------------------------------------------------------------
+    values = property(lambda self: self._values, doc="Model variables by identity.")
+    hparams = property(lambda self: self._hparams, doc="Hyperparameters by (manager, name).")
+    monitored = property(lambda self: self._seen.monitored, doc="Monitored values by key.")
+    records = property(lambda self: self._seen.records, doc="Tagged variables (graph traces).")
+    rewrites = property(lambda self: self._seen.rewrites, doc="The rewrites the trace made.")
+    matches = property(lambda self: self._seen.matches, doc="Matches per id(manager).")
+    seen_managers = property(lambda self: self._seen_managers, doc="Managers met, by id.")
+    calls = property(lambda self: self._calls, doc="Chain runners in progress.")
+    base_trace = property(lambda self: self._scope.base, doc="Where side outputs leave.")
+    owned_roles = property(lambda self: self._owned.roles, doc="Owned variables' roles.")
+    owned_updated = property(lambda self: self._owned.updated, doc="Owned keys written.")
+    out = property(lambda self: self._out, doc="What the traced function returned.")
+
+    def returned(self, out: Any) -> None:
+        """Keeps what the traced function returned (``frame.out``)."""
+        self._out = out
+
+    def inner(self) -> bool:
+        """Whether the trace in progress is inside a transform of the frame's base trace."""
+        return self._scope.inner()
+
+    # -- model variables -----------------------------------------------------------------
+    def holds(self, variable: Any) -> bool:
+        """Whether ``variable`` is one of the program's model variables (the model's own
+        object, not a copy made by an NNX lifted transform)."""
+        identity = identity_of(variable)
+        return identity in self._values and self.layout.objects.get(identity) is variable
+
+    def carries(self, variable: Any) -> bool:
+        """Whether the program threads ``variable``'s writes through (every one but the
+        parameters, which a forward pass never writes: NNX transforms only echo them)."""
+        return not self.layout.by_identity[identity_of(variable)].role.is_a(_roles.PARAMETER)
+
+    def stored(self, variable: Any) -> Any:
+        """The program's current value of ``variable``, without rewrites."""
+        return self._values[identity_of(variable)]
+
+    def read(self, variable: Any) -> tuple[bool, Any]:
+        """``(True, value)`` as the innermost application call sees it, else ``(False, None)``.
+
+        A copy of a model variable made by an NNX lifted transform reads its own value (the
+        transform's: a layer's slice inside ``nnx.scan``), rewritten like the original's.
+        """
+        identity = identity_of(variable)
+        if identity not in self._values:
+            return False, None
+        base = self._values[identity] if self.holds(variable) else variable.get_raw_value()
+        if self._calls and self._calls[-1].path is not None:
+            return True, self._calls[-1].read_parameter(self.layout.by_identity[identity], base)
+        return True, base
+
+    def rewritten_once(self, key: tuple[Any, ...], rewrite: Callable[[], Any]) -> Any:
+        """``rewrite()`` once per ``key`` (a call and a variable) and JAX trace: a value
+        rewritten inside an inner trace (a scan body) must not leak out of it."""
+        trace = current_trace()
+        cached = self._parameter_cache.setdefault(key, [])
+        for cached_trace, cached_value in cached:  # trace states are not hashable
+            if cached_trace == trace:
+                return cached_value
+        value = rewrite()
+        cached.append((trace, value))
+        return value
+
+    def write(self, variable: Any, value: Any) -> None:
+        identity = identity_of(variable)
+        self.check_base_trace(f"writing {self.layout.by_identity[identity].path}")
+        self._values[identity] = value
+        self._updated.add(identity)
+
+    def check_base_trace(self, what: str, where: str | None = None) -> None:
+        """Raises :class:`~graphmod.errors.StateEscapesTransform` if a side output would be
+        created under a raw JAX transform."""
+        if where is None and self._calls and self._scope.inner():
+            where = f"application {self._calls[-1].application!r} of {self._calls[-1].path}"
+        self._scope.check(what, f" in {where}" if where else "")
+
+    # -- application calls ----------------------------------------------------------------
+    def next_call_id(self, path: str, application: str) -> int:
+        key = (path, application)
+        call_id = self._call_counts[key]
+        self._call_counts[key] += 1
+        return call_id
+
+    @contextmanager
+    def calling(self, call: Any) -> Iterator[None]:
+        self._calls.append(call)
+        try:
+            yield
+        finally:
+            popped = self._calls.pop()
+            assert popped is call, "application stack corrupted"
+
+    @contextmanager
+    def using(self, managers: tuple[Manager, ...]) -> Iterator[None]:
+        """Managers given with ``use_manager=`` for one call and its children."""
+        active = {m.name: m for m in self.chain()}
+        for m in managers:
+            if not isinstance(m, Manager):
+                raise TypeError(f"use_manager: {m!r} is not a graphmod.Manager")
+            if m.name in active and active[m.name] is not m:
+                raise ManagerConflict(f"use_manager: a manager named {m.name!r} is already "
+                                      "active; pass manager_name=... to one of them")
+            self.layout.resolve(m.filter.brick_instances(), f"use_manager {m.name!r}")
+            self._seen_managers.setdefault(id(m), m)
+        self._local_managers.extend(managers)
+        try:
+            yield
+        finally:
+            del self._local_managers[len(self._local_managers) - len(managers):]
+
+    def chain(self) -> list[Manager]:
+        """Every manager active now, outermost first (stable by priority)."""
+        active = [*self.managers, *self._local_managers]
+        return sorted(active, key=lambda m: -m.priority)
+
+    def note_match(self, manager: Manager) -> None:
+        """Counts a match of ``manager`` (a strict manager must match something)."""
+        self._seen.matches[id(manager)] += 1
+
+    def claim_exclusive(self, tag: Tag, manager: Manager) -> None:
+        """Claims ``tag`` of its call for ``manager``'s exclusive rewrite; raises
+        :class:`~graphmod.errors.ManagerConflict` if another manager holds it."""
+        claim = (tag.brick_path, tag.application, tag.call_id, tag.path)
+        other = self._seen.exclusive.setdefault(claim, manager.name)
+        if other != manager.name:
+            raise ManagerConflict(
+                f"managers {other!r} and {manager.name!r} both make exclusive rewrites of "
+                f"{tag.role} {tag.name!r} in application {tag.application!r} of "
+                f"{tag.brick_path}: narrow one of their filters"
+            )
+
+    # -- randomness -----------------------------------------------------------------------
+    def rng(self, parts: tuple[str, ...], call_id: int, *, per_step: bool = True) -> Any:
+        """The key of a draw: the step key folded with CRC32 of ``parts`` and the call id,
+        then (``per_step``) with ``graphmod.scan``'s step indices, then with the device
+        index under ``axis_name``. Inside a loop body that JAX traces once (``nnx.scan``,
+        ``nnx.fori_loop``, ``lax.scan``, ...; ``per_step``), finally with the position of
+        every such loop around it, outermost first: layer ``i`` of a scan over layers draws
+        from ``fold_in(key, i)`` (see ``graphmod._core._loop_keys``)."""
+        if self.mode == "init":
+            return jax.random.key(0)  # placeholder: init only needs shapes
+        if not self.training:
+            raise RuntimeError(
+                f"call.rng() in inference mode (manager {parts[0]!r}, application "
+                f"{parts[2]!r} of {parts[1]}, {parts[3]} {parts[4]!r}): stochastic rewrites "
+                "belong to training; check call.training before drawing randomness"
+            )
+        if self.key is None:
+            raise RuntimeError("this program was traced without a key: pass rng= to train")
+        # One fold for everything known at trace time (call ids are Python ints).
+        key = jax.random.fold_in(self.key, crc32("|".join(parts) + f"#{call_id}"))
+        for index in self._scan_indices if per_step else ():
+            key = jax.random.fold_in(key, index)
+        if self.axis_name is not None:
+            key = jax.random.fold_in(key, jax.lax.axis_index(self.axis_name))
+        if per_step and self._scope.inner():
+            key = mark(key)  # maybe a loop body: resolved by the program's trace
+        return key
+
+    # -- manager-owned variables and hyperparameters -----------------------------------------
+    def owned_value(self, key: OwnedKey, init: Any, role: _roles.Role,
+                    parameter: Any = None, per_iteration: bool = True) -> None:
+        """Makes sure owned variable ``key`` exists (see :meth:`OwnedStore.ensure`)."""
+        self._owned.ensure(key, init, role, parameter, per_iteration)
+
+    def read_owned(self, key: OwnedKey) -> Any:
+        """Owned variable ``key`` as the current trace sees it (see :meth:`OwnedStore.read`)."""
+        return self._owned.read(key)
+
+    def set_owned(self, key: OwnedKey, value: Any) -> None:
+        """Sets owned variable ``key`` (see :meth:`OwnedStore.write`)."""
+        self._owned.write(key, value)
+
+    def owned_out(self) -> dict[OwnedKey, Any]:
+        """The owned variables at the end of the trace (see :meth:`OwnedStore.out`)."""
+        return self._owned.out()
+
+    def hparam(self, manager: Manager, name: str) -> Any:
+        key = (manager.name, name)
+        if key not in self._hparams:
+            if self.mode != "init":
+                raise KeyError(
+                    f"variables hold no hyperparameter {manager.name}.{name}: make them "
+                    "with this program's init"
+                )
+            self._hparams[key] = jnp.float32(getattr(manager, name).value)
+        return self._hparams[key]
+
+    # -- what the trace saw ---------------------------------------------------------------
+    def record(self, tag: Tag, value: Any, manager: str | None) -> None:
+        """Notes a tagged variable for the computation graph (when one is being built)."""
+        if self._seen.records is not None:
+            self._seen.records.append(Recorded(tag, *shape_and_dtype(value), manager))
+
+    def note_rewrite(self, by: str, tag: Tag, before: Any, after: Any) -> None:
+        """Notes a rewrite of ``tag`` by ``by`` (a manager, or ``nnx.Dropout`` following the
+        program) in the rewrite trace and, marked with it, in the computation graph."""
+        self._seen.rewrites.append(Rewrite(
+            by, tag.brick_path, tag.application, tag.call_id, tag.role.name, tag.name,
+            *shape_and_dtype(before), *shape_and_dtype(after),
+        ))
+        self.record(tag, after, by)
+
+    def collect(self, tag: Tag, value: Any, key: str) -> None:
+        """Stores ``value`` as a monitored output if a monitor selects ``tag``."""
+        for label, monitor_filter in self.monitor.items():
+            if monitor_filter.matches(tag, self.layout.instance_paths):
+                self.check_base_trace(f"monitoring {tag.path}",
+                                      f"application {tag.application!r} of {tag.brick_path}")
+                self._seen.monitored[key if label == "" else f"{label}:{key}"] = value
+
+    # -- graphmod.scan: snapshot, carry, restore ---------------------------------------------
+    def snapshot(self) -> LoopSnapshot:
+        """What each trace of a loop body starts from (see :meth:`loop_body`)."""
+        return LoopSnapshot(dict(self._call_counts), len(self._seen.rewrites),
+                            len(self._seen.records) if self._seen.records is not None else 0)
+
+    def carry(self) -> tuple[dict[str, Any], dict[OwnedKey, Any]]:
+        """The state a loop step may change: the model's variables but the parameters,
+        and the owned variables."""
+        model = {identity: value for identity, value in self._values.items()
+                 if not self.layout.by_identity[identity].role.is_a(_roles.PARAMETER)}
+        return model, dict(self._owned.values)
+
+    @contextmanager
+    def loop_body(self, snapshot: LoopSnapshot, carry: tuple[dict, dict]) -> Iterator[None]:
+        """Traces one step of a loop: from ``snapshot``'s calls, with ``carry``'s values,
+        the step's trace as the base (its side outputs leave through the carry) and its
+        own monitored values."""
+        self._call_counts.clear()
+        self._call_counts.update(snapshot.call_counts)
+        del self._seen.rewrites[snapshot.rewrites:]
+        if self._seen.records is not None:
+            del self._seen.records[snapshot.records:]
+        model, owned = carry
+        self._values.update(model)
+        self._owned.values.update(owned)
+        saved, self._seen.monitored = self._seen.monitored, {}
+        try:
+            with self._scope.moved_here():
+                yield
+        finally:
+            self._seen.monitored = saved
+
+    def carried(self, carry: tuple[dict, dict]) -> tuple[tuple[dict, dict], dict[str, Any]]:
+        """The new values of ``carry``'s entries after a step, and the step's monitored
+        values (inside :meth:`loop_body`)."""
+        model, owned = carry
+        new = ({i: self._values[i] for i in model}, {k: self._owned.values[k] for k in owned})
+        return new, self._seen.monitored
+
+    def after_loop(self, carry: tuple[dict, dict], monitored: dict[str, Any], *,
+                   owned_written: bool) -> None:
+        """Takes a loop's final carry and its stacked monitored values; the owned variables
+        count as written if ``owned_written`` (at ``init`` they are the values from before
+        the loop)."""
+        model, owned = carry
+        self._values.update(model)
+        self._updated.update(model)
+        self._owned.carried(owned, updated=owned_written)
+        self._seen.monitored.update(monitored)
+
+    @contextmanager
+    def loop_step(self, index: Any) -> Iterator[None]:
+        """Folds a loop's step ``index`` into every draw of the block (see :meth:`rng`)."""
+        self._scan_indices.append(index)
+        try:
+            yield
+        finally:
+            self._scan_indices.pop()

@@ -1,0 +1,215 @@
+"""Unmodified Flax modules as applications, and Flax's own code that follows the program.
+
+Unmodified Flax modules
+    Any ``nnx.Module`` of a compiled model that is not a brick is one too: while a program
+    traces, every call of its ``__call__`` (read as application ``apply``) and of the methods
+    named in ``compile(..., applications={cls: [names]})`` (by default also ``Embed.attend``)
+    is an application at the module's path. Its inputs are the arrays among its arguments
+    (named as in the method's signature; inside tuples, lists and dicts by their keys,
+    ``carry.0``; a ``**kwargs`` entry by its key), its outputs the returned array
+    (``output``) or the arrays of a returned tuple (``output_0``, ``output_1``, ...). This
+    works by switching the module instances' class, during a trace only, to a cached
+    subclass (same name) whose methods run the chain around the original
+    (``graphmod._core._context`` owns the switch and restores it, also after an exception).
+
+Sharp edges
+    Inside a trace ``type(module)`` is that subclass (``isinstance`` checks are
+    unaffected). A method called on the class (``nnx.Linear.__call__(layer, x)``,
+    ``super().__call__(x)``) is not a separate application. Two programs with different
+    ``applications=`` tracing one model at the same time share one subclass (the first
+    one's). A manager-owned variable of an application whose module a scan slices (``nnx.scan``
+    over layers) is one per iteration, stacked with the loops' lengths as leading axes (see
+    ``graphmod._core._loop_keys``); where the loop sees the whole module (``nnx.RNN``'s cell,
+    ``nnx.vmap``, ``jax.jit``) it is shared by every iteration and cannot be updated there,
+    nor created from a parameter's value (use ``graphmod.scan``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from graphmod import roles as _roles
+from graphmod._core import _context
+from graphmod._core._chain import Chain, run_managed
+from graphmod._core._spec import MethodSpec, is_array
+
+# Methods besides ``__call__`` that are applications of every program's Flax modules.
+_DEFAULT_APPLICATIONS: dict[type, tuple[str, ...]] = {nnx.Embed: ("attend",)}
+
+
+def method_applications(applications: Any) -> dict[type, tuple[str, ...]]:
+    """Checks ``compile(..., applications=...)`` and adds the defaults (``Embed.attend``).
+
+    Examples:
+        >>> from flax import nnx
+        >>> from graphmod._core._intercept import method_applications
+        >>> class Net(nnx.Module):
+        ...     def encode(self, x):
+        ...         return x
+        >>> method_applications({Net: ["encode"]})[Net]
+        ('encode',)
+    """
+    out = dict(_DEFAULT_APPLICATIONS)
+    if applications is None:
+        return out
+    if not isinstance(applications, Mapping):
+        raise TypeError(f"compile(applications={applications!r}): expected a dict of module "
+                        "classes to method names, e.g. applications={MyModule: ['encode']}")
+    for cls, names in applications.items():
+        if not (isinstance(cls, type) and issubclass(cls, nnx.Module)):
+            raise TypeError(f"compile(applications=...): key {cls!r} is not a flax.nnx.Module "
+                            "class; write applications={MyModule: ['encode']}")
+        if getattr(cls, "__graphmod_brick__", False):
+            raise TypeError(f"compile(applications=...): {cls.__name__} is a brick; mark its "
+                            "methods with @graphmod.application instead")
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"compile(applications=...): the methods of {cls.__name__} must "
+                            f"be a list of names, e.g. ['encode']; got {names!r}")
+        for name in names:
+            if not inspect.isfunction(inspect.getattr_static(cls, name, None)):
+                raise ValueError(f"compile(applications=...): {cls.__name__} has no method "
+                                 f"{name!r} (a plain function defined in the class)")
+        out[cls] = (*out.get(cls, ()), *names)
+    return out
+
+
+def interceptor(applications: Any) -> Callable[[type], type | None]:
+    """For ``compile(..., applications=...)`` (checked here, before anything changes): the
+    class a plain Flax module class is switched to while a program traces, None for bricks
+    and modules without applications."""
+    checked = method_applications(applications)
+
+    def intercept(cls: type) -> type | None:
+        if getattr(cls, "__graphmod_brick__", False):
+            return None  # bricks declare theirs with @application
+        names = ["__call__"] if any("__call__" in vars(c) for c in cls.__mro__[:-1]) else []
+        for base, extra in checked.items():
+            if issubclass(cls, base):
+                names += [name for name in extra if name not in names]
+        return intercepting_class(cls, tuple(names)) if names else None
+
+    return intercept
+
+
+@functools.cache
+def intercepting_class(cls: type, methods: tuple[str, ...]) -> type:
+    """A subclass of Flax module class ``cls`` (same name) whose ``methods`` are
+    applications; a module's class is switched to it only while a program traces."""
+    namespace: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                 "__graphmod_original__": cls, "__slots__": ()}
+    for name in methods:
+        namespace[name] = _intercepted(getattr(cls, name), name)
+    if cls.sow is nnx.Module.sow:
+        namespace["sow"] = sow_in_program
+    return type(cls.__name__, (cls,), namespace)
+
+
+def _intercepted(method: Callable[..., Any], name: str) -> Callable[..., Any]:
+    spec = MethodSpec("apply" if name == "__call__" else name, (), (),
+                       inspect.signature(method), False)
+    in_program = _PROGRAM_CODE.get(method, method)
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        frame = _context.current_frame()
+        path = None if frame is None else frame.layout.brick_path(self)
+        if path is None:  # another thread calling the model eagerly, or a stranger module
+            return method(self, *args, **kwargs)
+        return run_managed(frame, spec, in_program, self, path, args, kwargs)
+
+    return wrapper
+
+
+def sow_in_program(self: nnx.Module, variable_type: Any, name: str, value: Any, *args: Any,
+         **kwargs: Any) -> bool:
+    """``Module.sow`` in a program: each array of ``value`` is an auxiliary variable
+    ``name`` (``name_0``, ``name_1``, ... for several) of the innermost application call,
+    monitorable; nothing is stored on the module (``init_fn``/``reduce_fn`` are unused)."""
+    frame = _context.current_frame()
+    if frame is None or frame.layout.brick_path(self) is None:
+        return nnx.Module.sow(self, variable_type, name, value, *args, **kwargs)
+    if not frame.calls:
+        raise RuntimeError(f"{type(self).__name__}.sow({name!r}) outside any application "
+                           "call: sow inside a module method, or return the value from fn")
+    leaves = [leaf for leaf in jax.tree.leaves(value) if is_array(leaf)]
+    for index, leaf in enumerate(leaves):
+        frame.calls[-1].call.add_auxiliary_variable(
+            leaf, name=name if len(leaves) == 1 else f"{name}_{index}")
+    return True
+
+
+def _innermost() -> Chain:
+    frame = _context.current_frame()
+    assert frame is not None and frame.calls
+    return frame.calls[-1]
+
+
+def _dropout(self: nnx.Dropout, inputs: Any, *, deterministic: bool | None = None,
+             rngs: Any = None) -> Any:
+    """``nnx.Dropout.__call__`` in a program: the program's mode and its step key folded
+    with the module's path (stored or passed ``rngs`` are not used); identity in inference
+    or where the user set ``deterministic=True`` (at construction or in the call)."""
+    chain = _innermost()
+    explicit = self.deterministic if deterministic is None else deterministic
+    if explicit or not chain.call.training or self.rate == 0.0:
+        return inputs
+    keep = 1.0 - self.rate
+    if keep == 0.0:  # zeros with zero (finite) gradients, as Flax does
+        out = jnp.zeros_like(inputs)
+    else:
+        shape = list(jnp.shape(inputs))
+        for axis in self.broadcast_dims:
+            shape[axis] = 1
+        mask = jnp.broadcast_to(jax.random.bernoulli(chain.call.rng(), keep, shape),
+                                jnp.shape(inputs))
+        out = jax.lax.select(mask, inputs / keep, jnp.zeros_like(inputs))
+    chain.note_rewrite("nnx.Dropout", chain.tag(_roles.OUTPUT, "output"), inputs, out)
+    return out
+
+
+def _batch_norm(self: nnx.BatchNorm, x: Any, use_running_average: bool | None = None, *,
+                mask: Any = None) -> Any:
+    """``nnx.BatchNorm.__call__`` in a program: batch statistics (running averages updated)
+    in training, running averages in inference or where the user set
+    ``use_running_average=True`` (at construction or in the call)."""
+    explicit = self.use_running_average if use_running_average is None else use_running_average
+    frozen = bool(explicit) or not _innermost().call.training
+    return _FLAX_BATCH_NORM(self, x, use_running_average=frozen, mask=mask)
+
+
+def _attention(self: nnx.MultiHeadAttention, inputs_q: Any, inputs_k: Any = None,
+               inputs_v: Any = None, *, deterministic: bool | None = None, rngs: Any = None,
+               **kwargs: Any) -> Any:
+    """``nnx.MultiHeadAttention.__call__`` in a program: its attention-weight dropout
+    follows the program's mode and draws from its step key folded with the module's path
+    (stored or passed ``rngs`` are not used), unless the user set ``deterministic=True``."""
+    chain = _innermost()
+    explicit = self.deterministic if deterministic is None else deterministic
+    frozen = bool(explicit) or not chain.call.training or self.dropout_rate == 0.0
+    key = None if frozen else chain.call.rng()
+    if key is not None:
+        keys = inputs_q if inputs_k is None else inputs_k
+        weights = jax.ShapeDtypeStruct(
+            (*jnp.shape(inputs_q)[:-2], self.num_heads, jnp.shape(inputs_q)[-2],
+             jnp.shape(keys)[-2]), jnp.result_type(inputs_q))
+        chain.note_rewrite("nnx.Dropout", chain.tag(_roles.AUXILIARY, "attention_weights"),
+                          weights, weights)
+    return _FLAX_ATTENTION(self, inputs_q, inputs_k, inputs_v, deterministic=frozen,
+                           rngs=None if key is None else (lambda: key), **kwargs)
+
+
+_FLAX_BATCH_NORM = nnx.BatchNorm.__call__
+_FLAX_ATTENTION = nnx.MultiHeadAttention.__call__
+# Flax's own methods whose behaviour follows the program (mode, key) inside one.
+_PROGRAM_CODE: dict[Callable[..., Any], Callable[..., Any]] = {
+    nnx.Dropout.__call__: _dropout,
+    nnx.BatchNorm.__call__: _batch_norm,
+    nnx.MultiHeadAttention.__call__: _attention,
+}

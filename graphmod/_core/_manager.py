@@ -1,0 +1,338 @@
+"""Managers: context managers that rewrite applications while a function is traced.
+
+When rewriting happens
+    Only while ``graphmod.compile``'s program traces the model function. Eagerly, a brick
+    runs its plain code and managers do nothing.
+
+How chains are ordered
+    Around each application call the matching managers form a chain, the first entered (or
+    listed) outermost; ``priority`` (higher = further out) reorders it stably. Inputs and
+    parameters pass outermost→innermost, outputs return innermost→outermost, like nested
+    ``with`` blocks. Each manager's :meth:`Manager.wrap` is one layer of that chain: the
+    default layer rewrites inputs, calls the next layer and rewrites outputs, so a subclass
+    can override the three hooks, or ``wrap`` itself (remat, precision, sharding).
+
+What is undefined
+    A hook that returns a value of another shape than the original changes the program;
+    graphmod records it but does not forbid it. Hooks must be pure functions of their
+    arguments, ``call.rng()`` and the manager's hyperparameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from graphmod._core import _context
+from graphmod._core._construction import record_construction
+from graphmod._core._filter import Tag, VariableFilter
+from graphmod._core._naming import snake_case
+from graphmod.typing import HookContext, Variables, WrapContext
+
+
+@dataclasses.dataclass(frozen=True)
+class Dynamic:
+    """A hyperparameter stored in the variables, changeable between steps without retrace.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> gm.dynamic(0.5)
+        Dynamic(value=0.5)
+    """
+
+    value: float
+
+    __graphmod_dynamic__ = True
+
+
+def dynamic(value: float) -> Dynamic:
+    """Marks a manager hyperparameter as dynamic: a float32 scalar in the variables.
+
+    A plain float is a compile-time constant; ``dynamic(x)`` stores x at
+    ``variables["managers"][name]["hparams"][hparam]``, where a plugin can change it
+    (see :meth:`Manager.hparam`) without recompiling.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> gm.dynamic(0.1).value
+        0.1
+    """
+    if isinstance(value, Dynamic):
+        return value
+    try:
+        return Dynamic(float(value))
+    except (TypeError, ValueError):
+        raise TypeError(f"dynamic(value): expected a float, got {value!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class HParam:
+    """A handle on one dynamic hyperparameter inside a program's variables.
+
+    Examples:
+        >>> import jax.numpy as jnp, graphmod as gm
+        >>> h = gm.HParam("dropout", "rate")
+        >>> v = {"managers": {"dropout": {"hparams": {"rate": jnp.float32(0.5)}}}}
+        >>> float(h.get(h.set(v, 0.25)))
+        0.25
+    """
+
+    manager: str
+    name: str
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return ("managers", self.manager, "hparams", self.name)
+
+    def get(self, variables: Variables) -> jax.Array:
+        """The current value in ``variables``."""
+        node: Any = variables
+        for key in self.keys:
+            if not isinstance(node, dict) or key not in node:
+                raise KeyError(
+                    f"hyperparameter {self.manager}.{self.name}: no "
+                    f"variables[{']['.join(map(repr, self.keys))}]; was the manager "
+                    "compiled into the program that made these variables?"
+                )
+            node = node[key]
+        return node
+
+    def set(self, variables: Variables, value: Any) -> Variables:
+        """A copy of ``variables`` (dicts along the path copied) with the new value.
+
+        The value is cast to the stored dtype, so the compiled step does not retrace.
+        """
+        old = self.get(variables)
+        new = jnp.asarray(value, dtype=old.dtype)
+        if new.shape != old.shape:
+            raise ValueError(
+                f"hyperparameter {self.manager}.{self.name}: value of shape {new.shape} "
+                f"does not fit the stored shape {old.shape}"
+            )
+
+        def replace(node: dict, keys: tuple[str, ...]) -> dict:
+            head, *rest = keys
+            return {**node, head: replace(node[head], tuple(rest)) if rest else new}
+
+        return replace(variables, self.keys)
+
+
+def _deprecated_name(manager: Manager, name: str, manager_name: str | None) -> str:
+    """The manager's name from the deprecated ``name=``, with a warning naming both intents."""
+    cls = type(manager).__name__
+    if manager_name is not None:
+        raise TypeError(f"{cls}(name={name!r}, manager_name={manager_name!r}): name= is the "
+                        "deprecated spelling of manager_name=; pass manager_name= only")
+    # Point the warning at the user's line, past the chain of super().__init__ calls.
+    frame, level = sys._getframe(1), 2
+    while (frame.f_back is not None and frame.f_code.co_name == "__init__"
+           and isinstance(frame.f_locals.get("self"), Manager)):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"{cls}(name={name!r}): name= is deprecated because it reads like a variable filter. "
+        f"It names the manager {name!r} (as before) and does not narrow what it rewrites. "
+        f"Write {cls}(manager_name={name!r}) to name the manager, or "
+        f"{cls}(variable_name={name!r}) to rewrite only the variables named {name!r}.",
+        DeprecationWarning, stacklevel=level,
+    )
+    return name
+
+
+def _overrides(manager: Manager, hook: str) -> bool:
+    return getattr(type(manager), hook) is not getattr(Manager, hook)
+
+
+class Manager:
+    """Base class of managers: rewrites of inputs, outputs and parameters of applications.
+
+    Args:
+        bricks, roles, applications, path, name_regex, call_id: the fields of a
+            :class:`VariableFilter` selecting what this manager rewrites.
+        variable_name: the exact name of the variables to rewrite (``"W"``, ``"kernel"``);
+            the filter's ``name`` field.
+        filter: a ready :class:`VariableFilter` instead of the fields.
+        priority: higher runs further out in the chain (default 0).
+        manager_name: the manager's own name, unique in a chain (default: class name in
+            snake case). It keys ``variables["managers"]``, the randomness and the rewrite
+            trace, and is the attribute ``manager.name``.
+        strict: raise if the filter matches nothing in a trace.
+        name: deprecated spelling of ``manager_name`` (it read like a variable filter);
+            still names the manager, with a ``DeprecationWarning``.
+
+    Subclasses override ``rewrite_input``/``rewrite_output``/``rewrite_parameter`` (each
+    returns the new value) or ``wrap``. Hyperparameters that may be :func:`dynamic` are
+    listed in ``hparams`` and read with ``self.hp(name)`` inside hooks. Constructing a
+    manager records its configuration for provenance (bricks it names are recorded by path
+    at compile).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm
+        >>> from flax import nnx
+        >>> class Double(gm.Manager):
+        ...     def rewrite_output(self, call, name, value):
+        ...         return 2 * value
+        >>> lin = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> with Double(roles=[gm.roles.OUTPUT]):
+        ...     program = gm.compile(lambda m, x: m(x), lin)
+        >>> x = jnp.ones((1, 2))
+        >>> variables = program.init(x)
+        >>> bool(jnp.allclose(program.infer(variables, x), 2 * lin(x)))
+        True
+        >>> double_w = Double(roles=[gm.roles.WEIGHT], variable_name="W", manager_name="w2")
+        >>> double_w.name, double_w.filter
+        ('w2', VariableFilter(roles=(WEIGHT,), name='W'))
+    """
+
+    exclusive: ClassVar[bool] = False
+    hparams: ClassVar[tuple[str, ...]] = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Manager:
+        manager = super().__new__(cls)
+        record_construction(manager, args, kwargs, by_path=True)  # for provenance
+        return manager
+
+    def __init__(
+        self,
+        *,
+        bricks: Any = None,
+        roles: Any = None,
+        applications: Any = None,
+        path: str | None = None,
+        variable_name: str | None = None,
+        name_regex: str | None = None,
+        call_id: Any = None,
+        filter: VariableFilter | None = None,
+        priority: int = 0,
+        manager_name: str | None = None,
+        strict: bool = True,
+        name: str | None = None,
+    ) -> None:
+        if name is not None:
+            manager_name = _deprecated_name(self, name, manager_name)
+        fields = dict(bricks=bricks, roles=roles, applications=applications, path=path,
+                      variable_name=variable_name, name_regex=name_regex, call_id=call_id)
+        given = {k: v for k, v in fields.items() if v is not None}
+        if filter is not None and given:
+            raise TypeError(
+                f"{type(self).__name__}: pass either filter= or the filter fields "
+                f"({', '.join(given)}), not both"
+            )
+        if filter is not None and not isinstance(filter, VariableFilter):
+            raise TypeError(f"{type(self).__name__}(filter=...): expected a VariableFilter, "
+                            f"got {filter!r}")
+        if not isinstance(priority, int):
+            raise TypeError(f"{type(self).__name__}(priority=...): expected an int, "
+                            f"got {priority!r}")
+        if manager_name is not None and (not isinstance(manager_name, str)
+                                         or not manager_name.isidentifier()):
+            raise ValueError(f"{type(self).__name__}(manager_name=...): {manager_name!r} must "
+                             "be an identifier")
+        if variable_name is not None and not isinstance(variable_name, str):
+            raise TypeError(f"{type(self).__name__}(variable_name={variable_name!r}): must be "
+                            "a string, the exact name of the variables to rewrite (e.g. 'W')")
+        self.filter = filter if filter is not None else VariableFilter(
+            **{"name" if k == "variable_name" else k: v for k, v in given.items()})
+        self.priority = priority
+        self.name = manager_name or snake_case(type(self).__name__)
+        self.strict = strict
+        self._entered: list[Any] = []
+
+    # -- configuration ----------------------------------------------------------------
+    def __setattr__(self, key: str, value: Any) -> None:
+        if not key.startswith("_") and self.__dict__.get("_frozen", False):
+            raise AttributeError(
+                f"manager {self.name!r} is frozen: it was compiled into a program; "
+                f"create a new manager instead of setting {key!r}"
+            )
+        object.__setattr__(self, key, value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The `with` blocks a manager is in belong to this context, not to its copies.
+        return {k: v for k, v in self.__dict__.items() if k != "_entered"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__["_entered"] = []
+
+    def freeze(self) -> None:
+        """Forbids changes from now on (called by ``compile``)."""
+        self._frozen = True
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(manager_name={self.name!r}, filter={self.filter!r})"
+
+    def __enter__(self) -> Manager:
+        context = _context.entered(self)
+        context.__enter__()
+        self._entered.append(context)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._entered.pop().__exit__(*exc)
+
+    # -- hyperparameters --------------------------------------------------------------
+    def dynamic_hparams(self) -> dict[str, float]:
+        """The initial values of this manager's dynamic hyperparameters."""
+        return {
+            h: getattr(self, h).value for h in self.hparams if isinstance(getattr(self, h), Dynamic)
+        }
+
+    def hp(self, name: str) -> Any:
+        """The value of hyperparameter ``name`` in the trace: a constant or a scalar tracer."""
+        value = getattr(self, name)
+        if not isinstance(value, Dynamic):
+            return value
+        frame = _context.current_frame()
+        if frame is None:
+            return value.value
+        return frame.hparam(self, name)
+
+    def hparam(self, name: str) -> HParam:
+        """A handle on dynamic hyperparameter ``name``, for plugins that anneal it.
+
+        Examples:
+            >>> import graphmod as gm, managers
+            >>> managers.Dropout(gm.dynamic(0.5)).hparam("rate")
+            HParam(manager='dropout', name='rate')
+        """
+        if name not in self.hparams:
+            raise KeyError(f"{type(self).__name__} has no hyperparameter {name!r}; "
+                           f"it has {list(self.hparams)}")
+        if not isinstance(getattr(self, name), Dynamic):
+            raise ValueError(
+                f"hyperparameter {self.name}.{name} is a compile-time constant; construct "
+                f"the manager with graphmod.dynamic({getattr(self, name)!r}) to change it"
+            )
+        return HParam(self.name, name)
+
+    # -- hooks --------------------------------------------------------------------------
+    def rewrite_input(self, call: HookContext, name: str, value: Any) -> Any:
+        """Returns the rewritten input ``name`` of ``call`` (default: unchanged)."""
+        return value
+
+    def rewrite_output(self, call: HookContext, name: str, value: Any) -> Any:
+        """Returns the rewritten output ``name`` of ``call`` (default: unchanged)."""
+        return value
+
+    def rewrite_parameter(self, call: HookContext, name: str, value: Any) -> Any:
+        """Returns the rewritten parameter ``name`` as ``call`` reads it (default: unchanged)."""
+        return value
+
+    def wrap(self, call: WrapContext, next: Callable[..., Any], args: tuple,
+             kwargs: dict) -> Any:
+        """One layer of the chain: rewrite inputs, call ``next``, rewrite outputs."""
+        args, kwargs = call.rewrite_inputs(self, args, kwargs)
+        return call.rewrite_outputs(self, next(*args, **kwargs))
+
+    # -- matching (used by the chain) -----------------------------------------------------
+    def has_hook(self, hook: str) -> bool:
+        return _overrides(self, hook)
+
+    def selects(self, tag: Tag) -> bool:
+        return self.filter.matches_variable(tag)

@@ -1,0 +1,398 @@
+"""``compile``: one model function, traced with managers into jitted train and infer functions.
+
+How it works
+    ``compile`` splits the model once: every variable gets an identity and a path (see
+    ``graphmod._core._layout``), the managers active in ``with`` blocks are captured and frozen.
+    ``init`` copies the model's arrays into a plain nested dict and runs an abstract
+    training-mode trace to create manager-owned variables from the shapes it sees
+    (evaluating only what they need, uncompiled). ``train``
+    and ``infer`` are ``jax.jit`` functions over plain dicts: inside the trace a frame maps
+    each variable's identity to the traced value, so the model code — reached through
+    ``model``, a closure or a global — reads the program's variables, rewritten by the
+    managers of the innermost application call.
+
+Variables layout
+    ``{"model": <pure dict of the model's NNX state>, "managers": {name: {"hparams": {...},
+    <path>: {<application>: {<var>: array}}}}}`` (``per_call`` variables nest one more level
+    by call id; encoded and decoded by ``graphmod._core._owned_layout``).
+
+Sharp edges
+    Inputs and variables are validated when a new signature is traced, not on every call:
+    arguments against init's examples (rank, feature size, dtype, and one batch size for
+    the arguments that shared one there); the model's variables against the layout, the
+    managers' against init's (paths, shapes, canonical dtypes: float64 fits float32 when
+    x64 is off, bfloat16 does not).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from graphmod import roles as _roles
+from graphmod._core import _context
+from graphmod._core import _owned_layout as owned_layout
+from graphmod._core._abstract_init import fresh_variables
+from graphmod._core._arguments import as_key, check_arguments
+from graphmod._core._clock import utc_now
+from graphmod._core._compile import compile_program
+from graphmod._core._construction import key_record
+from graphmod._core._filter import VariableFilter
+from graphmod._core._frame import Frame, OwnedKey
+from graphmod._core._graph import ComputationGraph
+from graphmod._core._layout import Layout
+from graphmod._core._loop_keys import resolving
+from graphmod._core._manager import Manager
+from graphmod._core._program_checks import check_strict, check_variables
+from graphmod._core._program_record import ProgramRecord, Shared, abstract
+from graphmod._core._rewrites import Rewrites, RewriteTrace
+from graphmod._core._role_tree import merge, role_tree, select
+
+__all__ = ["ProgramCore", "ProgramRecord", "compile_program"]
+
+_TRAIN = "program.train(variables, *args, rng=key)"
+
+
+class ProgramCore:
+    """The compiler core's program: ``init``, ``train``, ``infer``, ``derive``, ``graph``.
+
+    Knows nothing of provenance or storage: what those need it exposes as :attr:`record`.
+    ``graphmod.compile`` makes the public :class:`graphmod.Program`, which adds them.
+
+    Examples:
+        >>> import jax.numpy as jnp, graphmod as gm
+        >>> from flax import nnx
+        >>> from graphmod._core._program import ProgramCore
+        >>> program = gm.compile(lambda m, x: m(x), gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0)))
+        >>> isinstance(program, ProgramCore), program.infer(program.init(jnp.ones((1, 2))),
+        ...                                                 jnp.ones((4, 2))).shape
+        (True, (4, 3))
+    """
+
+    def __init__(self, fn: Callable[..., Any], shared: Shared, managers: tuple[Manager, ...],
+                 monitor: dict[str, VariableFilter], axis_name: Any, strict: bool) -> None:
+        self.fn = fn
+        self._shared = shared
+        self._managers = managers
+        self._monitor = monitor
+        self._axis_name = axis_name
+        self._strict = strict
+        self._argument_names = _argument_names(fn)
+        self.rewrites = Rewrites()
+        # Keys drawn in loop bodies get their iteration index (also in optimize's steps).
+        self._train_traced = resolving(self._train_traced)  # type: ignore[method-assign]
+        self._train = jax.jit(self._train_traced)
+        # Owned variables stacked over loops are read one slice per iteration.
+        self._infer_traced = resolving(self._infer_traced)  # type: ignore[method-assign]
+        self._infer = jax.jit(self._infer_traced, static_argnames="mutable")
+        # Provenance: recorded when cheap, assembled only when asked for.
+        self._created = utc_now()
+        self._example: tuple[tuple, dict] | None = None
+        self._abstract_variables: dict | None = None
+        self._init_rng: dict | None = None
+        self._inits = 0  # how many times init ran: records made before are stale
+        self._origin: ProgramCore | None = None  # the program this one was derived from
+        self._derived: dict[Callable[..., Any], ProgramCore] = {}  # by derive, by function
+
+    # -- public properties ------------------------------------------------------------------
+    @property
+    def model(self) -> Any:
+        """The root brick this program was compiled over."""
+        return self._shared.layout.model
+
+    @property
+    def managers(self) -> tuple[Manager, ...]:
+        """The managers captured at compile, outermost first."""
+        return self._managers
+
+    @property
+    def layout(self) -> Layout:
+        """Paths, identities and roles of the model's variables."""
+        return self._shared.layout
+
+    @property
+    def record(self) -> ProgramRecord:
+        """What this program knows of how it came to be, for provenance records.
+
+        Examples:
+            >>> import jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> program = gm.compile(lambda m, x: m(x).sum(),
+            ...                      gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0)))
+            >>> program.record.examples is None
+            True
+            >>> _ = program.init(jnp.ones((1, 2)))
+            >>> program.record.examples["x"].shape, program.record.positional
+            ((1, 2), ['x'])
+        """
+        examples = positional = None
+        if self._example is not None:
+            args, kwargs = self._example
+            examples = self._bind(args, kwargs, lambda x: x)
+            positional = list(examples)[:len(args)]
+        return ProgramRecord(self.fn, self._shared.layout, self._managers, self._monitor,
+                             self._axis_name, self._created, examples, positional,
+                             self._abstract_variables, self._init_rng, self._inits,
+                             self._training_jaxpr)
+
+    @property
+    def origin(self) -> ProgramCore | None:
+        """The program :meth:`derive` made this one from (None for a compiled program).
+
+        Examples:
+            >>> import jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> program = gm.compile(lambda m, x: m(x).sum(),
+            ...                      gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0)))
+            >>> program.derive(lambda m, x: m(x)).origin is program, program.origin
+            (True, None)
+        """
+        return self._origin
+
+    def _training_jaxpr(self) -> Any:
+        """The training-mode jaxpr for init's example shapes (None before init)."""
+        if self._example is None or self._abstract_variables is None:
+            return None
+        args, kwargs = self._example
+        # A mapped axis is bound (size 1) so that its lax.axis_index can be traced here.
+        names = self._axis_name if isinstance(self._axis_name, tuple) else (
+            () if self._axis_name is None else (self._axis_name,))
+        trace = jax.make_jaxpr(self._train_traced, axis_env=[(name, 1) for name in names])
+        return trace(self._abstract_variables, jax.random.key(0), args, kwargs)
+
+    # -- the three functions --------------------------------------------------------------
+    def init(self, *example_args: Any, rng: Any = None, **example_kwargs: Any) -> dict:
+        """Variables for this program: copies of the model's arrays and managers' variables.
+
+        Runs an abstract training-mode trace on the example arguments, whose feature shapes
+        and dtypes later calls are checked against, and evaluates only what the managers'
+        variables need of it (see ``graphmod._core._abstract_init``): no XLA compile.
+        """
+        key = jax.random.key(0) if rng is None else as_key(rng, "program.init(..., rng=key)")
+        variables, owned_roles = self._fresh_variables(
+            example_args, example_kwargs, key, probe=False)
+        # Kept only once the variables exist: a failed init changes nothing.
+        self._shared.examples.update(self._bind(example_args, example_kwargs, jax.typeof))
+        self._shared.owned_roles = owned_roles
+        self._remember_example(example_args, example_kwargs, variables, key)
+        return variables
+
+    def _fresh_variables(self, args: tuple, kwargs: dict, key: Any, *, probe: bool
+                         ) -> tuple[dict, dict[OwnedKey, _roles.Role]]:
+        """Init's variables for these arguments and the owned variables' roles; changes
+        nothing of the program. ``probe``: only their shapes, traced for ``graph``."""
+        def trace(values: dict, hparams: dict, key: Any, args: tuple, kwargs: dict) -> Frame:
+            return self._trace("init", values, {}, hparams, key, args, kwargs, record=probe)
+
+        return fresh_variables(self._shared.layout, self._managers, trace, args, kwargs, key,
+                               probe=probe)
+
+    def _remember_example(self, args: tuple, kwargs: dict, variables: dict, key: Any) -> None:
+        """Keeps the shapes of init's examples and variables, and its seed, for provenance."""
+        self._example = (jax.tree.map(abstract, args), jax.tree.map(abstract, kwargs))
+        self._abstract_variables = jax.tree.map(abstract, variables)
+        seed = key_record(key)
+        if seed is not None or self._init_rng is None:  # traced (eval_shape): keep the last
+            self._init_rng = seed
+        self._inits += 1
+
+    def train(self, variables: dict, *args: Any, rng: Any, **kwargs: Any) -> Any:
+        """Runs ``fn`` in training mode: ``(out, variables)`` (``+ monitored`` with monitor=)."""
+        if not hasattr(rng, "dtype"):  # e.g. rng=0: refused before jit sees it
+            as_key(rng, _TRAIN)
+        return self._train(variables, rng, args, kwargs)
+
+    def infer(self, variables: dict, *args: Any, mutable: bool = False, **kwargs: Any) -> Any:
+        """Runs ``fn`` in inference mode: ``out`` (``(out, monitored)`` with monitor=).
+
+        With ``mutable=True`` (as in Linen's ``apply``) the model's writes are kept and
+        returned: ``(out, variables)`` (``+ monitored``), e.g. a decode cache and its index.
+        Parameters and manager-owned variables are never changed in inference.
+
+        Examples:
+            >>> import jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> class Count(nnx.Module):
+            ...     def __init__(self):
+            ...         self.calls = nnx.Variable(jnp.zeros((), jnp.int32))
+            ...     def __call__(self, x):
+            ...         self.calls[...] += 1
+            ...         return 2 * x
+            >>> program = gm.compile(lambda m, x: m(x), Count())
+            >>> variables = program.init(jnp.ones(2))
+            >>> out, variables = program.infer(variables, jnp.ones(2), mutable=True)
+            >>> int(variables["model"]["calls"]), out.tolist()
+            (1, [2.0, 2.0])
+        """
+        if not isinstance(mutable, bool):
+            raise TypeError(f"program.infer(..., mutable={mutable!r}): expected True or False")
+        return self._infer(variables, args, kwargs, mutable=mutable)
+
+    def _train_traced(self, variables: dict, rng: Any, args: tuple, kwargs: dict) -> Any:
+        values, owned, hparams = self._unpack(variables)
+        frame = self._trace("train", values, owned, hparams, as_key(rng, _TRAIN), args, kwargs)
+        new = {
+            "model": self._shared.layout.pure(frame.values),
+            "managers": owned_layout.replaced(variables["managers"], {
+                key: value for key, value in frame.owned_out().items()
+                if key in frame.owned_updated}),
+        }
+        return (frame.out, new, frame.monitored) if self._monitor else (frame.out, new)
+
+    def _infer_traced(self, variables: dict, args: tuple, kwargs: dict,
+                      mutable: bool = False) -> Any:
+        values, owned, hparams = self._unpack(variables)
+        frame = self._trace("infer", values, owned, hparams, None, args, kwargs)
+        out = (frame.out,)
+        if mutable:
+            out += ({"model": self._shared.layout.pure(frame.values),
+                     "managers": variables["managers"]},)
+        if self._monitor:
+            out += (frame.monitored,)
+        return out if len(out) > 1 else frame.out
+
+    def _trace(self, mode: str, values: dict, owned: dict, hparams: dict, key: Any,
+               args: tuple, kwargs: dict, record: bool = False) -> Frame:
+        # graph()'s traces (record=True) neither check against nor change the program.
+        if mode != "init" and not record:
+            check_arguments(self._shared.examples, self._bind(args, kwargs, lambda x: x))
+
+        def fresh() -> Frame:
+            return Frame(layout=self._shared.layout, mode=mode, values=values, owned=owned,
+                         hparams=hparams, managers=self._managers, key=key,
+                         axis_name=self._axis_name, monitor=self._monitor, record=record)
+
+        frame = _context.traced(self._shared, fresh,
+                                lambda f: f.returned(self.fn(self.model, *args, **kwargs)))
+        if not record:
+            self.rewrites.store(RewriteTrace(mode, tuple(frame.rewrites)))
+        if self._strict:
+            check_strict(frame)
+        return frame
+
+    # -- variables --------------------------------------------------------------------------
+    def _unpack(self, variables: Any) -> tuple[dict, dict, dict]:
+        """Model values by identity, owned variables by key, hyperparameters by name, of
+        variables checked to fit (against init's, this program's or else its origin's)."""
+        origin = self._origin
+        reference = self._abstract_variables or (origin and origin._abstract_variables)
+        check_variables(variables, self._shared.layout, reference)
+        return self._split(variables)
+
+    def _split(self, variables: dict) -> tuple[dict, dict, dict]:
+        # Entries of managers this program does not use are read but never asked for.
+        owned, hparams = owned_layout.decode(variables["managers"])
+        return self._shared.layout.model_values(variables["model"]), owned, hparams
+
+    def update_model(self, variables: dict) -> None:
+        """Writes ``variables["model"]`` (copies) into the model's NNX variables.
+
+        Checks every path, shape and dtype first; nothing is written if one does not fit.
+        """
+        values, _, _ = self._unpack(variables)
+        layout = self._shared.layout
+        for identity, value in values.items():
+            layout.objects[identity].set_raw_value(jnp.array(value, copy=True))
+
+    def roles(self, variables: dict) -> dict:
+        """The tree of roles of ``variables`` (same nesting, a Role per leaf).
+
+        Read from the layout, and for manager-owned variables from the ``init`` of any
+        program over it: no trace runs.
+        """
+        owned = self._shared.owned_roles
+        if owned is None and owned_layout.decode(variables["managers"])[0]:
+            raise RuntimeError(
+                "this program has not been initialised: call program.init(*example_args) "
+                "(or init a program it was derived from) first"
+            )
+        return role_tree(variables, self._shared.layout, owned or {})
+
+    def split(self, variables: dict, *roles: _roles.Role) -> tuple[dict, dict]:
+        """``(selected, rest)``: leaves whose role is one of ``roles`` (or a sub-role), and
+        the others, each in the original nesting (empty branches dropped)."""
+        wanted = _roles.as_roles(roles, argument="program.split(variables, *roles)")
+        tree = self.roles(variables)
+        return select(variables, tree, wanted, True), select(variables, tree, wanted, False)
+
+    @staticmethod
+    def merge(selected: dict, rest: dict) -> dict:
+        """The inverse of :meth:`split`: one nested dict from two disjoint ones."""
+        return merge(selected, rest)
+
+    # -- more programs and views ----------------------------------------------------------------
+    def derive(self, fn: Callable[..., Any]) -> ProgramCore:
+        """A program for another function over the same model, managers and variables.
+
+        The same ``fn`` gives the same derived program, so its compiled functions are reused
+        (``evaluate(..., predict=fn)`` called every epoch traces once).
+
+        Examples:
+            >>> import jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> program = gm.compile(lambda m, x, y: ((m(x) - y) ** 2).mean(),
+            ...                      gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0)))
+            >>> variables = program.init(jnp.ones((1, 2)), jnp.ones((1, 1)))
+            >>> predict = program.derive(lambda m, x: m(x))
+            >>> predict.infer(variables, jnp.ones((5, 2))).shape
+            (5, 1)
+        """
+        if not callable(fn):
+            raise TypeError(f"program.derive(fn): fn must be callable, e.g. lambda model, x: "
+                            f"model(x); got {fn!r}")
+        origin = self._origin or self
+        derived = origin._derived.get(fn)
+        if derived is None:
+            derived = type(self)(fn, self._shared, self._managers, self._monitor,
+                                 self._axis_name, strict=False)
+            derived._origin = origin
+            origin._derived[fn] = derived
+        return derived
+
+    def graph(self, *args: Any, mode: str = "train", **kwargs: Any) -> ComputationGraph:
+        """The :class:`ComputationGraph` of ``fn`` on these arguments in ``mode``.
+
+        Traced abstractly on fresh variables of the arguments' shapes: it changes nothing of
+        the program (not the examples later calls are checked against, not the provenance,
+        not ``program.rewrites``), so it may be called before or after ``init``, on any
+        shapes the model accepts.
+        """
+        if mode not in ("train", "infer"):
+            raise ValueError(f"graph(mode={mode!r}): mode must be 'train' or 'infer'")
+        variables, _ = self._fresh_variables(args, kwargs, jax.random.key(0), probe=True)
+        found: dict[str, Frame] = {}
+
+        def trace(variables: dict, key: Any) -> Any:
+            values, owned, hparams = self._split(variables)  # fresh: nothing to check
+            frame = self._trace(mode, values, owned, hparams,
+                                key if mode == "train" else None, args, kwargs, record=True)
+            found["frame"] = frame
+            return frame.out
+
+        jaxpr = jax.make_jaxpr(trace)(variables, jax.random.key(0))
+        records = found["frame"].records or []
+        return ComputationGraph(tuple(records), jaxpr, mode, self._shared.layout)
+
+    def _bind(self, args: tuple, kwargs: dict, leaf: Callable[[Any], Any]) -> dict[str, Any]:
+        names = self._argument_names
+        bound: dict[str, Any] = {}
+        for index, value in enumerate(args):
+            name = names[index] if index < len(names) else f"args[{index}]"
+            bound[name] = jax.tree.map(leaf, value)
+        for name, value in kwargs.items():
+            bound[name] = jax.tree.map(leaf, value)
+        return bound
+
+
+def _argument_names(fn: Callable[..., Any]) -> list[str]:
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    positional = [p.name for p in parameters
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional[1:]

@@ -1,0 +1,122 @@
+"""What a program refuses, with the named error and the fix: its managers and monitors at
+``compile``, a strict manager that matched nothing in a trace, and variables that do not
+fit it (checked when a signature is traced, see ``graphmod._core._program``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from graphmod._core._arguments import (
+    flat_keys,
+    flat_leaves,
+    spec,
+    spec_differences,
+    tree_difference,
+)
+from graphmod._core._filter import VariableFilter
+from graphmod._core._frame import Frame
+from graphmod._core._layout import Layout
+from graphmod._core._manager import Manager
+from graphmod.errors import ManagerConflict, ManagerMatchedNothing, VariablesMismatch
+
+__all__ = ["check_managers", "check_strict", "check_variables", "monitors"]
+
+
+def check_managers(managers: tuple[Any, ...], layout: Layout) -> tuple[Manager, ...]:
+    """``managers``, checked (managers with distinct names, bricks of this model) and
+    frozen; raises :class:`~graphmod.errors.ManagerConflict` for two with one name."""
+    names: dict[str, Manager] = {}
+    for index, manager in enumerate(managers):
+        if not isinstance(manager, Manager):
+            raise TypeError(f"managers[{index}]: {manager!r} is not a graphmod.Manager")
+        if manager.name in names:
+            raise ManagerConflict(
+                f"two managers are named {manager.name!r} ({names[manager.name]!r} and "
+                f"{manager!r}): pass manager_name=... to one of them"
+            )
+        names[manager.name] = manager
+        layout.resolve(manager.filter.brick_instances(), f"manager {manager.name!r}")
+    for manager in managers:
+        manager.freeze()
+    return tuple(managers)
+
+
+def monitors(monitor: Any) -> dict[str, VariableFilter]:
+    """``compile(monitor=...)`` as a dict of filters by label (``""`` for a single one)."""
+    if monitor is None:
+        return {}
+    if isinstance(monitor, VariableFilter):
+        return {"": monitor}
+    if isinstance(monitor, Mapping):
+        for label, f in monitor.items():
+            if not isinstance(f, VariableFilter):
+                raise TypeError(f"monitor[{label!r}]: expected a VariableFilter, got {f!r}")
+        return dict(monitor)
+    raise TypeError(f"monitor=: expected a VariableFilter or a dict of them, got {monitor!r}")
+
+
+def check_strict(frame: Frame) -> None:
+    """Raises :class:`~graphmod.errors.ManagerMatchedNothing` for a strict manager the
+    trace of ``frame`` never matched."""
+    for manager in frame.seen_managers.values():
+        if manager.strict and frame.matches[id(manager)] == 0:
+            raise ManagerMatchedNothing(
+                f"manager {manager.name!r} ({type(manager).__name__}) matched nothing in the "
+                f"{frame.mode} trace: its filter {manager.filter!r} selects no variable of "
+                "any application call. Fix the filter, or pass strict=False."
+            )
+
+
+def check_variables(variables: Any, layout: Layout, reference: Mapping | None) -> None:
+    """Raises :class:`~graphmod.errors.VariablesMismatch` unless ``variables`` fit: the
+    program's two entries, the model's paths, shapes and dtypes as in ``layout``, the
+    managers' as in ``reference`` (init's variables; None: unchecked)."""
+    if not isinstance(variables, Mapping) or set(variables) != {"model", "managers"}:
+        raise VariablesMismatch(
+            "variables must be the dict made by program.init: {'model': ..., "
+            f"'managers': ...}}; got {_describe_keys(variables)}"
+        )
+    _check_paths(flat_keys(variables["model"]), layout)
+    differences = spec_differences(
+        flat_leaves(variables["model"]),
+        {key: (info.shape, info.dtype) for key, info in layout.by_key.items()},
+        lambda key: layout.by_key[key].path)
+    if reference is not None:
+        differences += spec_differences(
+            flat_leaves(variables["managers"]),
+            {key: spec(leaf) for key, leaf in flat_leaves(reference["managers"]).items()},
+            lambda key: "managers" + "".join(f"[{part!r}]" for part in key))
+    if differences:
+        raise VariablesMismatch(
+            "variables do not fit this program's layout:\n  " + "\n  ".join(differences)
+            + "\nThese variables were made by another program or model: use the variables "
+            "this program's init returns (program.init(...)), or the program they were "
+            "made for")
+
+
+def _check_paths(actual: set, layout: Layout) -> None:
+    missing, extra = tree_difference(set(layout.by_key), actual)
+    if not (missing or extra):
+        return
+    hint = ""
+    if {_int_keys(k) for k in actual} == set(layout.by_key):
+        hint = (". The paths differ only in key types ('0' for 0), as orbax returns "
+                "them when restoring without a target: restore with one, e.g. the "
+                "variables program.init returns")
+    raise VariablesMismatch(
+        "variables['model'] does not match the model this program was compiled over: "
+        + "; ".join(part for part in (
+            missing and f"missing {', '.join(missing)}",
+            extra and f"unexpected {', '.join(extra)}") if part) + hint
+    )
+
+
+def _describe_keys(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return f"a dict with keys {sorted(map(str, value))}"
+    return type(value).__name__
+
+
+def _int_keys(key: tuple) -> tuple:
+    return tuple(int(k) if isinstance(k, str) and k.isdigit() else k for k in key)

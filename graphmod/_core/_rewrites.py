@@ -1,0 +1,127 @@
+"""The rewrite trace: which manager rewrote which variable, in the order it happened."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from graphmod._core._table import html_table, text_table
+
+
+def shape_and_dtype(value: Any) -> tuple[tuple[int, ...], str]:
+    """The shape and dtype of an array-like value, for records (a pytree: its leaves')."""
+    leaves = jax.tree.leaves(value)
+    if len(leaves) == 1:
+        return tuple(np.shape(leaves[0])), str(jnp.result_type(leaves[0]))
+    return (), f"pytree[{len(leaves)}]"
+
+
+_HEADERS = ("#", "manager", "path", "application", "call", "role", "variable", "shape", "dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewrite:
+    """One rewrite of one tagged variable by one manager."""
+
+    manager: str
+    path: str
+    application: str
+    call_id: int
+    role: str
+    name: str
+    shape_in: tuple[int, ...]
+    dtype_in: str
+    shape_out: tuple[int, ...]
+    dtype_out: str
+
+    def row(self, index: int) -> tuple[Any, ...]:
+        shape = (str(self.shape_in) if self.shape_in == self.shape_out
+                 else f"{self.shape_in}->{self.shape_out}")
+        dtype = (self.dtype_in if self.dtype_in == self.dtype_out
+                 else f"{self.dtype_in}->{self.dtype_out}")
+        return (index, self.manager, self.path, self.application, self.call_id, self.role,
+                self.name, shape, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewriteTrace:
+    """The rewrites of the latest trace of one mode, in order; prints as a table.
+
+    Examples:
+        >>> from graphmod._core._rewrites import Rewrite, RewriteTrace
+        >>> r = Rewrite("dropout", "/", "apply", 0, "INPUT", "input_", (2,), "float32",
+        ...             (2,), "float32")
+        >>> print(RewriteTrace("train", (r,)))
+        train: 1 rewrite
+        #  manager  path  application  call  role   variable  shape  dtype
+        -  -------  ----  -----------  ----  -----  --------  -----  -------
+        0  dropout  /     apply        0     INPUT  input_    (2,)   float32
+    """
+
+    mode: str
+    rewrites: tuple[Rewrite, ...] = ()
+
+    def __iter__(self) -> Iterator[Rewrite]:
+        return iter(self.rewrites)
+
+    def __len__(self) -> int:
+        return len(self.rewrites)
+
+    def __getitem__(self, index: int) -> Rewrite:
+        return self.rewrites[index]
+
+    def _caption(self) -> str:
+        n = len(self.rewrites)
+        return f"{self.mode}: {n} rewrite{'' if n == 1 else 's'}"
+
+    def __str__(self) -> str:
+        rows = [r.row(i) for i, r in enumerate(self.rewrites)]
+        return self._caption() + "\n" + text_table(_HEADERS, rows)
+
+    def _repr_html_(self) -> str:
+        return html_table(_HEADERS, [r.row(i) for i, r in enumerate(self.rewrites)],
+                          self._caption())
+
+
+class Rewrites:
+    """``program.rewrites``: the latest rewrite trace per mode (``train``, ``infer``, ``init``).
+
+    Examples:
+        >>> from graphmod._core._rewrites import Rewrites
+        >>> Rewrites()["train"].rewrites
+        ()
+    """
+
+    def __init__(self) -> None:
+        self._by_mode: dict[str, RewriteTrace] = {}
+
+    def store(self, trace: RewriteTrace) -> None:
+        self._by_mode[trace.mode] = trace
+
+    def __getitem__(self, mode: str) -> RewriteTrace:
+        return self._by_mode.get(mode, RewriteTrace(mode))
+
+    @property
+    def train(self) -> RewriteTrace:
+        return self["train"]
+
+    @property
+    def infer(self) -> RewriteTrace:
+        return self["infer"]
+
+    def _shown(self) -> list[RewriteTrace]:
+        return [self._by_mode[m] for m in ("init", "train", "infer") if m in self._by_mode]
+
+    def __str__(self) -> str:
+        shown = self._shown()
+        return "\n\n".join(map(str, shown)) if shown else "no trace yet"
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        return "".join(t._repr_html_() for t in self._shown()) or "<p>no trace yet</p>"

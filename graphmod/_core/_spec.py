@@ -1,0 +1,124 @@
+"""What an application declares, and where its inputs and outputs are in a call.
+
+A brick's ``@application(inputs=[...], outputs=[...])`` names its tagged arguments and
+results (:class:`Spec`); a method of an unmodified Flax module tags every array among its
+arguments and results (:class:`MethodSpec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What an application declares: its input and output names."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    signature: inspect.Signature
+    takes_call: bool
+
+    def split_outputs(self, out: Any) -> tuple[Any, ...]:
+        if len(self.outputs) == 1:
+            return (out,)
+        if not isinstance(out, tuple) or len(out) != len(self.outputs):
+            raise ValueError(
+                f"application {self.name!r} declares outputs {list(self.outputs)} but "
+                f"returned {type(out).__name__}"
+                + (f" of length {len(out)}" if isinstance(out, tuple) else "")
+            )
+        return out
+
+    def join_outputs(self, values: list[Any]) -> Any:
+        return values[0] if len(self.outputs) == 1 else tuple(values)
+
+    def input_slots(self, arguments: dict[str, Any]) -> list[tuple[str, str, tuple]]:
+        """``(tag name, argument, keys into it)`` of each tagged input of a call's bound
+        arguments."""
+        return [(name, name, ()) for name in self.inputs if name in arguments]
+
+    def output_items(self, out: Any) -> list[tuple[str, Any]]:
+        """``(name, value)`` of each tagged output of a call's result."""
+        return list(zip(self.outputs, self.split_outputs(out), strict=True))
+
+    def with_outputs(self, out: Any, values: list[Any]) -> Any:
+        """``out`` with its tagged outputs replaced by ``values``."""
+        return self.join_outputs(values)
+
+
+def array_keys(value: Any, keys: tuple = ()) -> list[tuple]:
+    """The keys of the arrays in ``value``, looking into tuples, lists and dicts."""
+    if is_array(value):
+        return [keys]
+    if isinstance(value, tuple | list):
+        items = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()  # type: ignore[assignment]
+    else:
+        return []
+    return [found for key, item in items for found in array_keys(item, (*keys, key))]
+
+
+def nested(value: Any, keys: tuple) -> Any:
+    for key in keys:
+        value = value[key]
+    return value
+
+
+def replaced(value: Any, keys: tuple, new: Any) -> Any:
+    """``value`` with the item at ``keys`` replaced (containers copied, types kept)."""
+    if not keys:
+        return new
+    head, *rest = keys
+    if isinstance(value, dict):
+        return {**value, head: replaced(value[head], tuple(rest), new)}
+    items = list(value)
+    items[head] = replaced(items[head], tuple(rest), new)
+    return type(value)._make(items) if hasattr(value, "_make") else type(value)(items)
+
+
+def is_array(value: Any) -> bool:
+    """Whether a Flax method's argument or result is a tagged variable (keys are not)."""
+    return isinstance(value, jax.Array | np.ndarray) and not jax.dtypes.issubdtype(
+        value.dtype, jax.dtypes.prng_key)
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec(Spec):
+    """An unmodified Flax method: its array arguments are inputs, array results outputs."""
+
+    def input_slots(self, arguments: dict[str, Any]) -> list[tuple[str, str, tuple]]:
+        # Arrays nested in tuples, lists and dicts (an RNN cell's carry, *args, **kwargs)
+        # are inputs too: "carry.0", "args.1"; a **kwargs entry by its key.
+        slots = []
+        for argument, value in list(arguments.items())[1:]:
+            kind = self.signature.parameters[argument].kind
+            for keys in array_keys(value):
+                if kind is inspect.Parameter.VAR_KEYWORD:
+                    name = ".".join(map(str, keys))
+                else:
+                    name = ".".join(map(str, (argument, *keys)))
+                slots.append((name, argument, keys))
+        return slots
+
+    def output_items(self, out: Any) -> list[tuple[str, Any]]:
+        if is_array(out):
+            return [("output", out)]
+        if isinstance(out, tuple):
+            return [(f"output_{i}", v) for i, v in enumerate(out) if is_array(v)]
+        return []
+
+    def with_outputs(self, out: Any, values: list[Any]) -> Any:
+        if is_array(out):
+            return values[0]
+        new = iter(values)
+        items = [next(new) if is_array(v) else v for v in out]
+        return type(out)._make(items) if hasattr(out, "_make") else tuple(items)
+

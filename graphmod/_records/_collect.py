@@ -1,0 +1,273 @@
+"""Assembling records: a program's, a training run's (step and loop), ``capture``."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from graphmod._core._clock import utc_now
+from graphmod._core._codec import filter_fields, plain_filter
+from graphmod._core._construction import (
+    BRICK_REFS,
+    Encoder,
+    class_path,
+    config_of,
+    key_record,
+)
+from graphmod._core._layout import Layout, brick_path_string, walk_nodes
+from graphmod._records._environment import host, platform_record, versions
+from graphmod._records._fingerprint import fingerprint
+from graphmod._records._record import Provenance
+
+
+def modules(model: Any) -> dict[str, Any]:
+    """Path → module (bricks and other NNX modules, not containers), first path each."""
+    found = {"/": model}
+    seen = {id(model)}
+    for key, node in walk_nodes(model, (), frozenset({id(model)})):
+        if isinstance(node, nnx.Module) and not isinstance(node, nnx.List | nnx.Dict) \
+                and id(node) not in seen:
+            seen.add(id(node))
+            found[brick_path_string(key)] = node
+    return found
+
+
+def brick_records(model: Any) -> dict[str, Any]:
+    """Per module path: class, and the recorded arguments and defaults of bricks."""
+    out: dict[str, Any] = {}
+    for path, node in modules(model).items():
+        config = config_of(node) if getattr(node, "__graphmod_brick__", False) else None
+        if config is None:
+            out[path] = {"class": class_path(type(node)), "recorded": False}
+        else:
+            out[path] = {"class": config["class"], **{k: v for k, v in config.items()
+                                                     if k != "class"}}
+    return out
+
+
+def parameter_records(layout: Layout) -> dict[str, Any]:
+    """Per variable path: shape, dtype, role, variable type and aliases."""
+    return {
+        info.path: {"shape": list(info.shape), "dtype": info.dtype, "role": info.role.name,
+                    "type": type(layout.objects[info.identity]).__name__,
+                    "aliases": list(info.aliases)}
+        for info in layout.variables
+    }
+
+
+class _InModel(Encoder):
+    """Encodes a compiled program's filter: brick instances (any Flax module) by their path
+    in the model, classes by :func:`class_path` (a path even without a public one)."""
+
+    def __init__(self, layout: Layout) -> None:
+        super().__init__(by_path=True)
+        self.layout = layout
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, type):
+            return {"$class": class_path(value)}
+        if isinstance(value, nnx.Module):
+            return self.brick(value)
+        return super().__call__(value)
+
+    def brick(self, brick: Any) -> Any:
+        return {"$brick_path": self.layout.brick_path(brick) or "?"}
+
+
+def filter_record(variable_filter: Any, layout: Layout) -> dict[str, Any]:
+    """A filter's fields as the codec encodes them (see ``_codec.filter_fields``), in the
+    plain form of program records: lists, roles by name, bricks by path."""
+    return plain_filter(filter_fields(variable_filter, _InModel(layout)))
+
+
+def _resolve_bricks(value: Any, refs: tuple[Any, ...], layout: Layout) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"$brick_instance"}:
+            brick = refs[value["$brick_instance"]]
+            path = layout.brick_path(brick)
+            if path is None:
+                return {"$opaque": {"kind": "brick", "type": class_path(type(brick)),
+                                    "repr": "a brick outside the compiled model"}}
+            return {"$brick_path": path}
+        return {k: _resolve_bricks(v, refs, layout) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_resolve_bricks(v, refs, layout) for v in value]
+    return value
+
+
+def manager_records(managers: tuple[Any, ...], layout: Layout) -> dict[str, Any]:
+    """Per manager name, in chain order: class, order, priority, configuration, filter."""
+    out: dict[str, Any] = {}
+    for order, manager in enumerate(managers):
+        config = config_of(manager) or {"class": class_path(type(manager)), "recorded": False}
+        refs = vars(manager).get(BRICK_REFS, ())
+        out[manager.name] = {
+            "class": config.pop("class"),
+            "order": order,
+            "priority": manager.priority,
+            "strict": manager.strict,
+            **_resolve_bricks(config, refs, layout),
+            "filter": filter_record(manager.filter, layout),
+        }
+    return out
+
+
+def function_record(fn: Any) -> dict[str, Any]:
+    """The compiled function's module, name and a hash of its source (None if unknown)."""
+    target = getattr(fn, "func", fn)  # functools.partial
+    try:
+        source = inspect.getsource(target)
+        digest = "sha256:" + hashlib.sha256(source.encode()).hexdigest()
+    except (OSError, TypeError):
+        digest = None
+    return {"module": getattr(target, "__module__", None),
+            "name": getattr(target, "__qualname__", type(target).__qualname__),
+            "source_sha256": digest}
+
+
+def _tree(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _tree(v) for k, v in value.items()}
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return [_tree(v) for v in value]
+    leaves = jax.tree.leaves(value)
+    if len(leaves) == 1 and leaves[0] is value:
+        return {"shape": list(np.shape(value)), "dtype": str(value.dtype)}
+    return [_tree(leaf) for leaf in leaves]
+
+
+def examples_record(record: Any) -> dict[str, Any] | None:
+    """The shapes and dtypes of ``init``'s example arguments, by argument name."""
+    if record.examples is None:
+        return None
+    return {"positional": record.positional,
+            "arguments": {k: _tree(v) for k, v in record.examples.items()}}
+
+
+def _rewrites(program: Any) -> list[dict[str, Any]]:
+    return [{"manager": r.manager, "path": r.path, "application": r.application,
+             "call_id": r.call_id, "role": r.role, "variable": r.name,
+             "shape_in": list(r.shape_in), "dtype_in": r.dtype_in,
+             "shape_out": list(r.shape_out), "dtype_out": r.dtype_out}
+            for r in program.rewrites.train]
+
+
+def program_provenance(program: Any) -> Provenance:
+    """The record of a program: bricks, parameters, managers, function, examples, seeds,
+    environment; fingerprint and rewrite trace (computed from ``init``'s examples)."""
+    record = program.record
+    layout = record.layout
+    derived: dict[str, Any] = {"fingerprint": None}
+    jaxpr = None
+    try:
+        jaxpr = record.training_jaxpr()
+    except Exception as error:  # a record must not fail because one derived field did
+        derived["fingerprint_error"] = f"{type(error).__name__}: {error}"
+    if jaxpr is not None:
+        derived["fingerprint"] = fingerprint(jaxpr)
+    derived["rewrites"] = _rewrites(program) if jaxpr is not None else []
+    derived["created"] = record.created
+    derived["host"] = host()
+    inputs = {
+        "bricks": brick_records(layout.model),
+        "parameters": parameter_records(layout),
+        "managers": manager_records(record.managers, layout),
+        "function": function_record(record.fn),
+        "monitor": {label: filter_record(f, layout) for label, f in record.monitor.items()},
+        "axis_name": None if record.axis_name is None else str(record.axis_name),
+        "example_shapes": examples_record(record),
+        "seeds": {"init": record.init_key},
+        "versions": versions(),
+        "platform": platform_record(),
+    }
+    return Provenance("program", inputs, derived)
+
+
+def data_record(data: Any) -> dict[str, Any]:
+    """A data source's own description (name, size, shapes, dtypes, content hash), or its
+    type when it cannot describe itself."""
+    describe = getattr(data, "describe", None)
+    if callable(describe):
+        return dict(describe())
+    return {"name": class_path(type(data)), "described": False}
+
+
+def training_inputs(step: Any, loop: Any = None) -> dict[str, Any]:
+    """The inputs of a training run: the program's, optimizer, data, loop settings, seeds."""
+    base = step.program.provenance.inputs
+    seeds = dict(base["seeds"])
+    state = getattr(loop, "state", None)
+    # The train state keeps the base key's data for the whole run (resumed runs too); the
+    # step knows its implementation when it made the first state in this process.
+    from_state = key_record(getattr(state, "rng", None))
+    known = step.train_seed
+    seeds["train"] = known if from_state is None or (
+        known is not None and list(known["data"]) == list(from_state["data"])) else from_state
+    inputs = {k: v for k, v in base.items() if k not in ("seeds", "versions", "platform")}
+    inputs["optimizer"] = step.optimizer_record
+    inputs["skip_nonfinite"] = step.skip_nonfinite
+    if loop is not None:
+        inputs["data"] = data_record(loop.data)
+        inputs["loop"] = {"epochs": loop.epochs, "steps": loop.max_steps,
+                          "steps_per_call": loop.steps_per_call,
+                          "plugins": [{"name": getattr(p, "name", None),
+                                       "class": class_path(type(p))} for p in loop.plugins]}
+        if getattr(loop, "data_changes", None):  # resumed on other data, as its caller allowed
+            inputs["data_changes"] = list(loop.data_changes)
+    inputs["seeds"] = seeds
+    inputs["versions"] = base["versions"]
+    inputs["platform"] = base["platform"]
+    return inputs
+
+
+def training_derived(step: Any, loop: Any = None) -> dict[str, Any]:
+    """The derived fields of a training run: the program's, counts and times."""
+    derived = dict(step.program.provenance.derived)
+    if loop is not None:
+        time = loop.time
+        derived.update({"steps": time.step, "examples": time.examples, "epochs": time.epoch,
+                        "seconds": round(time.seconds, 6),
+                        "train_seconds": round(time.train_seconds, 6),
+                        # Wall-clock times the loop noted as they happened.
+                        "started": loop.started_at or utc_now(),
+                        "ended": loop.ended_at or utc_now()})
+    return derived
+
+
+def training_provenance(step: Any, loop: Any = None,
+                        inputs: Mapping[str, Any] | None = None) -> Provenance:
+    """The record of a training run (``inputs`` may be a cached :func:`training_inputs`)."""
+    return Provenance("training", inputs if inputs is not None else training_inputs(step, loop),
+                      training_derived(step, loop))
+
+
+def capture(obj: Any) -> Provenance:
+    """The provenance of a program, a train step, a loop or an evaluation.
+
+    A program's record holds its bricks, parameters, managers, function, example shapes,
+    seeds and environment, with the graph fingerprint and rewrite trace; a train step's
+    adds the optimizer and the train seed; a loop's (whose step is a
+    :func:`graphmod.optimize` step) adds the data, the loop's settings and what happened:
+    steps, examples, epochs, times.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm
+        >>> from flax import nnx
+        >>> lin = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> program = gm.compile(lambda m, x: (m(x) ** 2).mean(), lin)
+        >>> _ = program.init(jnp.ones((4, 2)))
+        >>> prov = gm.provenance.capture(program)
+        >>> prov.kind, prov["bricks"]["/"]["class"], prov.fingerprint[:7]
+        ('program', 'graphmod.bricks.Linear', 'sha256:')
+    """
+    provenance = obj if isinstance(obj, Provenance) else getattr(obj, "provenance", None)
+    if isinstance(provenance, Provenance):
+        return provenance
+    raise TypeError(f"capture: expected a Program, a train step, a Loop or an Evaluation, got "
+                    f"{type(obj).__name__}")

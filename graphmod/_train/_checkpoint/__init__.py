@@ -1,0 +1,36 @@
+"""Checkpoints of a run: the train state's arrays (orbax), verified, and a JSON record.
+
+Modules: ``_format`` (what a checkpoint holds and what verifies it; no I/O), ``_reader``
+(listing, reading and verifying through orbax), ``_writer`` (asynchronous saves and
+pruning), ``_errors`` (``CheckpointError``, plain reasons, orbax's log kept out of the
+terminal).
+
+**Layout.** A checkpoint directory holds one sub-directory per saved step, ``<step>/``,
+written by orbax: ``state`` (the train state's leaves as a flat list of host arrays, PRNG
+keys as their key data; empty arrays live in the record only) and ``meta`` (JSON: the
+format, the id of the run that wrote it, the step, each leaf's path, shape, dtype and
+checksum, loop counters and timelines, data position, plugin states, and the provenance
+record when there is one). Orbax writes into ``<step>.orbax-checkpoint-tmp`` and renames it
+when complete, so a save cut off half-way leaves the earlier checkpoints intact; such a
+leftover is an incomplete write, never read.
+
+**Verification.** Every array's checksum (CRC-32; why, in ``_format``) is computed on the
+host copy a save makes anyway, off the training thread, and checked on restore along with
+its shape and dtype.
+
+**Ownership.** Each writer has a run id (random, made when a run starts writing; a resumed
+run continues its id) and prunes only the checkpoints of its own run (``keep``), oldest
+write first, once a newer write is complete. It never replaces a step another run wrote; a
+step directory that fails verification (one a resumed run skipped) is renamed to
+``<step>.unverified`` when its step is written again, never deleted.
+
+**Errors.** A checkpoint that cannot be read or verified raises :class:`CheckpointError`
+naming its path and the reason; orbax's own log messages and tracebacks go to the
+``graphmod.checkpoint`` logger at debug level, not to the terminal.
+"""
+
+from graphmod._train._checkpoint._errors import CheckpointError
+from graphmod._train._checkpoint._reader import CheckpointReader
+from graphmod._train._checkpoint._writer import Checkpointer
+
+__all__ = ["CheckpointError", "CheckpointReader", "Checkpointer"]

@@ -1,0 +1,272 @@
+"""Reading a checkpoint directory through orbax: its steps, meta records and verified arrays.
+
+Orbax is imported when a reader is made, never before (``import graphmod`` loads no orbax).
+Every read checks what it reads: the meta record's format and array list, each array's
+shape, dtype and checksum (:mod:`graphmod._train._checkpoint._format`); a failure raises a
+:class:`CheckpointError` naming the path and the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from graphmod._records._record import Provenance
+from graphmod._train._checkpoint._errors import (
+    CheckpointError,
+    failure_reason,
+    log,
+    quiet_orbax,
+)
+from graphmod._train._checkpoint._format import (
+    LEGACY_FORMAT,
+    check_arrays,
+    check_compatible,
+    check_record,
+    restored,
+    stored_specs,
+)
+
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+SET_ASIDE = ".unverified"
+_STEP = re.compile(r"[0-9]+")
+_LEFTOVER = re.compile(rf"[0-9]+({re.escape(TMP_SUFFIX)}|{re.escape(SET_ASIDE)}).*")
+
+
+class CheckpointReader:
+    """Lists, verifies and restores the checkpoints of one directory; creates nothing.
+
+    ``restore`` verifies what it reads and, when no step is named, falls back to the newest
+    checkpoint that verifies, with a warning naming each one skipped and why.
+
+    Examples:
+        >>> import tempfile
+        >>> from graphmod._train._checkpoint import CheckpointReader
+        >>> reader = CheckpointReader(tempfile.mkdtemp())
+        >>> reader.steps(), reader.latest(), reader.leftovers()
+        ([], None, {})
+        >>> reader.close()
+    """
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        import orbax.checkpoint as ocp  # opened on first use: importing graphmod stays light
+
+        quiet_orbax()
+        self.directory = os.path.abspath(os.fspath(directory))
+        self._ocp = ocp
+        self._orbax = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+        self._lock = threading.Lock()  # one orbax call at a time (writer thread vs reads)
+
+    def close(self) -> None:
+        """Releases orbax."""
+        try:
+            self._orbax.close()
+        except Exception:  # nothing is left to write; orbax's teardown noise stays out
+            log.debug("closing orbax's checkpointer failed", exc_info=True)
+
+    # -- the directory --------------------------------------------------------------------
+    def _path(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _names(self) -> list[str]:
+        try:
+            return sorted(os.listdir(self.directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def steps(self) -> list[int]:
+        """The steps with a checkpoint directory (verified or not), ascending."""
+        return sorted(int(n) for n in self._names()
+                      if _STEP.fullmatch(n) and os.path.isdir(self._path(int(n))))
+
+    def latest(self) -> int | None:
+        """The newest step with a checkpoint directory, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def leftovers(self) -> dict[str, str]:
+        """``{name: what it is}`` of the directories that are no checkpoint but were one's:
+        temporary directories of writes cut off, and checkpoints set aside (see
+        :mod:`graphmod._train._checkpoint`)."""
+        return {n: "an incomplete write (cut off, or still in progress); never read"
+                if TMP_SUFFIX in n else "a checkpoint that failed verification, set aside when "
+                "its step was written again; never read"
+                for n in self._names() if _LEFTOVER.fullmatch(n)}
+
+    def run_of(self, step: int) -> str | None:
+        """The run id recorded in ``step``'s meta, or None where it cannot be read."""
+        try:
+            return self._read_meta(step).get("run_id")
+        except CheckpointError:
+            return None
+
+    # -- reading and verifying --------------------------------------------------------------
+    def _read_meta(self, step: int, *, legacy: bool = False) -> dict[str, Any]:
+        """``step``'s meta record, checked for format and a well-formed array list
+        (``legacy``: a format-1 record is returned as it is)."""
+        path = self._path(step)
+        if not os.path.isdir(path):
+            raise CheckpointError(path, "no such checkpoint directory")
+        if not os.listdir(path):
+            raise CheckpointError(path, "empty directory: not a checkpoint")
+        if not os.path.isdir(os.path.join(path, "meta")):
+            raise CheckpointError(path, "no meta record: not a graphmod checkpoint, or one "
+                                  "whose write was cut off")
+        ocp = self._ocp
+        try:
+            with self._lock:
+                record = self._orbax.restore(
+                    path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except json.JSONDecodeError as error:
+            raise CheckpointError(path, f"the meta record is not valid JSON ({error})") from None
+        except Exception as error:
+            log.debug("reading the meta record of %s failed", path, exc_info=True)
+            raise CheckpointError(
+                path, f"the meta record cannot be read ({failure_reason(error)})") from None
+        check_record(path, record, legacy=legacy)
+        if record.get("format") == LEGACY_FORMAT:
+            return {**record, "step": step}  # format 2 records their step themselves
+        return record
+
+    def _read_arrays(self, step: int, record: dict[str, Any]) -> list[np.ndarray]:
+        """The arrays of ``step``, each checked against the meta's shape, dtype, checksum."""
+        path = self._path(step)
+        entries = record["arrays"]
+        empty = [math.prod(shape) == 0 for _, shape, _, _ in entries]
+        kept = [entry for entry, no in zip(entries, empty, strict=True) if not no]
+        stored = iter(self._read_stored(path, kept) if kept else [])
+        arrays = [np.zeros(shape, jnp.dtype(dtype)) if no else np.asarray(next(stored))
+                  for (_, shape, dtype, _), no in zip(entries, empty, strict=True)]
+        check_arrays(path, entries, arrays)
+        return arrays
+
+    def _orbax_restore(self, path: str, what: str, **items: Any) -> dict[str, Any]:
+        """Orbax's read of ``items`` from ``path``; a failure is a CheckpointError saying
+        that ``what`` cannot be read."""
+        try:
+            with self._lock:
+                return self._orbax.restore(path, args=self._ocp.args.Composite(**items))
+        except Exception as error:
+            log.debug("reading the %s of %s failed", what, path, exc_info=True)
+            raise CheckpointError(path, f"the {what} cannot be read ({failure_reason(error)})") \
+                from None
+
+    def _read_stored(self, path: str, entries: list[list[Any]]) -> list[Any]:
+        """Orbax's read of the (non-empty) arrays ``entries`` lists, or a CheckpointError."""
+        if not os.path.isdir(os.path.join(path, "state")):
+            raise CheckpointError(path, "no state directory: the arrays are missing")
+        abstract = [np.zeros(shape, jnp.dtype(dtype)) for _, shape, dtype, _ in entries]
+        got = self._orbax_restore(path, "arrays",
+                                  state=self._ocp.args.StandardRestore(abstract))["state"]
+        if not isinstance(got, list) or len(got) != len(entries):
+            raise CheckpointError(path, f"the state holds {len(got)} arrays, the meta record "
+                                  f"lists {len(entries)}")
+        return got
+
+    def verify(self, step: int) -> str | None:
+        """None if ``step``'s checkpoint reads back whole (meta, every array's shape, dtype
+        and checksum), else the reason it does not."""
+        try:
+            self._read_arrays(step, self._read_meta(step))
+        except CheckpointError as error:
+            return error.reason
+        return None
+
+    def _read_legacy(self, step: int, template: Any) -> list[np.ndarray]:
+        """The arrays of a format-1 checkpoint (one pytree shaped like ``template``), which
+        carries no checksums: restored unverified, with a warning."""
+        path = self._path(step)
+        abstract = [np.zeros(shape, dtype) for shape, dtype in stored_specs(template)]
+        tree = jax.tree.unflatten(jax.tree.structure(template), abstract)
+        got = self._orbax_restore(path, "arrays",
+                                  state=self._ocp.args.StandardRestore(tree))["state"]
+        warnings.warn(f"{path}: written by graphmod 0.1 (format 1), which stored no checksums: "
+                      "restored unverified. Checkpoints written from now on are verified",
+                      stacklevel=4)
+        return [np.asarray(leaf) for leaf in jax.tree.leaves(got)]
+
+    def meta(self, step: int | None = None, *,
+             skipped: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """The meta record of ``step`` (default: the newest one whose meta can be read; each
+        newer one that cannot is passed to ``skipped`` as ``"step N: reason"``). Its
+        ``"step"`` says which checkpoint it is."""
+        read = functools.partial(self._read_meta, legacy=True)
+        if step is not None:
+            return read(self._step(step))
+        return self._first(read, skipped)
+
+    def provenance(self, step: int | None = None) -> Any:
+        """The provenance record saved at ``step`` (default: the latest), or None."""
+        record = self.meta(step).get("provenance")
+        return None if record is None else Provenance.from_dict(record)
+
+    def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """The state saved at ``step`` shaped like ``template``, and its meta record (whose
+        ``"step"`` says which checkpoint it is). Without ``step``: the newest checkpoint that
+        verifies, warning about each newer one skipped. Raises ``ValueError`` if the
+        checkpoint holds another program's state, :class:`CheckpointError` if none verifies."""
+        load = functools.partial(self._load, template=template, want=stored_specs(template))
+        if step is not None:
+            record, arrays = load(self._step(step))
+        else:
+            skipped: list[str] = []
+            record, arrays = self._first(load, skipped.append)
+            if skipped:
+                warnings.warn(f"{self.directory}: skipped checkpoints that fail verification "
+                              f"({'; '.join(skipped)}); using step {record['step']}",
+                              stacklevel=2)
+        return restored(template, arrays), record
+
+    def _load(self, step: int, *, template: Any, want: list[tuple[list[int], str]],
+              ) -> tuple[dict[str, Any], list[np.ndarray]]:
+        """``step``'s meta record and verified arrays, for a state shaped like ``template``
+        (whose leaves are stored as ``want``)."""
+        record = self._read_meta(step, legacy=True)
+        check_compatible(self._path(step), record.get("tree", {}), template)
+        if record["format"] == LEGACY_FORMAT:
+            return record, self._read_legacy(step, template)
+        listed = [(shape, dtype) for _, shape, dtype, _ in record["arrays"]]
+        if listed != want:
+            raise CheckpointError(self._path(step), "the meta record's array list does not "
+                                  "match its tree of leaves")
+        return record, self._read_arrays(step, record)
+
+    def _first(self, load: Callable[[int], Any],
+               skipped: Callable[[str], None] | None = None) -> Any:
+        """What ``load`` gives for the newest step it accepts; each newer one it refuses is
+        passed to ``skipped`` as ``"step N: reason"``."""
+        refused = []
+        for step in reversed(self._step_list()):
+            try:
+                return load(step)
+            except CheckpointError as error:
+                refused.append(f"step {step}: {error.reason}")
+                if skipped is not None:
+                    skipped(refused[-1])
+        raise CheckpointError(self.directory, "no checkpoint verifies (" + "; ".join(refused)
+                              + ")", "start a new run in a new directory, or restore a copy")
+
+    def _step_list(self) -> list[int]:
+        steps = self.steps()
+        if not steps:
+            where = "" if os.path.isdir(self.directory) else " (the directory does not exist)"
+            raise FileNotFoundError(f"no checkpoint in {self.directory}{where}")
+        return steps
+
+    def _step(self, step: int) -> int:
+        steps = self._step_list()
+        if step not in steps:
+            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; "
+                                    f"saved steps: {steps}")
+        return step

@@ -1,0 +1,267 @@
+"""A loop's plugins and the delivery of events to them: order, queue, timing, errors.
+
+Plugins receive an event in registration order, ``*_end`` and ``end`` in reverse (LIFO),
+higher ``priority`` first. Events a plugin fires are queued and delivered after the current
+one. Each call is timed into a bounded :class:`DispatchTrace`; a plugin's exception becomes
+a :class:`PluginError` naming the plugin and where it raised.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time as _time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from graphmod._core._table import text_table
+from graphmod._train._events import AnyOf, Event, Template, Time, as_template, plugin_name
+from graphmod._train._plugin import Plugin
+
+
+class PluginError(RuntimeError):
+    """A plugin raised: the loop stopped (plugins saw an ``interrupt`` event) and re-raised.
+
+    The message names the plugin and the event and step, or the phase (``setup``,
+    ``teardown``); the plugin's own exception is the ``__cause__``.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> issubclass(gm.PluginError, RuntimeError)
+        True
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """One registered plugin: its template (None: its own handlers), priority and name."""
+
+    template: Template | None
+    plugin: Any
+    priority: int
+    order: int
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    """One plugin call: which event, which plugin, in which order, how long it took."""
+
+    event: str
+    step: int
+    plugin: str
+    order: int
+    seconds: float
+
+
+class DispatchTrace:
+    """The latest dispatches of a loop (a bounded buffer); prints as a table.
+
+    Examples:
+        >>> from graphmod._train._loop import Dispatch, DispatchTrace
+        >>> trace = DispatchTrace(maxlen=2)
+        >>> for i in range(3):
+        ...     trace.append(Dispatch("step", i, "print", 0, 0.0))
+        >>> [d.step for d in trace]
+        [1, 2]
+    """
+
+    def __init__(self, maxlen: int = 4096) -> None:
+        self._records: collections.deque[Dispatch] = collections.deque(maxlen=maxlen)
+
+    def append(self, record: Dispatch) -> None:
+        self._records.append(record)
+
+    def __iter__(self) -> Iterator[Dispatch]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __reversed__(self) -> Iterator[Dispatch]:
+        return reversed(self._records)
+
+    def __str__(self) -> str:
+        rows = [(d.event, d.step, d.order, d.plugin, f"{d.seconds * 1e3:.3f}") for d in self]
+        return text_table(("event", "step", "order", "plugin", "ms"), rows)
+
+
+class PluginTable:
+    """The registered plugins of one loop, and the events on their way to them.
+
+    ``queue`` holds events fired during a delivery; ``current`` is the registration being
+    called; ``seconds`` sums the time spent in plugins (the loop's ``train_seconds`` leave
+    it out); ``terminated`` is set by a delivered ``terminate`` event.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[Registration] = []
+        self.queue: collections.deque[Event] = collections.deque()
+        self.trace = DispatchTrace()
+        self.current: Registration | None = None
+        self.seconds = 0.0
+        self.terminated = False
+        self.templates: list[Template] = []  # alternatives apart, for planning fused steps
+        self._orders: tuple[list[Registration], list[Registration]] = ([], [])
+        self._previous: dict[tuple[int, str], Time] = {}
+
+    def register(self, template: Template | str | None, plugin: Any,
+                 priority: int | None) -> None:
+        """Adds ``plugin`` (see :meth:`graphmod.Loop.on`); a plain callable whose name is
+        taken gets a numbered one, two :class:`Plugin` s with one name are refused."""
+        if not callable(plugin):
+            raise TypeError(f"loop.on: plugin must be callable, got {plugin!r}")
+        if template is None and isinstance(plugin, Plugin):
+            template = plugin.every
+        template = None if template is None else as_template(template, "loop.on(template)")
+        name = plugin_name(plugin)
+        taken = {e.name for e in self.entries}
+        if name in taken:
+            if isinstance(plugin, Plugin):
+                raise ValueError(f"two plugins are named {name!r}: pass name=... to one of "
+                                 "them (names key plugin state in checkpoints)")
+            name = next(f"{name}_{i}" for i in range(2, len(taken) + 3)
+                        if f"{name}_{i}" not in taken)
+        if priority is None:
+            priority = getattr(plugin, "priority", 0)
+        self.entries.append(Registration(template, plugin, priority, len(self.entries), name))
+        self.templates += [] if template is None else _parts(template)
+        # Dispatch orders, computed once: registration order, and LIFO for *_end events.
+        self._orders = (sorted(self.entries, key=lambda e: (-e.priority, e.order)),
+                        sorted(self.entries, key=lambda e: (-e.priority, -e.order)))
+
+    def _plugin_objects(self) -> list[Registration]:
+        """The registrations of :class:`Plugin` instances (not plain callables), in order."""
+        return [e for e in self.entries if isinstance(e.plugin, Plugin)]
+
+    def wrap(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """``step`` wrapped by each plugin's ``wrap_step``, the first registered outermost."""
+        for entry in reversed(self._plugin_objects()):
+            step = entry.plugin.wrap_step(step)
+        return step
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each :class:`Plugin`'s ``state_dict()``, by name (as checkpoints hold them)."""
+        return {e.name: e.plugin.state_dict() for e in self._plugin_objects()}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Gives each :class:`Plugin` named in ``saved`` its state back."""
+        for entry in self._plugin_objects():
+            if entry.name in saved:
+                entry.plugin.load_state_dict(saved[entry.name])
+
+    def saves_on_interrupt(self) -> bool:
+        """Whether a plugin (a Checkpoint) saves the run on an interrupt."""
+        return any(getattr(e.plugin, "save_on_interrupt", False) for e in self.entries)
+
+    def previous(self, issuer: Any, type: str, default: Time) -> Time:
+        """The time of the last event of ``type`` from ``issuer`` (``default``: none yet)."""
+        return self._previous.get((id(issuer), type), default)
+
+    def deliver(self, event: Event) -> None:
+        """Calls every plugin whose template (or own handlers) match ``event``, in order."""
+        self._previous[(id(event.issuer), event.type)] = event.time
+        if event.type == "terminate":
+            self.terminated = True
+        entries = self._orders[1 if _is_end(event.type) else 0]
+        for order, entry in enumerate(entries):
+            if entry.plugin is event.issuer:
+                continue
+            if entry.template is None:
+                if isinstance(entry.plugin, Plugin) and not entry.plugin.handles(event.type):
+                    continue
+            elif not entry.template.matches(event):
+                continue
+            self._call(entry, event, order)
+
+    def deliver_interrupt(self, event: Event, error: BaseException) -> None:
+        """Gives each plugin, last registered first, the ``interrupt`` event: a
+        :class:`Plugin` through its ``on_interrupt`` whatever its template (a Checkpoint
+        saves), a callable if its template matches. A plugin's error becomes a note of
+        ``error``; a second Ctrl-C stops the delivery."""
+        for order, entry in enumerate(reversed(self.entries)):
+            handler = None
+            if isinstance(entry.plugin, Plugin):
+                handler = getattr(entry.plugin, "on_interrupt", None)
+                if handler is None:
+                    continue
+            elif entry.template is not None and not entry.template.matches(event):
+                continue
+            try:
+                self._call(entry, event, order, handler)
+            except PluginError as failure:  # the original error is what the user needs first
+                error.add_note(f"also: {failure}")
+            except KeyboardInterrupt:
+                break  # Ctrl-C again (in an interactive session): abort, saving nothing more
+
+    def _call(self, entry: Registration, event: Event, order: int,
+              handler: Callable[[Event], Any] | None = None) -> None:
+        begin = _time.perf_counter()
+        self.current = entry
+        try:
+            (handler or entry.plugin)(event)
+        except BaseException as exc:
+            error = _plugin_error(
+                entry.name, f"on the {event.type!r} event at step {event.time.step}", exc)
+            if error is exc:
+                raise
+            raise error from exc
+        finally:
+            self.current = None
+            spent = _time.perf_counter() - begin
+            self.seconds += spent
+            self.trace.append(Dispatch(event.type, event.time.step, entry.name, order, spent))
+
+    def setup(self, loop: Any) -> list[Registration]:
+        """Sets the plugins up in order; if one raises, those set up are torn down."""
+        done: list[Registration] = []
+        for entry in self._plugin_objects():
+            try:
+                entry.plugin.setup(loop)  # may restore the loop (Checkpoint(resume=True))
+            except BaseException as exc:
+                error = _plugin_error(entry.name, "in setup", exc)
+                self.teardown(loop, done, error)
+                if error is exc:
+                    raise
+                raise error from exc
+            done.append(entry)
+        return done
+
+    def teardown(self, loop: Any, done: list[Registration],
+                 error: BaseException | None) -> None:
+        """Tears every set-up plugin down (LIFO), also when one raises: the run's own error
+        wins, else the first teardown error is raised; the others become its notes."""
+        failures: list[BaseException] = []
+        for entry in reversed(done):
+            try:
+                entry.plugin.teardown(loop, error)
+            except Exception as exc:
+                failures.append(_plugin_error(entry.name, "in teardown", exc))
+        if not failures:
+            return
+        head = error if error is not None else failures.pop(0)
+        for failure in failures:
+            head.add_note(f"also: {failure}")
+        if error is None:
+            raise head
+
+
+def _plugin_error(name: str, where: str, exc: BaseException) -> BaseException:
+    """A plugin's exception as a :class:`PluginError` naming the plugin and where it
+    raised; a PluginError (a nested loop's) or a KeyboardInterrupt is kept as it is."""
+    if isinstance(exc, PluginError) or not isinstance(exc, Exception):
+        return exc
+    error = PluginError(f"plugin {name!r} raised {where}: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def _is_end(event_type: str) -> bool:
+    return event_type == "end" or event_type.endswith("_end")
+
+
+def _parts(template: Template) -> list[Template]:
+    """The alternatives of a template (``On(...) | On(...)``), planned one by one."""
+    if isinstance(template, AnyOf):
+        return [part for t in template.templates for part in _parts(t)]
+    return [template]

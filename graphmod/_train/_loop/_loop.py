@@ -1,0 +1,396 @@
+"""``Loop``: runs a train step over data; everything around the run happens in plugins.
+
+The class holds the run's counters, state and settings and drives epochs and steps; plugins
+and the delivery of events are :mod:`._dispatch`'s, reading batches ahead and fusing steps
+:mod:`._steps`', continuing from a checkpoint :mod:`._resume`'s, Ctrl-C
+:mod:`graphmod._train._interrupt`'s. The order of events and the speed rules are in
+:mod:`graphmod._train._loop`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time as _time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from graphmod._core._arguments import is_key
+from graphmod._core._clock import utc_now
+from graphmod._records._collect import training_provenance
+from graphmod._records._record import Provenance
+from graphmod._train._command import recorded_command
+from graphmod._train._events import Event, Template, Time, check_event_types
+from graphmod._train._interrupt import SigintGuard, report_unsaved, stop_notice
+from graphmod._train._loop._dispatch import DispatchTrace, PluginTable
+from graphmod._train._loop._resume import data_changes, read_checkpoint
+from graphmod._train._loop._steps import (
+    ReadAhead,
+    call_step,
+    check_loop_settings,
+    donated,
+    epoch_batches,
+    fused_steps,
+    steps_to_fuse,
+)
+from graphmod._train._optimize import TrainState, TrainStep
+
+
+class Loop:
+    """Runs ``step(state, *batch)`` (or ``**batch`` for dict batches) over ``data``.
+
+    Args:
+        step: a train step, e.g. from :func:`graphmod.optimize`: ``(state, metrics)``.
+        data: an :class:`graphmod.data.ArraySource` or any iterable of batches (iterated
+            once per epoch).
+        epochs: stop after this many epochs.
+        steps: stop after this many steps (whichever comes first; default: one epoch).
+        plugins: plugins registered in order (a :class:`Plugin` with its ``every``
+            template, a plain callable for every event).
+        steps_per_call: fuse up to this many steps into one dispatch when no plugin is due.
+        allow_data_change: continue from a checkpoint (``Loop.resume``,
+            ``Checkpoint(resume=True)``) although the data differ from the checkpoint's
+            description; the change is recorded in the checkpoints written afterwards.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np, optax, graphmod as gm
+        >>> from flax import nnx
+        >>> from graphmod.data import ArraySource
+        >>> lin = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> program = gm.compile(lambda m, x, y: ((m(x) - y) ** 2).mean(), lin)
+        >>> x, y = np.ones((32, 2), np.float32), np.zeros((32, 1), np.float32)
+        >>> step = gm.optimize(program, optax.sgd(0.1))
+        >>> state = step.init(program.init(x[:1], y[:1]), jax.random.key(0))
+        >>> seen = []
+        >>> loop = gm.Loop(step, ArraySource((x, y), batch_size=8), epochs=2)
+        >>> _ = loop.on(gm.On("step", step=gm.each(4)), lambda e: seen.append(e.time.step))
+        >>> state = loop.run(state)
+        >>> seen, int(state.step)
+        ([4, 8], 8)
+    """
+
+    def __init__(
+        self,
+        step: Callable[..., Any],
+        data: Iterable[Any],
+        *,
+        epochs: int | None = None,
+        steps: int | None = None,
+        plugins: Iterable[Any] = (),
+        steps_per_call: int = 1,
+        allow_data_change: bool = False,
+    ) -> None:
+        check_loop_settings(step, data, epochs=epochs, steps=steps,
+                            steps_per_call=steps_per_call)
+        self.step = step
+        self.data = data
+        self.epochs = epochs if epochs is not None or steps is not None else 1
+        self.max_steps = steps
+        self.steps_per_call = steps_per_call
+        self.allow_data_change = allow_data_change
+        # Data changes allowed on resumes: [{"step": ..., "fields": [...]}] (in checkpoints).
+        self.data_changes: list[dict[str, Any]] = []
+        self.time = Time()
+        self.position = 0  # batches done in the current epoch
+        self.state: Any = None
+        self._plugins = PluginTable()
+        self._prefetch = jax.default_backend() != "cpu"
+        self._clock: tuple[float, Time] | None = None
+        self._metrics: Any = {}
+        self._started = False
+        self._guard: SigintGuard | None = None  # set while run() handles Ctrl-C
+        self.started_at: str | None = None  # wall-clock start of the run (UTC, ISO 8601)
+        self.ended_at: str | None = None
+        for plugin in plugins:
+            self.on(None, plugin)
+
+    # -- registration -------------------------------------------------------------------------
+    def on(self, template: Template | str | None, plugin: Any, *,
+           priority: int | None = None) -> Any:
+        """Registers ``plugin`` for events matching ``template``; None: a :class:`Plugin`'s
+        own ``every`` (its ``on_<type>`` methods when that is None), every event for a
+        plain callable."""
+        self._plugins.register(template, plugin, priority)
+        return plugin
+
+    @property
+    def plugins(self) -> list[Any]:
+        """The registered plugins, in registration order."""
+        return [e.plugin for e in self._plugins.entries]
+
+    # -- what plugins call --------------------------------------------------------------------
+    def fire(self, type: str, **data: Any) -> None:
+        """Queues an event issued by the plugin being dispatched (or the loop)."""
+        current = self._plugins.current
+        issuer = current.plugin if current is not None else self
+        self._plugins.queue.append(self._event(type, issuer, data))
+
+    def terminate(self) -> None:
+        """Stops the run after the current step (fires a ``terminate`` event)."""
+        self.fire("terminate")
+
+    def update_state(self, fn: Callable[[Any], Any]) -> None:
+        """Replaces the train state by ``fn(state)``, cast to each leaf's dtype (no retrace)."""
+        old = self.state
+        new = fn(old)
+        if jax.tree.structure(new) != jax.tree.structure(old):
+            current = self._plugins.current
+            who = current.name if current is not None else "update_state"
+            raise ValueError(f"{who}: update_state(fn) must keep the state's structure")
+
+        def cast(n: Any, o: Any) -> Any:
+            dtype = getattr(o, "dtype", None)
+            if n is o or dtype is None or is_key(o):
+                return n  # a leaf fn kept costs nothing (Anneal touches one of hundreds)
+            return jnp.asarray(n, dtype=dtype)
+
+        self.state = jax.tree.map(cast, new, old)
+
+    @property
+    def start_time(self) -> Time:
+        """The time at which the current run started (or resumed)."""
+        return self._clock[1] if self._clock is not None else self.time
+
+    @property
+    def trace(self) -> DispatchTrace:
+        """The last plugin calls (event, step, plugin, order, seconds), newest last."""
+        return self._plugins.trace
+
+    @trace.setter
+    def trace(self, trace: DispatchTrace) -> None:  # e.g. a longer or shorter buffer
+        self._plugins.trace = trace
+
+    @property
+    def metrics(self) -> Any:
+        """The latest step's metrics (on the device until read)."""
+        return self._metrics
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    @property
+    def provenance(self) -> Provenance:
+        """The run's record: the step's (program, optimizer, train seed), the data, the
+        loop's settings and what happened so far (steps, examples, epochs, times).
+
+        Examples:
+            >>> import jax, jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> program = gm.compile(lambda m, x: (m(x) ** 2).mean(),
+            ...                      gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0)))
+            >>> step = gm.optimize(program, gm.provenance.optimizer("sgd", 0.1))
+            >>> loop = gm.Loop(step, [(jnp.ones((4, 2)),)] * 3, epochs=1)
+            >>> _ = loop.run(step.init(program.init(jnp.ones((4, 2))), jax.random.key(0)))
+            >>> loop.provenance["loop"]["epochs"], loop.provenance.derived["steps"]
+            (1, 3)
+        """
+        if not isinstance(self.step, TrainStep):
+            raise TypeError("capture(loop): the loop's step is not a graphmod.optimize step, "
+                            "so its model is unknown; capture the program instead")
+        return training_provenance(self.step, self)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the train state needed to continue exactly: counters, timelines,
+        data position, the loop's settings and each plugin's state (JSON-serialisable)."""
+        data = getattr(self.data, "state_dict", None)
+        return {
+            "time": self.time.to_dict(),
+            "started_at": self.started_at,
+            "position": self.position,
+            "loop": {"epochs": self.epochs, "steps": self.max_steps,
+                     "steps_per_call": self.steps_per_call},
+            "plugins": self._plugins.state_dict(),
+            "data": data() if callable(data) else None,
+            "data_changes": list(self.data_changes),
+            # What `graphmod resume DIR` runs again.
+            "command": recorded_command(),
+        }
+
+    def load_state_dict(self, meta: dict[str, Any]) -> None:
+        """Continues from :meth:`state_dict`'s record (the run's ``begin`` is not repeated).
+
+        Refuses, before changing anything, data whose description (size, shapes, dtypes,
+        content hash, batch size, seed, shuffling) differs from the one the checkpoint's
+        provenance records, unless the loop was made with ``allow_data_change=True``."""
+        changes = data_changes(meta, self.data, self.allow_data_change)
+        self.time = Time(**meta["time"])
+        self.started_at = meta.get("started_at")
+        self.position = int(meta["position"])
+        self._started = True
+        self._plugins.load_state_dict(meta.get("plugins", {}))
+        if meta.get("data") is not None and hasattr(self.data, "load_state_dict"):
+            self.data.load_state_dict(meta["data"])
+        self.data_changes = changes
+
+    @classmethod
+    def resume(cls, directory: str, step: Callable[..., Any], data: Iterable[Any], *,
+               plugins: Iterable[Any] = (), state: Any = None, checkpoint: int | None = None,
+               allow_data_change: bool = False, **settings: Any) -> Any:
+        """Continues the run saved in ``directory`` exactly where its latest checkpoint
+        stopped, and returns the final state.
+
+        ``state`` is a template of the train state (any state of the same program); by
+        default it is derived from ``step`` (a :func:`graphmod.optimize` step) and the first
+        batch of ``data``. ``settings`` override the saved ``epochs``/``steps``/
+        ``steps_per_call``. Data whose description differs from the checkpoint's are
+        refused (naming the fields) unless ``allow_data_change=True``, which is recorded
+        (``data_changes`` in later checkpoints). A missing ``directory`` is an error, and
+        nothing is created.
+        """
+        restored, meta = read_checkpoint(directory, state, step, data, checkpoint)
+        loop = cls(step, data, plugins=plugins, allow_data_change=allow_data_change,
+                   **{**meta["loop"], **settings})
+        loop.load_state_dict(meta)
+        return loop.run(restored)
+
+    # -- running --------------------------------------------------------------------------------
+    def run(self, state: Any) -> Any:
+        """Runs to the end (epochs/steps) or a ``terminate``; returns the final state.
+
+        Ctrl-C (in the main thread) stops the run after the step or event in progress:
+        plugins get an ``interrupt`` event holding that finished step's state, then
+        ``KeyboardInterrupt`` is raised; a second Ctrl-C aborts at once. A plugin's error in
+        ``setup`` or ``teardown`` raises a :class:`PluginError` naming it and the phase;
+        every plugin set up is torn down, also when another's teardown raises.
+        """
+        check_event_types([(e.name, e.template) for e in self._plugins.entries
+                           if e.template is not None], self.plugins)
+        self._check_state(state)
+        self.state = state
+        self._plugins.terminated = False
+        step = self._plugins.wrap(self.step)
+        multi = fused_steps(step, self.step) if self.steps_per_call > 1 else None
+        with SigintGuard(stop_notice(self._plugins.saves_on_interrupt())) as guard:
+            self._guard = guard
+            try:
+                self._run_plugins(step, multi)
+            finally:
+                self._guard = None
+        if guard.requested:  # Ctrl-C during the last teardowns: the run itself completed
+            raise KeyboardInterrupt(f"interrupted after the run ended at step {self.time.step}")
+        return self.state
+
+    def _check_state(self, state: Any) -> None:
+        """Refuses a state the step cannot take, naming the argument and the fix."""
+        make = "state = step.init(program.init(*example_batch), jax.random.key(0))"
+        if state is None:
+            raise TypeError(f"Loop.run(state): state is None; pass the train state to start "
+                            f"from, e.g. {make}")
+        if isinstance(self.step, TrainStep) and not isinstance(state, TrainState):
+            raise TypeError(f"Loop.run(state): a graphmod.optimize step takes a "
+                            f"graphmod.TrainState, got {type(state).__name__}; make one with "
+                            "state = step.init(variables, jax.random.key(0))")
+
+    def _run_plugins(self, step: Callable[..., Any], multi: Callable[..., Any] | None) -> None:
+        """Sets the plugins up, runs, and tears them down (also on an error or Ctrl-C)."""
+        done = self._plugins.setup(self)
+        error: BaseException | None = None
+        try:
+            self._check_interrupt()
+            self._run_events(step, multi)
+        except BaseException as exc:
+            error = exc
+            if isinstance(exc, KeyboardInterrupt) and self._guard is not None \
+                    and self._guard.requested:  # Ctrl-C, here or in a nested loop
+                error = KeyboardInterrupt(f"interrupted at step {self.time.step}")
+            self._interrupt(error)
+            if error is not exc:
+                raise error from None  # a short traceback, not one through the loop
+            raise
+        finally:
+            self._plugins.teardown(self, done, error)
+
+    def _run_events(self, step: Callable[..., Any], multi: Callable[..., Any] | None) -> None:
+        """``begin`` (unless resumed), the epochs with their steps, ``end``."""
+        self._clock = (_time.perf_counter(), self.time)
+        self._plugins.seconds = 0.0
+        if not self._started:
+            self.started_at = utc_now()
+            self._emit("begin")
+            self._started = True
+        while not self._finished():
+            if self.position == 0:
+                self._emit("epoch_begin")
+            self._run_epoch(step, multi)
+            if self._plugins.terminated or self._finished_steps():
+                break
+            self.time = dataclasses.replace(self.time, epoch=self.time.epoch + 1)
+            self.position = 0
+            self._emit("epoch_end")
+        self.ended_at = utc_now()
+        self._emit("end")
+
+    def _check_interrupt(self) -> None:
+        """Stops the run here, a safe point (the state is a finished step), after Ctrl-C."""
+        if self._guard is not None and self._guard.requested:
+            raise KeyboardInterrupt
+
+    def _finished_steps(self) -> bool:
+        return self.max_steps is not None and self.time.step >= self.max_steps
+
+    def _finished(self) -> bool:
+        if self._plugins.terminated or self._finished_steps():
+            return True
+        return self.epochs is not None and self.time.epoch >= self.epochs
+
+    def _run_epoch(self, step: Callable[..., Any], multi: Callable[..., Any] | None) -> None:
+        batches = ReadAhead(epoch_batches(self.data, self.time.epoch, self.position),
+                            self.steps_per_call + 1, self._prefetch)
+        while sizes := batches.fill():
+            count = steps_to_fuse(self._plugins.templates, self.time, sizes,
+                                  self.steps_per_call, self.max_steps)
+            size, batch = batches.take(count)
+            if count == 1:
+                self.state, self._metrics = call_step(step, self.state, batch)
+            else:
+                assert multi is not None
+                self.state, stacked_metrics = multi(self.state, batch)
+                self._metrics = jax.tree.map(lambda m: m[-1], stacked_metrics)
+            self.position += count
+            self._advance(count, size)
+            self._emit("step")
+            if self._plugins.terminated or self._finished_steps():
+                return
+        if not batches.produced and self.position == 0:
+            raise ValueError(f"the data source yielded no batch in epoch {self.time.epoch}")
+
+    # -- time and events ----------------------------------------------------------------------
+    def _now(self) -> Time:
+        assert self._clock is not None
+        start, base = self._clock
+        elapsed = _time.perf_counter() - start
+        t = self.time
+        return Time(t.step, t.epoch, t.examples, base.seconds + elapsed,
+                    base.train_seconds + elapsed - self._plugins.seconds)
+
+    def _advance(self, steps: int, examples: int) -> None:
+        t = self._now()
+        self.time = Time(t.step + steps, t.epoch, t.examples + examples, t.seconds,
+                         t.train_seconds)
+
+    def _event(self, type: str, issuer: Any, data: dict[str, Any]) -> Event:
+        if self._clock is not None:
+            self.time = self._now()
+        # The first event of a type covers the range since the run started.
+        start = self.start_time
+        # An event fired with metrics (e.g. "validated") carries them as its metrics.
+        metrics = data.pop("metrics") if "metrics" in data else self._metrics
+        return Event(type, issuer, self.time, self._plugins.previous(issuer, type, start),
+                     self, self.state, metrics, data)
+
+    def _emit(self, type: str, **data: Any) -> None:
+        self._plugins.deliver(self._event(type, self, data))
+        while self._plugins.queue:
+            self._plugins.deliver(self._plugins.queue.popleft())
+        self._check_interrupt()
+
+    def _interrupt(self, exc: BaseException) -> None:
+        """Lets plugins react (save, close) to a stop on an error or KeyboardInterrupt."""
+        self._plugins.queue.clear()
+        if self.state is not None and donated(self.state):
+            self.state = None  # cut off inside a donating step call: no state left to save
+        self._plugins.deliver_interrupt(self._event("interrupt", self, {"error": exc}), exc)
+        if isinstance(exc, KeyboardInterrupt):
+            report_unsaved(self.time.step, state_taken=self.state is None,
+                           saved=self._plugins.saves_on_interrupt())
+

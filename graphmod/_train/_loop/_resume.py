@@ -1,0 +1,72 @@
+"""Continuing a run from a checkpoint: reading it back, and checking the data against it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from graphmod._records._collect import data_record
+from graphmod._train._batch import step_arguments
+from graphmod._train._checkpoint import CheckpointReader
+
+
+def read_checkpoint(directory: str | os.PathLike, template: Any, step: Any,
+                    data: Iterable[Any], checkpoint: int | None) -> tuple[Any, dict[str, Any]]:
+    """The train state and meta record of ``directory``'s checkpoint (``checkpoint``: a
+    step, default the newest that verifies); ``template`` is a train state of the same
+    program, or None to derive its shapes from ``step`` and the first batch of ``data``."""
+    path = os.path.abspath(os.fspath(directory))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"Loop.resume: no checkpoint in {path}: "
+            f"{'not a directory' if os.path.exists(path) else 'no such directory'} "
+            "(nothing was created); pass the directory a Checkpoint plugin saved into")
+    reader = CheckpointReader(path)
+    try:
+        if template is None:
+            template = _abstract_state(step, data)
+        return reader.restore(template, checkpoint)
+    finally:
+        reader.close()
+
+
+def data_changes(meta: dict[str, Any], data: Iterable[Any],
+                 allowed: bool) -> list[dict[str, Any]]:
+    """The run's data changes, one more if ``data`` differ from the checkpoint's; raises
+    naming the differing fields unless they are ``allowed``."""
+    changes = list(meta.get("data_changes", []))
+    saved = ((meta.get("provenance") or {}).get("inputs") or {}).get("data")
+    if saved is None:  # no provenance (a step not from graphmod.optimize): not checkable
+        return changes
+    now = data_record(data)
+    fields = sorted(k for k in set(saved) | set(now)
+                    if k != "name" and saved.get(k) != now.get(k))  # a name is a label
+    if not fields:
+        return changes
+    if not allowed:
+        lines = "\n  ".join(f"{k}: checkpoint {_short(saved.get(k))}, "
+                            f"these data {_short(now.get(k))}" for k in fields)
+        raise ValueError(
+            f"resume: the data differ from those the checkpoint of step "
+            f"{meta['time']['step']} was trained on ({', '.join(fields)}):\n  {lines}\n"
+            "Pass the run's own data to continue it exactly, or allow_data_change=True "
+            "(to Loop.resume, or to the Loop of a Checkpoint(resume=True)) to continue "
+            "on these data; the change is recorded in later checkpoints")
+    return [*changes, {"step": int(meta["time"]["step"]), "fields": fields}]
+
+
+def _short(value: Any) -> str:
+    """A described field for an error message (a hash cut to its first characters)."""
+    return repr(value[:12] + "...") if isinstance(value, str) and len(value) > 16 \
+        else repr(value)
+
+
+def _abstract_state(step: Any, data: Iterable[Any]) -> Any:
+    """The shapes of ``step``'s train state, from the first batch of ``data``."""
+    if not hasattr(step, "abstract_state"):
+        raise TypeError("Loop.resume: pass state=<a train state of this program> (the step "
+                        "is no graphmod.optimize step, so its state's shapes are unknown)")
+    first = next(iter(data.iter_epoch(0) if hasattr(data, "iter_epoch") else data))
+    args, kwargs = step_arguments(first)
+    return step.abstract_state(*args, **kwargs)

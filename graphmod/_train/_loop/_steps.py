@@ -1,0 +1,155 @@
+"""The loop's step driver: batches read ahead, fused-step planning, step calls.
+
+On an accelerator each batch is put on the device one step ahead, so the copy overlaps the
+computation; on the CPU, where the device is the host, jit takes the NumPy batch directly
+(faster than a put). With ``steps_per_call=k`` up to k steps run in one ``lax.scan``
+dispatch whenever no planned template is due inside them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from graphmod._train._batch import step_arguments
+from graphmod._train._events import On, Template, Time
+
+_PLANNABLE = ("step", "epoch", "examples")
+
+
+def batch_size(batch: Any) -> int:
+    """The number of examples in ``batch`` (its first array's leading dimension)."""
+    first = batch
+    while isinstance(first, dict | tuple | list):  # the common shapes, without flattening
+        if not first:
+            raise ValueError("a batch holds no arrays")
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    return int(np.shape(first)[0])
+
+
+def call_step(step: Callable[..., Any], state: Any, batch: Any) -> Any:
+    """``step(state, ...)`` with the batch bound to its arguments."""
+    args, kwargs = step_arguments(batch)
+    return step(state, *args, **kwargs)
+
+
+def epoch_batches(data: Iterable[Any], epoch: int, position: int) -> Iterator[Any]:
+    """The batches of ``epoch`` from batch ``position`` on."""
+    if hasattr(data, "iter_epoch"):
+        return iter(data.iter_epoch(epoch, start=position))
+    iterator = iter(data)
+    for _ in range(position):  # resume inside an epoch of a plain iterable
+        next(iterator)
+    return iterator
+
+
+class ReadAhead:
+    """The batches of one epoch, read up to ``ahead`` beyond the step being run.
+
+    With ``prefetch`` (an accelerator) the batch after the one taken is put on the device
+    before the taken one's step is dispatched.
+    """
+
+    def __init__(self, batches: Iterator[Any], ahead: int, prefetch: bool) -> None:
+        self.produced = False  # whether the epoch yielded any batch
+        self._batches = batches
+        self._ahead = ahead
+        self._prefetch = prefetch
+        # [size, host batch, device batch or None] of each batch read.
+        self._buffer: collections.deque[list[Any]] = collections.deque()
+
+    def fill(self) -> list[int]:
+        """Reads ahead; the sizes of the buffered batches (none: the epoch is over)."""
+        while len(self._buffer) < self._ahead:
+            try:
+                host = next(self._batches)
+            except StopIteration:
+                break
+            self.produced = True
+            self._buffer.append([batch_size(host), host, None])
+        return [entry[0] for entry in self._buffer]
+
+    def take(self, count: int) -> tuple[int, Any]:
+        """The next ``count`` batches' number of examples and their batch (stacked along a
+        new leading axis when ``count > 1``), ready for the step."""
+        chunk = [self._buffer.popleft() for _ in range(count)]
+        if count == 1:
+            size, host, device = chunk[0]
+            batch = device if device is not None else self._put(host)
+        else:
+            size = sum(entry[0] for entry in chunk)
+            batch = self._put(jax.tree.map(lambda *xs: np.stack(xs), *[e[1] for e in chunk]))
+        if self._prefetch and self._buffer and self._buffer[0][2] is None:
+            self._buffer[0][2] = self._put(self._buffer[0][1])
+        return size, batch
+
+    def _put(self, batch: Any) -> Any:
+        # On the CPU the device is the host: jit takes NumPy batches faster than a put.
+        return jax.device_put(batch) if self._prefetch else batch
+
+
+def steps_to_fuse(templates: list[Template], now: Time, sizes: list[int], per_call: int,
+                  max_steps: int | None) -> int:
+    """How many of the next steps (of ``sizes`` examples each) can run in one call: at most
+    ``per_call``, not past ``max_steps``, and none at which a planned template is due may
+    fall inside. Templates whose fields are schedules on the ``step``, ``epoch`` or
+    ``examples`` timelines are planned; catch-alls and wall-clock schedules see one event
+    per call; a predicate that cannot be evaluated ahead allows one step at a time."""
+    limit = min(len(sizes), per_call)
+    if max_steps is not None:
+        limit = min(limit, max_steps - now.step)
+    if limit <= 1:
+        return 1
+    plans = []
+    for t in templates:
+        if "step" not in t.types():
+            continue
+        fields = t.schedules() if isinstance(t, On) and t.issuer is None else None
+        if fields is None:
+            return 1
+        if fields and all(k in _PLANNABLE for k in fields):
+            plans.append(fields)
+    for i in range(1, limit):
+        nxt = dataclasses.replace(now, step=now.step + 1, examples=now.examples + sizes[i - 1])
+        for fields in plans:
+            if all(s(getattr(now, k), getattr(nxt, k)) for k, s in fields.items()):
+                return i
+        now = nxt
+    return limit
+
+
+def donated(state: Any) -> bool:
+    """Whether a state's buffers were donated to a step call that never returned."""
+    return any(isinstance(leaf, jax.Array) and leaf.is_deleted()
+               for leaf in jax.tree.leaves(state))
+
+
+def fused_steps(step: Callable[..., Any], own: Callable[..., Any]) -> Callable[..., Any]:
+    """A function running ``step`` over stacked batches in one ``lax.scan`` call; ``own``
+    is the loop's step before plugins wrapped it."""
+    # A graphmod.optimize step keeps one fused function across loops and resumes.
+    if step is own and callable(getattr(step, "steps", None)):
+        return step.steps  # type: ignore[attr-defined]
+
+    def run(state: Any, batches: Any) -> tuple[Any, Any]:
+        return jax.lax.scan(lambda s, b: call_step(step, s, b), state, batches)
+
+    return jax.jit(run, donate_argnums=0)
+
+
+def check_loop_settings(step: Any, data: Any, **counts: int | None) -> None:
+    """Refuses a step, data or counts ``Loop`` cannot run, naming the argument."""
+    if not callable(step):
+        raise TypeError(f"Loop(step, data): step must be callable, got {step!r}")
+    if not isinstance(data, Iterable):
+        raise TypeError(f"Loop(step, data): data must be iterable, got {type(data).__name__}")
+    if hasattr(data, "__len__") and len(data) == 0:
+        raise ValueError("Loop(step, data): the data source is empty (no batch per epoch)")
+    for label, value in counts.items():
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"Loop({label}={value!r}): must be a positive int")

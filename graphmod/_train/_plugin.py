@@ -1,0 +1,80 @@
+"""``Plugin``: the base of loop plugins (Pylearn's DispatchPlugin, Composer's callbacks)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from graphmod._core._naming import snake_case
+from graphmod._train._events import Event, Template
+from graphmod.typing import LoopLike
+
+
+class Plugin:
+    """A loop plugin: receives each event at its ``on_<type>`` method when it defines one.
+
+    Beyond a plain callable, a plugin has a stable ``name`` (keys its state in checkpoints),
+    a ``priority``, an optional template ``every`` choosing the events it receives (None:
+    all of them), set-up and tear-down around the run (``setup``/``teardown``, the latter
+    also on error and KeyboardInterrupt; both receive the loop, typed by what a plugin may
+    use of it: :class:`graphmod.typing.LoopLike`), step middleware (``wrap_step``) and
+    ``state_dict()``/``load_state_dict()`` for exact resume. It changes the train state only
+    through ``event.loop.update_state(fn)``. A plugin that fires event types of its own
+    declares them in ``fires``: ``Loop.run`` refuses a template for a type nothing fires.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> class CountSteps(gm.Plugin):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.count = 0
+        ...     def on_step(self, event):
+        ...         self.count += 1
+        ...     def state_dict(self):
+        ...         return {"count": self.count}
+        >>> CountSteps().name
+        'count_steps'
+    """
+
+    name: str
+    priority: int = 0
+    every: Template | None = None
+    fires: tuple[str, ...] = ()
+
+    def __init__(self, *, name: str | None = None, priority: int = 0,
+                 every: Template | None = None) -> None:
+        if every is not None and not isinstance(every, Template):
+            raise TypeError(f"{type(self).__name__}(every=...): expected On(...), got {every!r}")
+        self.name = name or snake_case(type(self).__name__)
+        self.priority = priority
+        self.every = every
+
+    def __call__(self, event: Event) -> None:
+        handler = getattr(self, f"on_{event.type}", None)
+        if handler is not None:
+            handler(event)
+
+    def handles(self, event_type: str) -> bool:
+        """Whether this plugin reacts to events of ``event_type`` when ``every`` is None:
+        it defines ``on_<type>``, or overrides ``__call__`` to see every event."""
+        return type(self).__call__ is not Plugin.__call__ or hasattr(self, f"on_{event_type}")
+
+    def setup(self, loop: LoopLike) -> None:
+        """Called once before the run's first event."""
+
+    def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
+        """Called once after the run, also when it stops on an error or an interrupt."""
+
+    def wrap_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """Step middleware: return a function with ``step``'s signature (default: ``step``)."""
+        return step
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state saved in checkpoints (default: nothing)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what :meth:`state_dict` returned."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

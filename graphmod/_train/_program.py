@@ -1,0 +1,153 @@
+"""The public ``Program``: the core's compiled program with its provenance and storage.
+
+The compiler core (``graphmod._core``) knows nothing of provenance records or checkpoints;
+this module joins them: ``program.provenance`` assembles the record from the core's public
+``program.record``, ``save``/``load`` write and read an orbax checkpoint through the
+training layer's checkpointer (which opens orbax on first use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from graphmod._core._filter import VariableFilter
+from graphmod._core._manager import Manager
+from graphmod._core._program import ProgramCore, compile_program
+from graphmod._records._collect import program_provenance
+from graphmod._records._record import Provenance
+from graphmod._train._checkpoint import Checkpointer
+
+
+def compile(
+    fn: Callable[..., Any],
+    model: Any,
+    *,
+    managers: Iterable[Manager] | None = None,
+    monitor: VariableFilter | Mapping[str, VariableFilter] | None = None,
+    axis_name: Any = None,
+    applications: Mapping[type, Sequence[str]] | None = None,
+) -> Program:
+    """Traces ``fn(model, *args)`` with managers into a :class:`Program`.
+
+    Args:
+        fn: ordinary model code; returns a scalar cost, ``(cost, metrics_dict)`` or any
+            outputs.
+        model: the root brick: any ``flax.nnx.Module``, bricks or unmodified Flax code (every
+            call of a Flax module's ``__call__`` is then an application named ``apply``).
+        managers: the managers to apply, first outermost; default: those active in ``with``
+            blocks around this call.
+        monitor: a filter (or a dict of named filters) of tagged variables returned as
+            monitored values by ``train``/``infer``.
+        axis_name: a mapped axis name (``pmap``/``shard_map``) folded into randomness.
+        applications: more methods of unmodified Flax modules that are applications, by
+            class (subclasses included): ``{MyModule: ["encode"]}``; ``nnx.Embed.attend``
+            always is.
+
+    Returns:
+        The program: ``init``, ``train``, ``infer``, ``derive``, ``graph``, ...
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm, managers
+        >>> from flax import nnx
+        >>> mlp = gm.bricks.MLP([3, 4, 2], activation=jax.nn.relu, rngs=nnx.Rngs(0))
+        >>> with managers.Dropout(0.5, bricks=mlp.linear_layers, roles=[gm.roles.INPUT]):
+        ...     program = gm.compile(lambda m, x: m(x).sum(), mlp)
+        >>> x = jnp.ones((5, 3))
+        >>> variables = program.init(x)
+        >>> cost, variables = program.train(variables, x, rng=jax.random.key(0))
+        >>> program.infer(variables, x).shape
+        ()
+    """
+    return compile_program(Program, fn, model, managers=managers, monitor=monitor,
+                           axis_name=axis_name, applications=applications)
+
+
+class Program(ProgramCore):
+    """A compiled model function: pure, jitted ``train`` and ``infer`` over plain dicts.
+
+    Made by :func:`compile`. ``train(variables, *args, rng=key)`` returns
+    ``(out, variables)`` (and monitored values with ``monitor=``); ``infer(variables,
+    *args)`` returns ``out`` (and monitored values). ``provenance`` is its record,
+    ``save``/``load`` store its variables with that record.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm
+        >>> from flax import nnx
+        >>> program = gm.compile(lambda m, x: m(x), gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0)))
+        >>> variables = program.init(jnp.ones((1, 2)))
+        >>> out, variables = program.train(variables, jnp.ones((4, 2)), rng=jax.random.key(0))
+        >>> out.shape, sorted(variables["model"])
+        ((4, 3), ['W', 'b'])
+    """
+
+    _assembled: tuple[int, Provenance] | None = None  # (inits when made, the record)
+
+    @property
+    def provenance(self) -> Provenance:
+        """How this program came to be: a :class:`graphmod.Provenance` record.
+
+        Holds the bricks (class, configuration, RNG key data, parameter shapes and dtypes),
+        the managers (class, configuration, filter, order, priority), the function, init's
+        example shapes and seed, library versions and platform; derived: the graph
+        fingerprint and the training-mode rewrite trace (both need ``init`` to have run:
+        before it they are empty). Assembled when first asked for, then kept until the
+        next ``init``.
+
+        Examples:
+            >>> import jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> program = gm.compile(lambda m, x: m(x).sum(),
+            ...                      gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0)))
+            >>> _ = program.init(jnp.ones((1, 2)))
+            >>> program.provenance["parameters"]["/.W"]["shape"]
+            (2, 3)
+        """
+        inits = self.record.inits
+        if self._assembled is None or self._assembled[0] != inits:
+            self._assembled = (inits, program_provenance(self))
+        return self._assembled[1]
+
+    def save(self, directory: Any, variables: dict, *, step: int = 0) -> None:
+        """Writes ``variables`` and this program's provenance record to ``directory``.
+
+        The directory is an orbax checkpoint like the loop's (``graphmod inspect DIR``
+        prints it; ``graphmod.provenance.read(DIR)`` returns the record); :meth:`load`
+        reads the variables back.
+
+        Examples:
+            >>> import tempfile, jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> program = gm.compile(lambda m, x: m(x).sum(),
+            ...                      gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0)))
+            >>> variables = program.init(jnp.ones((1, 2)))
+            >>> directory = tempfile.mkdtemp()
+            >>> program.save(directory, variables)
+            >>> loaded = program.load(directory)
+            >>> bool((loaded["model"]["W"] == variables["model"]["W"]).all())
+            True
+            >>> gm.provenance.read(directory) == program.provenance
+            True
+        """
+        self._unpack(variables)  # checked before anything is written
+        writer = Checkpointer(directory, keep=None, asynchronous=False)
+        try:
+            writer.save(step, variables, {"kind": "program",
+                                          "provenance": self.provenance.to_dict()})
+            writer.wait()
+        finally:
+            writer.close()
+
+    def load(self, directory: Any, *, step: int | None = None) -> dict:
+        """The variables :meth:`save` wrote to ``directory`` (checked against this program's
+        layout; ``init`` must have run, to know the shapes)."""
+        shapes = self.record.variables
+        if shapes is None:
+            raise RuntimeError("program.load: call program.init(*example_args) first, so the "
+                               "program knows its variables' shapes")
+        reader = Checkpointer(directory, keep=None)
+        try:
+            variables, _ = reader.restore(shapes, step)
+        finally:
+            reader.close()
+        return variables

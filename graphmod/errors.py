@@ -1,0 +1,87 @@
+"""The errors graphmod raises where a user can act on them, by what went wrong.
+
+Each subclasses the builtin graphmod raised before it had names for them, so ``except
+ValueError`` written against earlier versions still catches them. Every message names the
+culprit (manager, variable path, shape, argument) and the fix.
+
+Examples:
+    >>> import graphmod as gm
+    >>> issubclass(gm.errors.ManagerMatchedNothing, ValueError)
+    True
+    >>> try:
+    ...     raise gm.errors.VariablesMismatch("variables['model'] misses /.W")
+    ... except ValueError as error:
+    ...     print(type(error).__name__, error)
+    VariablesMismatch variables['model'] misses /.W
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "GraphmodError",
+    "ManagerConflict",
+    "ManagerMatchedNothing",
+    "StateEscapesTransform",
+    "VariablesMismatch",
+]
+
+
+class GraphmodError(Exception):
+    """Base of graphmod's named errors: ``except gm.errors.GraphmodError`` catches them all.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> issubclass(gm.errors.StateEscapesTransform, gm.errors.GraphmodError)
+        True
+    """
+
+
+class ManagerMatchedNothing(GraphmodError, ValueError):
+    """A strict manager's filter selected no variable of any application call in a trace.
+
+    Fix the filter (``program.graph(...).filter(manager.filter)`` shows what it selects), or
+    pass ``strict=False`` to the manager.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> issubclass(gm.errors.ManagerMatchedNothing, ValueError)
+        True
+    """
+
+
+class ManagerConflict(GraphmodError, ValueError):
+    """Two managers cannot both act: the same name in one program, or two exclusive
+    rewrites of one variable.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> issubclass(gm.errors.ManagerConflict, ValueError)
+        True
+    """
+
+
+class VariablesMismatch(GraphmodError, ValueError):
+    """Variables that do not fit a program: another model's or program's, or a missing or
+    unexpected entry, shape or dtype (named by path). Use the variables the program's
+    ``init`` returns.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> issubclass(gm.errors.VariablesMismatch, ValueError)
+        True
+    """
+
+
+class StateEscapesTransform(GraphmodError, RuntimeError):
+    """A value that must leave the trace (an updated variable, a monitored value, a new
+    manager variable) was made inside a raw JAX transform or an NNX lifted transform
+    (``jax.jit``, ``lax.scan``, ``nnx.vmap``, ``nnx.remat``, ...), which cannot return it.
+
+    Use :func:`graphmod.scan` for recurrences and loops over layers, which carries manager
+    state step by step, or return the value through the transform.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> issubclass(gm.errors.StateEscapesTransform, RuntimeError)
+        True
+    """

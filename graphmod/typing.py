@@ -1,0 +1,260 @@
+"""Types for code written against graphmod: the data it passes and the objects hooks receive.
+
+Aliases name the plain data graphmod's functions take and return (:data:`Variables`,
+:data:`Batch`, :data:`KeyLike`); Protocols name what a plugin or a manager may use of the
+objects handed to it (:class:`LoopLike` in ``Plugin.setup(loop)`` and ``event.loop``,
+:class:`HookContext` in a manager's ``rewrite_input``/``rewrite_output``/
+``rewrite_parameter``, :class:`WrapContext` in its ``wrap``), as Haiku's ``typing`` and
+optax's ``base`` do. The Protocols are ``runtime_checkable``: ``isinstance`` checks that
+the members exist (not their signatures).
+
+This module sits in the core layer and imports only :mod:`graphmod.roles`, so any layer may
+annotate with it. The aliases' examples live in attribute docstrings, which
+``--doctest-modules`` does not collect: ``tests/test_typing.py`` runs them.
+
+Examples:
+    >>> import jax.numpy as jnp, graphmod as gm
+    >>> from flax import nnx
+    >>> from graphmod.typing import HookContext
+    >>> class Halve(gm.Manager):
+    ...     def rewrite_output(self, call: HookContext, name: str, value: jnp.ndarray):
+    ...         return value / 2
+    >>> program = gm.compile(lambda m, x: m(x), gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0)),
+    ...                      managers=[Halve(roles=[gm.roles.OUTPUT])])
+    >>> variables: gm.typing.Variables = program.init(jnp.ones((1, 2)))
+    >>> sorted(variables)
+    ['managers', 'model']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol, TypeAlias, runtime_checkable
+
+import jax
+import numpy as np
+
+from graphmod.roles import Role
+
+__all__ = [
+    "Batch",
+    "HookContext",
+    "KeyLike",
+    "LoopLike",
+    "OwnedVariableLike",
+    "TimeLike",
+    "Variables",
+    "WrapContext",
+]
+
+Variables: TypeAlias = dict[str, dict[str, Any]]
+"""What ``program.init`` returns and ``train``/``infer`` take: plain nested dicts of arrays,
+``{"model": <the model's NNX state>, "managers": {name: {"hparams": ..., <path>: ...}}}``.
+
+Examples:
+    >>> import jax.numpy as jnp, graphmod as gm
+    >>> from flax import nnx
+    >>> program = gm.compile(lambda m, x: m(x), gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0)))
+    >>> variables: gm.typing.Variables = program.init(jnp.ones((1, 2)))
+    >>> sorted(variables["model"]), variables["managers"]
+    (['W', 'b'], {})
+"""
+
+Batch: TypeAlias = dict[str, Any] | tuple[Any, ...] | list[Any] | jax.Array | np.ndarray
+"""One batch of a loop's data, as the step receives it: a dict is passed by name, a tuple or
+a list by position, anything else (an array, another pytree) as the one argument.
+
+Examples:
+    >>> import numpy as np, graphmod as gm
+    >>> from graphmod.data import ArraySource
+    >>> batch: gm.typing.Batch = next(iter(ArraySource((np.ones((4, 2)),), batch_size=2)))
+    >>> type(batch).__name__, batch[0].shape
+    ('tuple', (2, 2))
+"""
+
+KeyLike: TypeAlias = jax.Array | np.ndarray
+"""A JAX random key: a typed key (``jax.random.key(0)``) or its raw ``jax.random.key_data``
+(uint32), as ``rng=`` arguments take it; a plain int is refused (pass ``jax.random.key(n)``).
+
+Examples:
+    >>> import jax, jax.numpy as jnp, graphmod as gm
+    >>> from flax import nnx
+    >>> program = gm.compile(lambda m, x: m(x), gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0)))
+    >>> key: gm.typing.KeyLike = jax.random.key_data(jax.random.key(1))
+    >>> program.init(jnp.ones((1, 2)), rng=key)["model"]["W"].shape
+    (2, 1)
+"""
+
+
+@runtime_checkable
+class TimeLike(Protocol):
+    """A point on every timeline of a loop (``loop.time``, ``event.time``): a
+    :class:`graphmod.Time`.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> isinstance(gm.Time(step=3), gm.typing.TimeLike), isinstance(3, gm.typing.TimeLike)
+        (True, False)
+    """
+
+    step: int
+    epoch: int
+    examples: int
+    seconds: float
+    train_seconds: float
+
+
+@runtime_checkable
+class LoopLike(Protocol):
+    """The loop as a plugin sees it (``Plugin.setup(loop)``, ``teardown``, ``event.loop``):
+    a :class:`graphmod.Loop`.
+
+    Attributes:
+        step: the train step the loop calls, ``step(state, *batch) -> (state, metrics)``.
+        data: the iterable of batches (one pass per epoch).
+        state: the current train state (valid while an event is dispatched).
+        time: the current time on every timeline.
+        start_time: the time at which the current run started or resumed.
+        metrics: the latest step's metrics, on the device until read.
+        trace: the bounded record of plugin dispatches (what ``Timing`` reads).
+
+    Examples:
+        >>> import graphmod as gm
+        >>> loop = gm.Loop(lambda state, x: (state, {}), [1, 2])
+        >>> isinstance(loop, gm.typing.LoopLike), isinstance(object(), gm.typing.LoopLike)
+        (True, False)
+    """
+
+    step: Callable[..., Any]
+    data: Iterable[Any]
+    state: Any
+    time: TimeLike
+    trace: Iterable[Any]
+
+    @property
+    def start_time(self) -> TimeLike: ...
+
+    @property
+    def metrics(self) -> Mapping[str, Any]: ...
+
+    def on(self, template: Any, plugin: Any, *, priority: int | None = None) -> Any:
+        """Registers ``plugin`` for the events ``template`` (an ``On(...)`` or a type
+        name) matches; returns it."""
+
+    def fire(self, type: str, **data: Any) -> None:
+        """Queues an event of ``type`` issued by the plugin being dispatched."""
+
+    def terminate(self) -> None:
+        """Stops the run after the current step."""
+
+    def update_state(self, fn: Callable[[Any], Any]) -> None:
+        """Replaces the train state by ``fn(state)``, cast to each leaf's dtype."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loop's counters and timelines, JSON-serialisable (saved in checkpoints)."""
+
+    def load_state_dict(self, meta: dict[str, Any]) -> None:
+        """Restores what :meth:`state_dict` returned."""
+
+
+@runtime_checkable
+class OwnedVariableLike(Protocol):
+    """A manager-owned variable as ``call.variable(...)`` returns it: read and write
+    ``.value`` (writes are kept in training only).
+
+    Examples:
+        >>> import graphmod as gm
+        >>> class Box:
+        ...     value = 0.0
+        >>> isinstance(Box(), gm.typing.OwnedVariableLike)
+        True
+    """
+
+    value: Any
+
+
+@runtime_checkable
+class HookContext(Protocol):
+    """An application call as a manager's hooks see it (the ``call`` argument of
+    ``rewrite_input``, ``rewrite_output`` and ``rewrite_parameter``), read-only like Haiku's
+    ``GetterContext``: a :class:`graphmod.ApplicationCall`.
+
+    Attributes:
+        brick: the brick (or Flax module) whose application runs.
+        path: its path in the model (``"/layers/0"``).
+        application: the application's name (``"apply"``).
+        call_id: how many earlier calls of this (path, application) the trace saw.
+        training: whether the program runs in training mode.
+        role: the role of the variable being rewritten (``INPUT``, ``OUTPUT``, ``WEIGHT``...).
+        name: the name of the variable being rewritten (``"x"``, ``"W"``).
+        parameter: in ``rewrite_parameter``, the parameter's path (``"/.W"``), else None.
+        parameter_value: in ``rewrite_parameter``, its stored value before any rewrite.
+
+    Examples:
+        >>> import jax.numpy as jnp, graphmod as gm
+        >>> from flax import nnx
+        >>> seen = []
+        >>> class Look(gm.Manager):
+        ...     def rewrite_output(self, call: gm.typing.HookContext, name, value):
+        ...         count = call.variable("count", jnp.zeros(()))
+        ...         seen.append((isinstance(call, gm.typing.HookContext), call.path, name,
+        ...                      isinstance(count, gm.typing.OwnedVariableLike)))
+        ...         return value
+        >>> lin = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> program = gm.compile(lambda m, x: m(x), lin, managers=[Look(roles=[gm.roles.OUTPUT])])
+        >>> _ = program.init(jnp.ones((1, 2)))
+        >>> seen[0]
+        (True, '/', 'output', True)
+    """
+
+    brick: Any
+    path: str | None
+    application: str
+    call_id: int
+    training: bool
+    role: Role | None
+    name: str | None
+    parameter: str | None
+    parameter_value: Any
+
+    def rng(self, *, per_step: bool = True, per_call: bool = False) -> jax.Array:
+        """A key for this call: the step key folded with CRC32 of (manager, path,
+        application, role, variable name) and the call id."""
+
+    def variable(self, name: str, init: Any, *, role: Role = ..., per_call: bool = False,
+                 per_parameter: bool | None = None) -> OwnedVariableLike:
+        """A variable owned by the current manager for this call's (path, application), or
+        for the parameter in ``rewrite_parameter``; created at ``init``."""
+
+    def add_auxiliary_variable(self, value: Any, *, roles: Iterable[Role] = (),
+                               name: str | None = None) -> Any:
+        """Tags ``value`` as an auxiliary variable of this call (monitorable); returns it."""
+
+
+@runtime_checkable
+class WrapContext(HookContext, Protocol):
+    """An application call as a manager's ``wrap(call, next, args, kwargs)`` sees it: a
+    :class:`HookContext` with the two steps of the default ``Manager.wrap``, for a ``wrap``
+    that adds to it rather than replaces it.
+
+    Examples:
+        >>> import jax.numpy as jnp, graphmod as gm
+        >>> from flax import nnx
+        >>> seen = []
+        >>> class Around(gm.Manager):
+        ...     def wrap(self, call: gm.typing.WrapContext, next, args, kwargs):
+        ...         seen.append(isinstance(call, gm.typing.WrapContext))
+        ...         args, kwargs = call.rewrite_inputs(self, args, kwargs)
+        ...         return call.rewrite_outputs(self, next(*args, **kwargs))
+        >>> lin = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> program = gm.compile(lambda m, x: m(x), lin, managers=[Around()])
+        >>> _ = program.init(jnp.ones((1, 2)))
+        >>> seen
+        [True]
+    """
+
+    def rewrite_inputs(self, manager: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``manager.rewrite_input`` applied to each input of the call it selects."""
+
+    def rewrite_outputs(self, manager: Any, out: Any) -> Any:
+        """``manager.rewrite_output`` applied to each output of the call it selects."""
