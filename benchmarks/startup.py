@@ -4,7 +4,8 @@ Four measurements on ReLU MLPs of width 32 (batch 16), each side by side with th
 work written by hand over plain dicts:
 
 ``trace``
-    ``jax.make_jaxpr`` of one train step (loss and gradient of the training-mode forward)
+    ``jax.make_jaxpr`` of one train step (loss and gradient of the training-mode forward,
+    as ``graphmod.optimize``'s step traces it)
     at 10, 100 (and with ``--full`` 300) layers: graphmod without managers against the
     plain MLP, and with ``managers.BatchNorm`` (hidden outputs) and ``managers.Dropout``
     (inputs) against the MLP with batch norm and dropout written out. Every repetition
@@ -67,8 +68,11 @@ def graphmod_program(layers: int, regularized: bool) -> graphmod.Program:
 
 
 def graphmod_step(program: graphmod.Program) -> Callable[..., Any]:
+    # What graphmod.optimize's step traces: the training-mode function itself, not the
+    # jitted program.train (a jit nested in the trace costs JAX's own partial evaluation).
     def step(variables: dict, x: jax.Array, key: jax.Array) -> Any:
-        return jax.value_and_grad(lambda v: program.train(v, x, rng=key)[0])(variables)
+        return jax.value_and_grad(
+            lambda v: program._train_traced(v, key, (x,), {})[0])(variables)
 
     return step
 
