@@ -69,7 +69,7 @@ class Engine:
         program = self._program()
         args, kwargs = self.binding.arguments(batch)
         out = program.infer(variables, *args, **kwargs)
-        return out[0] if program._monitor else out
+        return out[0] if program.record.monitor else out  # traced once per engine
 
     def _batch_sums(self, variables: dict, batch: Any, mask: jax.Array) -> tuple[dict, Any]:
         outputs = self.outputs(variables, batch)

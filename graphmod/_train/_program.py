@@ -16,7 +16,7 @@ from graphmod._core._manager import Manager
 from graphmod._core._program import ProgramCore, compile_program
 from graphmod._records._collect import program_provenance
 from graphmod._records._record import Provenance
-from graphmod._train._checkpoint import Checkpointer
+from graphmod._train._checkpoint import Checkpointer, CheckpointReader
 
 
 def compile(
@@ -145,7 +145,7 @@ class Program(ProgramCore):
         if shapes is None:
             raise RuntimeError("program.load: call program.init(*example_args) first, so the "
                                "program knows its variables' shapes")
-        reader = Checkpointer(directory, keep=None)
+        reader = CheckpointReader(directory)  # reads only: creates and prunes nothing
         try:
             variables, _ = reader.restore(shapes, step)
         finally:
