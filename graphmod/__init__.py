@@ -35,8 +35,9 @@ if TYPE_CHECKING:
         roles,
         typing,
     )
-    from graphmod._core._application import ApplicationCall, OwnedVariable, application
+    from graphmod._core._application import application
     from graphmod._core._brick import Brick
+    from graphmod._core._call import ApplicationCall, OwnedVariable
     from graphmod._core._filter import VariableFilter
     from graphmod._core._graph import ComputationGraph
     from graphmod._core._manager import Dynamic, HParam, Manager, dynamic

@@ -24,10 +24,7 @@ from typing import Any
 
 from graphmod._core import _context
 from graphmod._core._call import ApplicationCall
-from graphmod._core._call import OwnedVariable as OwnedVariable
 from graphmod._core._chain import run_managed
-from graphmod._core._intercept import interceptor as interceptor
-from graphmod._core._intercept import sow_in_program as sow_in_program
 from graphmod._core._spec import Spec
 
 

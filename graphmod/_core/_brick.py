@@ -6,8 +6,8 @@ from typing import Any
 
 from flax import nnx
 
-from graphmod._core._application import sow_in_program
 from graphmod._core._construction import record_construction
+from graphmod._core._intercept import sow_in_program
 
 
 class Brick(nnx.Module):

@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from graphmod._core import _context
-from graphmod._core._application import interceptor
 from graphmod._core._filter import VariableFilter
+from graphmod._core._intercept import interceptor
 from graphmod._core._layout import Layout
 from graphmod._core._manager import Manager
 from graphmod._core._program_checks import check_managers, monitors

@@ -76,7 +76,7 @@ class Layout:
     Compiling adopts the model's plain Flax variables (see ``graphmod._core._variables``) and
     stores identities in variables and tokens in modules; no array is touched.
     ``intercept`` gives the class a plain Flax module is switched to while a program traces,
-    or None for no applications (``graphmod._core._application.interceptor``).
+    or None for no applications (``graphmod._core._intercept.interceptor``).
     """
 
     def __init__(self, model: nnx.Module,

@@ -39,7 +39,6 @@ from graphmod._core import _owned_layout as owned_layout
 from graphmod._core._abstract_init import fresh_variables
 from graphmod._core._arguments import as_key, check_arguments
 from graphmod._core._clock import utc_now
-from graphmod._core._compile import compile_program
 from graphmod._core._construction import key_record
 from graphmod._core._filter import VariableFilter
 from graphmod._core._frame import Frame, OwnedKey
@@ -52,7 +51,7 @@ from graphmod._core._program_record import ProgramRecord, Shared, abstract
 from graphmod._core._rewrites import Rewrites, RewriteTrace
 from graphmod._core._role_tree import merge, role_tree, select
 
-__all__ = ["ProgramCore", "ProgramRecord", "compile_program"]
+__all__ = ["ProgramCore", "ProgramRecord"]
 
 _TRAIN = "program.train(variables, *args, rng=key)"
 

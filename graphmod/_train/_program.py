@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from graphmod._core._compile import compile_program
 from graphmod._core._filter import VariableFilter
 from graphmod._core._manager import Manager
-from graphmod._core._program import ProgramCore, compile_program
+from graphmod._core._program import ProgramCore
 from graphmod._records._collect import program_provenance
 from graphmod._records._record import Provenance
 from graphmod._train._checkpoint import Checkpointer, CheckpointReader

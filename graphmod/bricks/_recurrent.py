@@ -21,8 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from graphmod import roles
-from graphmod._core._application import ApplicationCall, application
+from graphmod._core._application import application
 from graphmod._core._brick import Brick
+from graphmod._core._call import ApplicationCall
 from graphmod._core._scan import scan
 from graphmod._core._variables import Bias, Weight
 from graphmod.bricks._checks import check_sizes
