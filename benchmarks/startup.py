@@ -53,7 +53,7 @@ import graphmod
 import managers
 from graphmod import roles
 
-WIDTH, BATCH, RATE, EPSILON = 32, 16, 0.1, 1e-5
+WIDTH, BATCH, RATE, EPSILON, MOMENTUM = 32, 16, 0.1, 1e-5, 0.99
 _COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
@@ -89,9 +89,10 @@ def hand_init(layers: int, regularized: bool) -> dict:
 
 
 def hand_step(regularized: bool) -> Callable[..., Any]:
-    """Loss and gradient of the MLP (with batch norm and inverted dropout if regularized)."""
-    def loss(variables: dict, x: jax.Array, key: jax.Array) -> jax.Array:
-        params, stats = variables["params"], variables["stats"]
+    """Loss and gradient of the MLP; regularized, with inverted dropout and batch norm whose
+    running statistics are updated as the manager does (the same math)."""
+    def loss(variables: dict, x: jax.Array, key: jax.Array) -> tuple[jax.Array, list]:
+        params, stats, new_stats = variables["params"], variables["stats"], []
         for i, layer in enumerate(params):
             if regularized:
                 keep = jax.random.bernoulli(jax.random.fold_in(key, i), 1 - RATE, x.shape)
@@ -99,12 +100,14 @@ def hand_step(regularized: bool) -> Callable[..., Any]:
             x = x @ layer["W"] + layer["b"]
             if regularized and i < len(stats):
                 mean, var = x.mean(0), x.var(0)
+                new_stats.append({"mean": MOMENTUM * stats[i]["mean"] + (1 - MOMENTUM) * mean,
+                                  "var": MOMENTUM * stats[i]["var"] + (1 - MOMENTUM) * var})
                 x = (x - mean) / jnp.sqrt(var + EPSILON) * stats[i]["scale"] + stats[i]["bias"]
             if i < len(params) - 1:
                 x = jax.nn.relu(x)
-        return (x ** 2).mean()
+        return (x ** 2).mean(), new_stats
 
-    return lambda variables, x, key: jax.value_and_grad(loss)(variables, x, key)
+    return lambda variables, x, key: jax.value_and_grad(loss, has_aux=True)(variables, x, key)
 
 
 # -- measurements -----------------------------------------------------------------------------

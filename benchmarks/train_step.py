@@ -162,10 +162,12 @@ def hand_step(weights: list[tuple[np.ndarray, np.ndarray]], rates: Rates | None,
         stats["bn"] = [{"mean": jnp.zeros(n), "var": jnp.ones(n)} for n in hidden]
     tx = optax.adam(LR)
     state = {"params": params, "stats": stats, "opt": tx.init(params),
-             "step": jnp.int32(0), "rng": jax.random.key(seed)}
+             "step": jnp.int32(0), "rng": jax.random.key_data(jax.random.key(seed))}
 
     def step(state: dict, x: jax.Array, y: jax.Array) -> tuple[dict, jax.Array]:
-        key = jax.random.fold_in(state["rng"], state["step"]) if rates is not None else None
+        # Raw key data in the state (as graphmod's TrainState): typed keys dispatch slower.
+        key = (jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+               if rates is not None else None)
 
         def loss(params: dict) -> tuple[jax.Array, dict]:
             logits, new_stats = hand_forward(params, state["stats"], x, key, rates)
@@ -257,14 +259,16 @@ def nnx_jit_step(model: NNXMLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.A
 @dataclasses.dataclass
 class Variant:
     """A step under test: ``call(batch)`` runs one step in place and returns what to wait
-    on; ``hlo()`` compiles it again ahead of time and returns the optimized HLO text."""
+    on; ``compiled()`` compiles it again ahead of time (for its HLO text and XLA's cost
+    analysis)."""
 
     name: str
     call: Callable[[Batch], Any]
-    hlo: Callable[[], str] | None = None
+    compiled: Callable[[], Any] | None = None
     first_call_s: float = float("nan")
     compile_s: dict[str, float] = dataclasses.field(default_factory=dict)
     hlo_instructions: int | None = None
+    flops: float | None = None
     times: list[float] = dataclasses.field(default_factory=list)
 
 
@@ -295,12 +299,11 @@ def build_variants(seed: int, batch: Batch, rates: Rates) -> list[Variant]:
         call, holder = functional(fn, first)
         # graphmod's step is called through its public API: lower it inside a jax.jit.
         jitted = jax.jit(lambda s, x, y, fn=fn: fn(s, x, y)) if wrap else fn
-        hlo = lambda jitted=jitted, holder=holder: (
-            jitted.lower(holder[0], *batch).compile().as_text())
-        variants.append(Variant(name, call, hlo))
+        compiled = lambda jitted=jitted, holder=holder: jitted.lower(holder[0], *batch).compile()
+        variants.append(Variant(name, call, compiled))
     variants.append(Variant(
         "flax nnx (nnx.jit)", lambda b: nnx_jit_step(jit_model, jit_optimizer, *b),
-        lambda: nnx_jit_step.lower(jit_model, jit_optimizer, *batch).compile().as_text()))
+        lambda: nnx_jit_step.lower(jit_model, jit_optimizer, *batch).compile()))
     return variants
 
 
@@ -430,8 +433,8 @@ def step_table(variants: Sequence[Variant]) -> tuple[str, list[dict]]:
     rows = []
     lines = [
         "| variant | median step (µs) | p10-p90 (µs) | ratio to hand | first call (s) "
-        "| trace / lower / XLA compile (s) | HLO instructions |",
-        "|---|--:|--:|--:|--:|--:|--:|",
+        "| trace / lower / XLA compile (s) | HLO instructions | XLA flops (ratio) |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for v in variants:
         median = statistics.median(v.times)
@@ -440,14 +443,16 @@ def step_table(variants: Sequence[Variant]) -> tuple[str, list[dict]]:
             "p10_us": percentile(v.times, 10) * 1e6, "p90_us": percentile(v.times, 90) * 1e6,
             "ratio": median / reference, "first_call_s": v.first_call_s,
             **{f"{stage}_s": seconds for stage, seconds in v.compile_s.items()},
-            "hlo_instructions": v.hlo_instructions,
+            "hlo_instructions": v.hlo_instructions, "flops": v.flops,
         }
         rows.append(row)
         stages = " / ".join(f"{v.compile_s[k]:.2f}" for k in ("trace", "lower", "compile"))
         count = "—" if v.hlo_instructions is None else str(v.hlo_instructions)
+        flops = "—" if not v.flops or not variants[0].flops else (
+            f"{v.flops:.3g} ({v.flops / variants[0].flops:.3f})")
         lines.append(
             f"| {v.name} | {row['median_us']:.0f} | {row['p10_us']:.0f}-{row['p90_us']:.0f} "
-            f"| {row['ratio']:.2f} | {v.first_call_s:.2f} | {stages} | {count} |")
+            f"| {row['ratio']:.2f} | {v.first_call_s:.2f} | {stages} | {count} | {flops} |")
     return "\n".join(lines), rows
 
 
@@ -517,8 +522,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     interleave(variants, batches, repeats, block)
     if not args.quick:  # one more XLA compile of each: not worth it in a smoke run
         for variant in variants:
-            if variant.hlo is not None:
-                variant.hlo_instructions = count_instructions(variant.hlo())
+            if variant.compiled is not None:
+                compiled = variant.compiled()
+                variant.hlo_instructions = count_instructions(compiled.as_text())
+                variant.flops = compiled.cost_analysis().get("flops")
     groups = dispatch_variants(args.seed, tiny[0])
     for _, group in groups:
         interleave(group, tiny, dispatch_repeats, dispatch_block)

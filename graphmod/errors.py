@@ -21,6 +21,7 @@ __all__ = [
     "GraphmodError",
     "ManagerConflict",
     "ManagerMatchedNothing",
+    "ManagerReentered",
     "StateEscapesTransform",
     "VariablesMismatch",
 ]
@@ -57,6 +58,23 @@ class ManagerConflict(GraphmodError, ValueError):
         >>> import graphmod as gm
         >>> issubclass(gm.errors.ManagerConflict, ValueError)
         True
+    """
+
+
+class ManagerReentered(GraphmodError, RuntimeError):
+    """A manager entered in a ``with`` block while it is already active (a manager applies
+    once per chain). Enter it once, or make a second one with its own ``name=``.
+
+    Examples:
+        >>> import graphmod as gm, managers
+        >>> dropout = managers.Dropout(0.5)
+        >>> with dropout:
+        ...     try:
+        ...         with dropout:
+        ...             pass
+        ...     except RuntimeError as error:
+        ...         print(type(error).__name__)
+        ManagerReentered
     """
 
 

@@ -234,8 +234,8 @@ class HookContext(Protocol):
 @runtime_checkable
 class WrapContext(HookContext, Protocol):
     """An application call as a manager's ``wrap(call, next, args, kwargs)`` sees it: a
-    :class:`HookContext` with the two steps of the default ``Manager.wrap``, for a ``wrap``
-    that adds to it rather than replaces it.
+    :class:`HookContext`. The chain applies the manager's own ``rewrite_input`` before its
+    ``wrap`` and ``rewrite_output`` after it, so a ``wrap`` only calls ``next``.
 
     Examples:
         >>> import jax.numpy as jnp, graphmod as gm
@@ -244,17 +244,10 @@ class WrapContext(HookContext, Protocol):
         >>> class Around(gm.Manager):
         ...     def wrap(self, call: gm.typing.WrapContext, next, args, kwargs):
         ...         seen.append(isinstance(call, gm.typing.WrapContext))
-        ...         args, kwargs = call.rewrite_inputs(self, args, kwargs)
-        ...         return call.rewrite_outputs(self, next(*args, **kwargs))
+        ...         return next(*args, **kwargs)
         >>> lin = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
         >>> program = gm.compile(lambda m, x: m(x), lin, managers=[Around()])
         >>> _ = program.init(jnp.ones((1, 2)))
         >>> seen
         [True]
     """
-
-    def rewrite_inputs(self, manager: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """``manager.rewrite_input`` applied to each input of the call it selects."""
-
-    def rewrite_outputs(self, manager: Any, out: Any) -> Any:
-        """``manager.rewrite_output`` applied to each output of the call it selects."""

@@ -66,28 +66,30 @@ class BatchNorm(gm.Manager):
         compute = jnp.promote_types(value.dtype, jnp.float32)
         x = value.astype(compute)
         reduce = tuple(a for a in range(ndim) if a != axis)
-        shape = [1] * ndim
-        shape[axis] = features
+        # Per-feature vectors broadcast as they are along the last axis; any other axis
+        # needs a reshape (each one is an operation JAX stages and differentiates).
+        along = (lambda v: v) if axis == ndim - 1 else (
+            lambda v: v.reshape([features if a == axis else 1 for a in range(ndim)]))
         mean = call.variable(f"{name}.mean", lambda: jnp.zeros(features, compute))
         var = call.variable(f"{name}.var", lambda: jnp.ones(features, compute))
         if call.training:
             batch_mean = x.mean(reduce)
-            batch_var = jnp.mean(jnp.square(x - batch_mean.reshape(shape)), reduce)
+            batch_var = jnp.mean(jnp.square(x - along(batch_mean)), reduce)
             m = self.momentum
             mean.value = m * mean.value + (1 - m) * batch_mean
             var.value = m * var.value + (1 - m) * batch_var
             use_mean, use_var = batch_mean, batch_var
         else:
             use_mean, use_var = mean.value, var.value
-        y = (x - use_mean.reshape(shape)) * jax.lax.rsqrt(use_var.reshape(shape) + self.epsilon)
+        y = (x - along(use_mean)) * along(jax.lax.rsqrt(use_var + self.epsilon))
         if self.use_scale:
             scale = call.variable(f"{name}.scale", lambda: jnp.ones(features, compute),
                                   role=roles.PARAMETER)
-            y = y * scale.value.reshape(shape)
+            y = y * along(scale.value)
         if self.use_bias:
             bias = call.variable(f"{name}.bias", lambda: jnp.zeros(features, compute),
                                  role=roles.BIAS)
-            y = y + bias.value.reshape(shape)
+            y = y + along(bias.value)
         return y.astype(value.dtype)
 
     def rewrite_input(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:

@@ -62,7 +62,6 @@ class Dropout(gm.Manager):
         require_floating(self, call, name, value)
         if not call.training or (not isinstance(self.rate, gm.Dynamic) and self.rate == 0):
             return value
-        keep = 1.0 - jnp.asarray(self.hp("rate"), jnp.float32)
         shape = list(jnp.shape(value))
         for axis in self.broadcast_dims:
             if not -len(shape) <= axis < len(shape):
@@ -70,11 +69,20 @@ class Dropout(gm.Manager):
                                  f"is out of range for {call.path}.{call.name} of shape "
                                  f"{tuple(jnp.shape(value))}")
             shape[axis] = 1
-        mask = jax.random.bernoulli(call.rng(per_step=self.per_step), keep, shape)
+        key = call.rng(per_step=self.per_step)
+        zero = jnp.zeros((), value.dtype)
+        if not isinstance(self.rate, gm.Dynamic):  # a constant: the scale is folded now
+            if self.rate == 1:
+                return jnp.zeros_like(value)
+            mask = jax.random.bernoulli(key, 1.0 - self.rate, shape)
+            return jnp.where(mask, value * jnp.asarray(1.0 / (1.0 - self.rate), value.dtype),
+                             zero)
+        keep = 1.0 - jnp.asarray(self.hp("rate"), jnp.float32)
+        mask = jax.random.bernoulli(key, keep, shape)
         # The double where keeps the gradient with respect to a dynamic rate finite at 1.
         safe_keep = jnp.where(keep > 0, keep, 1.0)
         scale = jnp.where(keep > 0, 1.0 / safe_keep, 0.0)
-        return jnp.where(mask, value * scale.astype(value.dtype), jnp.zeros((), value.dtype))
+        return jnp.where(mask, value * scale.astype(value.dtype), zero)
 
     def rewrite_input(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
         return self._drop(call, name, value)

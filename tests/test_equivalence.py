@@ -51,7 +51,7 @@ def test_inference_jaxpr_and_hlo_match_the_hand_written_function() -> None:
     ours = jax.make_jaxpr(lambda v, x, y: program.infer(v, x, y))(variables, x, y)
     hand = jax.make_jaxpr(lambda v, x, y: _hand_cost(v["model"], x, y))(variables, x, y)
     assert _jaxpr_ops(ours) == _jaxpr_ops(hand)
-    ours_hlo = program._infer.lower(variables, (x, y), {}).compile().as_text()
+    ours_hlo = program._infer.lower(variables, x, y).compile().as_text()
     hand_jit = jax.jit(lambda v, x, y: _hand_cost(v["model"], x, y))
     hand_hlo = hand_jit.lower(variables, x, y).compile()
     assert _hlo_ops(ours_hlo) == _hlo_ops(hand_hlo.as_text())
@@ -71,5 +71,5 @@ def test_gradient_step_matches_the_hand_written_one() -> None:
 
 def test_application_scopes_name_the_brick_path_in_the_hlo() -> None:
     program, variables, x, y = _setup()
-    text = program._infer.lower(variables, (x, y), {}).as_text(debug_info=True)
+    text = program._infer.lower(variables, x, y).as_text(debug_info=True)
     assert "apply/linear_layers/1.apply" in text

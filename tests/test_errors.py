@@ -12,6 +12,7 @@ from flax import nnx
 import graphmod as gm
 import managers
 from graphmod import roles
+from graphmod._core._context import active_managers
 
 
 def _mlp() -> gm.bricks.MLP:
@@ -237,3 +238,13 @@ def test_a_typed_key_is_accepted_as_an_argument() -> None:
     again = program.infer(variables, jnp.ones((4, 2)), jax.random.key(2))
     other = program.infer(variables, jnp.ones((4, 2)), jax.random.key(3))
     assert first == again and first != other
+
+
+def test_a_manager_entered_twice_names_it_and_the_fix() -> None:
+    dropout = managers.Dropout(0.5)
+    with dropout, pytest.raises(gm.errors.ManagerReentered,
+                                match=r"'dropout' is already active.*name="):
+        with dropout:
+            pass
+        assert active_managers() == (dropout,)  # the failed entry left the stack as it was
+    assert active_managers() == ()

@@ -125,7 +125,7 @@ def test_wrong_objects_do_not_satisfy_the_protocols() -> None:
         def variable(self, name: str, init: Any) -> Any: ...
         def add_auxiliary_variable(self, value: Any) -> Any: ...
 
-    class HookOnlyCall(AlmostCall):  # a hook's call, without wrap's two steps
+    class HookOnlyCall(AlmostCall):  # a hook's call: also what wrap sees
         def rng(self) -> Any: ...
 
     loop = gm.Loop(lambda state, x: (state, {}), [1, 2])
@@ -134,7 +134,7 @@ def test_wrong_objects_do_not_satisfy_the_protocols() -> None:
     for wrong in (object(), AlmostCall(), loop):
         assert not isinstance(wrong, HookContext), wrong
     assert isinstance(HookOnlyCall(), HookContext)
-    assert not isinstance(HookOnlyCall(), WrapContext)
+    assert isinstance(HookOnlyCall(), WrapContext)  # no plumbing beyond a hook's call
     assert not isinstance(3, TimeLike)
     assert not isinstance(object(), OwnedVariableLike)
     assert isinstance(loop, LoopLike)  # the same checks do accept the real thing

@@ -55,11 +55,6 @@ class CallRunner(Protocol):
 
     frame: Frame
 
-    def rewrite_inputs(self, manager: Manager, args: tuple, kwargs: dict
-                       ) -> tuple[tuple, dict]: ...
-
-    def rewrite_outputs(self, manager: Manager, out: Any) -> Any: ...
-
     def auxiliary(self, value: Any, role: _roles.Role, name: str) -> None: ...
 
 
@@ -83,8 +78,6 @@ class ApplicationCall:
 
     It is read-only: hooks read it and draw keys and variables through it; the plumbing
     of the call (tags, rewrites, monitors) is its chain runner's (``graphmod._core._chain``).
-    ``rewrite_inputs`` and ``rewrite_outputs`` are the two steps of the default
-    ``Manager.wrap``, for a ``wrap`` that calls ``super().wrap(...)``.
 
     Examples:
         >>> import graphmod as gm
@@ -218,17 +211,6 @@ class ApplicationCall:
         if self._runner is not None and self.path is not None:
             self._runner.auxiliary(value, role, name or role.name.lower())
         return value
-
-    # -- the default Manager.wrap: one layer of the chain --------------------------------
-    def rewrite_inputs(self, manager: Manager, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """``manager.rewrite_input`` applied to each selected input of this call."""
-        assert self._runner is not None
-        return self._runner.rewrite_inputs(manager, args, kwargs)
-
-    def rewrite_outputs(self, manager: Manager, out: Any) -> Any:
-        """``manager.rewrite_output`` applied to each selected output of this call."""
-        assert self._runner is not None
-        return self._runner.rewrite_outputs(manager, out)
 
 
 def _iterates_over(brick: Any, frame: Frame) -> bool:

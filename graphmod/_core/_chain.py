@@ -194,7 +194,14 @@ def run_managed(frame: Frame, spec: Spec, method: Callable, brick: Any, path: st
 
 def _layer(manager: Manager, chain: Chain, next: Callable[..., Any],
            *args: Any, **kwargs: Any) -> Any:
-    return manager.wrap(chain.bound(manager), next, args, kwargs)
+    """One manager's layer: its input rewrites, its ``wrap`` around ``next``, its output
+    rewrites."""
+    args, kwargs = chain.rewrite_inputs(manager, args, kwargs)
+    if manager.has_hook("wrap"):
+        out = manager.wrap(chain.bound(manager), next, args, kwargs)
+    else:
+        out = next(*args, **kwargs)
+    return chain.rewrite_outputs(manager, out)
 
 
 def _scope_name(parent: Chain | None, path: str, application: str) -> str:

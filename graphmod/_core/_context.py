@@ -48,6 +48,7 @@ from typing import Any
 from jax._src import config as _jax_config
 
 from graphmod._core._trace import current_trace
+from graphmod.errors import ManagerReentered
 
 # The stacks hold frames and managers; their modules import this one, not the reverse.
 Frame = Any
@@ -94,7 +95,8 @@ def entered(manager: Manager) -> Iterator[None]:
     """Pushes ``manager`` on the manager stack for the duration of a ``with`` block."""
     stack = _MANAGERS.get()
     if any(m is manager for m in stack):
-        raise RuntimeError(f"manager {manager.name!r} is already active: it was entered twice")
+        raise ManagerReentered(f"manager {manager.name!r} is already active: it was entered "
+                               "twice (enter it once, or make another one with name=...)")
     token = _MANAGERS.set((*stack, manager))
     try:
         yield

@@ -380,9 +380,14 @@ class Frame:
 
     @contextmanager
     def loop_step(self, index: Any) -> Iterator[None]:
-        """Folds a loop's step ``index`` into every draw of the block (see :meth:`rng`)."""
+        """Folds a loop's step ``index`` into every draw of the block (see :meth:`rng`).
+
+        Each step rewrites parameters anew: without ``jit`` (``jax.disable_jit``) every
+        step runs in one trace, and a cached rewrite would repeat step 0's draw."""
         self._scan_indices.append(index)
+        saved, self._parameter_cache = self._parameter_cache, {}
         try:
             yield
         finally:
             self._scan_indices.pop()
+            self._parameter_cache = saved

@@ -326,9 +326,10 @@ class Manager:
 
     def wrap(self, call: WrapContext, next: Callable[..., Any], args: tuple,
              kwargs: dict) -> Any:
-        """One layer of the chain: rewrite inputs, call ``next``, rewrite outputs."""
-        args, kwargs = call.rewrite_inputs(self, args, kwargs)
-        return call.rewrite_outputs(self, next(*args, **kwargs))
+        """Middleware around the call (default: ``next(*args, **kwargs)``): remat, casts,
+        sharding constraints. ``args`` arrive rewritten by this manager's
+        ``rewrite_input``, and what it returns goes through its ``rewrite_output``."""
+        return next(*args, **kwargs)
 
     # -- matching (used by the chain) -----------------------------------------------------
     def has_hook(self, hook: str) -> bool:

@@ -26,6 +26,7 @@ Sharp edges
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -87,7 +88,11 @@ class ProgramCore:
         self._train = jax.jit(self._train_traced)
         # Owned variables stacked over loops are read one slice per iteration.
         self._infer_traced = resolving(self._infer_traced)  # type: ignore[method-assign]
-        self._infer = jax.jit(self._infer_traced, static_argnames="mutable")
+        # Jitted over the caller's own arguments (no tuple and dict to flatten, no static
+        # argument to hash): dispatch as a bare jax.jit.
+        self._infer = jax.jit(functools.partial(_call_with, self._infer_traced))
+        self._infer_mutable = jax.jit(functools.partial(
+            _call_with, functools.partial(self._infer_traced, mutable=True)))
         # Provenance: recorded when cheap, assembled only when asked for.
         self._created = utc_now()
         self._example: tuple[tuple, dict] | None = None
@@ -227,9 +232,11 @@ class ProgramCore:
             >>> int(variables["model"]["calls"]), out.tolist()
             (1, [2.0, 2.0])
         """
-        if not isinstance(mutable, bool):
+        if mutable is False:  # the common case first: this is on the dispatch path
+            return self._infer(variables, *args, **kwargs)
+        if mutable is not True:
             raise TypeError(f"program.infer(..., mutable={mutable!r}): expected True or False")
-        return self._infer(variables, args, kwargs, mutable=mutable)
+        return self._infer_mutable(variables, *args, **kwargs)
 
     def _train_traced(self, variables: dict, rng: Any, args: tuple, kwargs: dict) -> Any:
         values, owned, hparams = self._unpack(variables)
@@ -395,3 +402,8 @@ def _argument_names(fn: Callable[..., Any]) -> list[str]:
     positional = [p.name for p in parameters
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return positional[1:]
+
+
+def _call_with(traced: Callable[..., Any], variables: dict, *args: Any, **kwargs: Any) -> Any:
+    """``traced(variables, args, kwargs)`` called with the arguments spread."""
+    return traced(variables, args, kwargs)

@@ -348,28 +348,28 @@ class Loop:
                 self._metrics = jax.tree.map(lambda m: m[-1], stacked_metrics)
             self.position += count
             self._advance(count, size)
-            self._emit("step")
+            self._emit("step", fresh=True)
             if self._plugins.terminated or self._finished_steps():
                 return
         if not batches.produced and self.position == 0:
             raise ValueError(f"the data source yielded no batch in epoch {self.time.epoch}")
 
     # -- time and events ----------------------------------------------------------------------
-    def _now(self) -> Time:
+    def _now(self, steps: int = 0, examples: int = 0) -> Time:
+        """The loop's time now, ``steps`` and ``examples`` further on."""
         assert self._clock is not None
         start, base = self._clock
         elapsed = _time.perf_counter() - start
         t = self.time
-        return Time(t.step, t.epoch, t.examples, base.seconds + elapsed,
+        return Time(t.step + steps, t.epoch, t.examples + examples, base.seconds + elapsed,
                     base.train_seconds + elapsed - self._plugins.seconds)
 
     def _advance(self, steps: int, examples: int) -> None:
-        t = self._now()
-        self.time = Time(t.step + steps, t.epoch, t.examples + examples, t.seconds,
-                         t.train_seconds)
+        self.time = self._now(steps, examples)
 
-    def _event(self, type: str, issuer: Any, data: dict[str, Any]) -> Event:
-        if self._clock is not None:
+    def _event(self, type: str, issuer: Any, data: dict[str, Any], fresh: bool = False
+               ) -> Event:
+        if self._clock is not None and not fresh:  # fresh: the time was just advanced
             self.time = self._now()
         # The first event of a type covers the range since the run started.
         start = self.start_time
@@ -378,8 +378,9 @@ class Loop:
         return Event(type, issuer, self.time, self._plugins.previous(issuer, type, start),
                      self, self.state, metrics, data)
 
-    def _emit(self, type: str, **data: Any) -> None:
-        self._plugins.deliver(self._event(type, self, data))
+    def _emit(self, type: str, fresh: bool = False) -> None:
+        if self._plugins.entries:  # no plugin: no event to make (the loop's hot path)
+            self._plugins.deliver(self._event(type, self, {}, fresh))
         while self._plugins.queue:
             self._plugins.deliver(self._plugins.queue.popleft())
         self._check_interrupt()
