@@ -111,7 +111,10 @@ def _resume(args: argparse.Namespace) -> int:
         raise _Failure(f"{directory}'s checkpoint of step {step} records no command; "
                        f"continue it from Python: graphmod.Loop.resume({directory!r}, ...)")
     command, cwd = resume_command(meta["command"], directory)
-    print(f"graphmod resume: continuing {directory} from its newest checkpoint, step {step}\n"
+    time = meta.get("time")
+    epoch = f" (epoch {time['epoch']})" if isinstance(time, dict) and "epoch" in time else ""
+    print(f"graphmod resume: resuming {directory} at step {step}{epoch}, from its newest "
+          f"checkpoint\n"
           f"graphmod resume: running in {cwd}: {shlex.join(command)}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()

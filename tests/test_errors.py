@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -248,3 +250,37 @@ def test_a_manager_entered_twice_names_it_and_the_fix() -> None:
             pass
         assert active_managers() == (dropout,)  # the failed entry left the stack as it was
     assert active_managers() == ()
+
+
+def test_a_manager_that_skips_super_init_is_told_to_call_it() -> None:
+    class NoSuper(gm.Manager):
+        def __init__(self, rate: float) -> None:
+            self.rate = rate
+
+        def rewrite_output(self, call: Any, name: str, value: Any) -> Any:
+            return value * self.rate
+
+    lin = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+    with pytest.raises(AttributeError, match=r"NoSuper has no .*super\(\).__init__\(\*\*kwargs\)"):
+        gm.compile(lambda m, x: m(x), lin, managers=[NoSuper(0.5)]).init(jnp.ones((1, 2)))
+    assert not hasattr(NoSuper(0.5), "strict")  # hasattr still answers
+
+
+def test_a_dynamic_hyperparameter_used_as_a_number_points_to_hp() -> None:
+    class Scale(gm.Manager):
+        hparams = ("factor",)
+
+        def __init__(self, factor: Any, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.factor = factor
+
+        def rewrite_output(self, call: Any, name: str, value: Any) -> Any:
+            return value * self.factor  # should be self.hp("factor")
+
+    lin = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+    program = gm.compile(lambda m, x: m(x), lin,
+                         managers=[Scale(gm.dynamic(2.0), roles=[roles.OUTPUT])])
+    with pytest.raises(TypeError, match=r"Dynamic\(value=2.0\).*self.hp\("):
+        program.init(jnp.ones((1, 2)))
+    with pytest.raises(TypeError, match=r"self.hp\("):
+        jnp.asarray(gm.dynamic(0.5))

@@ -27,6 +27,7 @@ from jax._src.interpreters import partial_eval as _pe
 
 from graphmod import roles as _roles
 from graphmod._core._frame import Frame
+from graphmod._core._interpret import bind, interpret
 from graphmod._core._layout import Layout
 from graphmod._core._loop_keys import resolving
 from graphmod._core._manager import Manager
@@ -100,21 +101,13 @@ def evaluate_needed(fn: Callable[..., Any], *args: Any) -> Any:
 def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     """``jax.core.eval_jaxpr``, with the bodies of jitted calls evaluated inline (a call
     binds as one compiled computation, new for every trace's jaxpr)."""
-    env = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
+    return interpret(jaxpr, consts, args, _equation)
 
-    def read(atom: Any) -> Any:
-        return atom.val if isinstance(atom, jax.extend.core.Literal) else env[atom]
 
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in _INLINED:
-            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            closed = inner if hasattr(inner, "consts") else jax.extend.core.ClosedJaxpr(inner, ())
-            outs = _evaluate(closed.jaxpr, closed.consts, invals)
-        else:
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]
+def _equation(eqn: Any, invals: list[Any]) -> list[Any]:
+    if eqn.primitive.name in _INLINED:
+        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        closed = inner if hasattr(inner, "consts") else jax.extend.core.ClosedJaxpr(inner, ())
+        return _evaluate(closed.jaxpr, closed.consts, invals)
+    with eqn.ctx.manager:
+        return bind(eqn, invals)

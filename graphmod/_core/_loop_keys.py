@@ -55,6 +55,8 @@ import jax.numpy as jnp
 from jax._src import source_info_util
 from jax.interpreters import ad, batching, mlir
 
+from graphmod._core._interpret import bind, interpret
+
 loop_key_p = jax.extend.core.Primitive("loop_key")
 loop_key_p.def_impl(lambda key: key)
 loop_key_p.def_abstract_eval(lambda aval: aval)
@@ -209,21 +211,15 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     """``jax.core.eval_jaxpr`` with markers resolved with ``counters`` (the loop indices,
     outermost first; ``loop_lengths``: their loops' lengths, None for a while loop); also
     the owned variables' slices written, by key."""
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
     writes: dict[tuple, Any] = {}
 
-    def read(atom: Any) -> Any:
-        return atom.val if isinstance(atom, jax.extend.core.Literal) else env[atom]
-
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
+    def rule(eqn: Any, invals: list[Any]) -> list[Any]:
         names = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with (source_info_util.user_context(eqn.source_info.traceback, name_stack=names),
               eqn.ctx.manager):
-            outs = _equation(eqn, invals, counters, loop_lengths, writes)
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars], writes
+            return _equation(eqn, invals, counters, loop_lengths, writes)
+
+    return interpret(jaxpr, consts, args, rule), writes
 
 
 def _equation(eqn: Any, invals: list[Any], counters: tuple[Any, ...],
@@ -255,8 +251,7 @@ def _equation(eqn: Any, invals: list[Any], counters: tuple[Any, ...],
             f"a manager-owned variable of a loop body is used inside {eqn.primitive} "
             "(a custom_jvp or custom_vjp function, shard_map...), whose body is not "
             "rewritten: its stack cannot be sliced there. Run the application outside")
-    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    return outs if eqn.primitive.multiple_results else [outs]
+    return bind(eqn, invals)
 
 
 def _index(stack: Any, counters: tuple, loop_lengths: tuple, *, depth: int, key: tuple

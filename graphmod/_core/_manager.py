@@ -50,6 +50,16 @@ class Dynamic:
 
     __graphmod_dynamic__ = True
 
+    def _not_a_number(self, *_: Any) -> Any:
+        raise TypeError(
+            f"{self!r} declares a dynamic hyperparameter; it is not a number. Inside a "
+            "manager's hook read its current value with self.hp(\"<name>\") (a float32 "
+            "scalar from the variables), e.g. self.hp(\"rate\")")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _not_a_number
+    __truediv__ = __rtruediv__ = __pow__ = __rpow__ = __neg__ = __jax_array__ = _not_a_number
+    __lt__ = __le__ = __gt__ = __ge__ = _not_a_number
+
 
 def dynamic(value: float) -> Dynamic:
     """Marks a manager hyperparameter as dynamic: a float32 scalar in the variables.
@@ -142,6 +152,9 @@ def _deprecated_name(manager: Manager, name: str, manager_name: str | None) -> s
         DeprecationWarning, stacklevel=level,
     )
     return name
+
+
+_BASE_FIELDS = frozenset({"filter", "priority", "name", "strict", "_entered"})
 
 
 def _overrides(manager: Manager, hook: str) -> bool:
@@ -244,6 +257,16 @@ class Manager:
         self._entered: list[Any] = []
 
     # -- configuration ----------------------------------------------------------------
+    def __getattr__(self, key: str) -> Any:
+        # Reached only when an attribute is missing: a base field missing means a subclass
+        # whose __init__ did not run Manager.__init__.
+        if key in _BASE_FIELDS:
+            raise AttributeError(
+                f"{type(self).__name__} has no {key!r}: its __init__ did not call "
+                "super().__init__(**kwargs). Call it first in __init__, passing the filter "
+                "fields (roles=, bricks=, ...) on")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
+
     def __setattr__(self, key: str, value: Any) -> None:
         if not key.startswith("_") and self.__dict__.get("_frozen", False):
             raise AttributeError(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +22,7 @@ from graphmod._core._construction import (
 from graphmod._core._layout import Layout, brick_path_string, walk_nodes
 from graphmod._records._environment import host, platform_record, versions
 from graphmod._records._fingerprint import fingerprint
+from graphmod._records._frozen import sha256
 from graphmod._records._record import Provenance
 
 
@@ -123,7 +123,7 @@ def function_record(fn: Any) -> dict[str, Any]:
     target = getattr(fn, "func", fn)  # functools.partial
     try:
         source = inspect.getsource(target)
-        digest = "sha256:" + hashlib.sha256(source.encode()).hexdigest()
+        digest = sha256(source)
     except (OSError, TypeError):
         digest = None
     return {"module": getattr(target, "__module__", None),

@@ -8,7 +8,7 @@ or ``"mse"``, ``"precision"``, ``"recall"``, ``"f1"`` per class, ``"macro_precis
 Examples:
     >>> from graphmod import metrics
     >>> metrics.get("f1"), metrics.get("mse").name
-    (F1(name='f1'), 'mean_squared_error')
+    (F1(name='f1'), 'mse')
 """
 
 from typing import Any
@@ -41,7 +41,8 @@ _NAMED = {
 
 
 def get(metric: Any) -> Metric:
-    """A :class:`Metric` from its name or itself.
+    """A :class:`Metric` from its name or itself; a named one is keyed by the name given
+    (``"mse"`` results read as ``evaluation["mse"]``).
 
     Examples:
         >>> from graphmod import metrics
@@ -51,7 +52,9 @@ def get(metric: Any) -> Metric:
     if isinstance(metric, Metric):
         return metric
     if isinstance(metric, str) and metric in _NAMED:
-        return _NAMED[metric]()
+        named = _NAMED[metric]()
+        named.name = metric  # an alias keys its results as the caller wrote it
+        return named
     raise ValueError(f"unknown metric {metric!r}: use a graphmod.metrics.Metric or one of "
                      f"{', '.join(sorted(_NAMED))}")
 

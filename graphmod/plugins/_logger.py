@@ -1,11 +1,13 @@
 """``Logger``: one row per due event (times on every timeline, metrics) to CSV or JSON lines.
 
-Rows go to a file that is appended to; a checkpointed run that resumes first cuts the file
-back to the rows it had when saved (``state_dict`` holds the row count), so a resumed run
-logs every step once. A due event never waits on the device: its metrics start copying to
-the host and the row is written once they are there (at a later due event, or when the run
-ends or saves a checkpoint). TensorBoard scalars are written too when ``tensorboardX`` is
-importable.
+Each run writes its own file: when the log file already holds another run's rows, a new run
+writes to the next free name (``log-2.csv``, ``log-3.csv``, ...) and says so; a checkpointed
+run that resumes appends to its own file, first cut back to the rows it had when saved
+(``state_dict`` holds the file's name and row count), so a resumed run logs every step once.
+A due event never waits on the device: its metrics start copying to the host and the row is
+written once they are there (at a later due event, or when the run ends or saves a
+checkpoint). With ``tensorboard=True`` TensorBoard scalars are written too, one run per log
+file (``log.tensorboard/`` beside ``log.csv``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import importlib.util
 import io
 import json
 import os
+import warnings
 from collections.abc import Iterable
 from typing import Any, TextIO
 
@@ -52,8 +55,8 @@ class Logger(Plugin):
         format: ``"csv"`` or ``"jsonl"`` (default: from the file's suffix, else CSV).
         metrics: names of the metrics to log (default: every scalar metric).
         every: the events to log (default: every 100 steps).
-        tensorboard: also write TensorBoard scalars next to the log (default: when
-            ``tensorboardX`` is importable; True requires it).
+        tensorboard: also write TensorBoard scalars, in ``<log file>.tensorboard/`` beside
+            the log (needs ``tensorboardX``).
         name: the plugin's name.
 
     Examples:
@@ -77,7 +80,7 @@ class Logger(Plugin):
 
     def __init__(self, directory_or_path: str | os.PathLike, *, format: str | None = None,
                  metrics: Iterable[str] | None = None, every: Template | str | None = None,
-                 tensorboard: bool | None = None, name: str = "logger") -> None:
+                 tensorboard: bool = False, name: str = "logger") -> None:
         super().__init__(name=name,
                          every=template_or(every, On("step", step=each(100)), "Logger"))
         if format is not None and format not in ("csv", "jsonl"):
@@ -100,14 +103,13 @@ class Logger(Plugin):
         if isinstance(metrics, str):
             metrics = (metrics,)
         self.metrics = metric_names(metrics or (), "Logger(metrics=...)")
-        if tensorboard is None:
-            tensorboard = importlib.util.find_spec("tensorboardX") is not None
-        elif tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        if tensorboard and importlib.util.find_spec("tensorboardX") is None:
             raise ImportError("Logger(tensorboard=True) needs tensorboardX: "
                               "pip install tensorboardX (or pass tensorboard=False)")
         self.tensorboard = bool(tensorboard)
         self.rows = 0  # rows in the file, earlier runs included
         self._keep: int | None = None  # rows to keep when resuming from a checkpoint
+        self._opened = False  # whether this logger wrote its file already (then it appends)
         self._file: TextIO | None = None
         self._columns: list[str] = []
         self._writer: Any = None
@@ -124,10 +126,16 @@ class Logger(Plugin):
 
     def state_dict(self) -> dict[str, Any]:
         self.flush()  # the row count a resumed run cuts back to includes every due event
-        return {"rows": self.rows}
+        return {"rows": self.rows, "file": os.path.basename(self.path)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._keep = int(state["rows"])
+        if "file" in state:  # the run's own file, in this logger's directory
+            file = str(state["file"])
+            if os.path.basename(file) != file or not file.endswith(f".{self.format}"):
+                raise ValueError(f"Logger: the checkpoint names log file {file!r}, not a "
+                                 f".{self.format} file name; was it written by this Logger?")
+            self.path = os.path.join(os.path.dirname(self.path), file)
         self.close()  # reopened (and cut back) at the next row
 
     # -- rows -----------------------------------------------------------------------------------
@@ -177,6 +185,9 @@ class Logger(Plugin):
     # -- files ----------------------------------------------------------------------------------
     def _open(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        if not self._opened and self._keep is None:  # a new run: never into another's log
+            self.path = _free_path(self.path)
+        self._opened = True
         lines = _read_lines(self.path)
         header = 1 if self.format == "csv" and lines else 0
         if self._keep is not None and len(lines) - header > self._keep:
@@ -201,11 +212,26 @@ class Logger(Plugin):
         if self._writer is None:
             from tensorboardX import SummaryWriter
 
-            self._writer = SummaryWriter(logdir=os.path.dirname(self.path))
+            self._writer = SummaryWriter(logdir=os.path.splitext(self.path)[0] + ".tensorboard")
         for key, value in row.items():
             if key != "event" and key not in TIMELINES:
                 self._writer.add_scalar(key, value, global_step=row["step"])
         self._writer.flush()
+
+
+def _free_path(path: str) -> str:
+    """``path``, or when it holds rows already, the first free ``<stem>-N<suffix>`` (with a
+    warning naming both)."""
+    if not _read_lines(path):
+        return path
+    stem, suffix = os.path.splitext(path)
+    number = 2
+    while _read_lines(f"{stem}-{number}{suffix}"):
+        number += 1
+    free = f"{stem}-{number}{suffix}"
+    warnings.warn(f"Logger: {path} holds another run's rows; this run logs to {free}",
+                  stacklevel=2)
+    return free
 
 
 def _on_host(value: Any) -> bool:

@@ -86,7 +86,7 @@ class Validation(Plugin):
         [(4, ['valid/mse']), (8, ['valid/mse'])]
         >>> sorted(Validation(predict, ArraySource((x, y), 8), metrics=["mse"]).evaluate(
         ...     state.variables))
-        ['valid/mean_squared_error']
+        ['valid/mse']
     """
 
     def __init__(self, program: Program, source: Any, *,

@@ -46,9 +46,10 @@ def _record_of(done: subprocess.CompletedProcess) -> dict[str, Any]:
 
 
 def _checkpoint(directory: pathlib.Path, command: Any, *, step: int = 5) -> pathlib.Path:
-    """A real checkpoint in ``directory`` whose meta records ``command``."""
+    """A real checkpoint in ``directory`` whose meta records ``command`` (and a loop time)."""
     writer = Checkpointer(directory, keep=None)
-    writer.save(step, {"w": jnp.ones(3)}, {"command": command})
+    writer.save(step, {"w": jnp.ones(3)}, {"command": command,
+                                           "time": {"step": step, "epoch": 2}})
     writer.wait()
     writer.close()
     return directory
@@ -164,7 +165,7 @@ def test_resume_runs_the_recorded_script_with_its_arguments_as_data(
     assert env["GRAPHMOD_RESUME"] == str(run)
     assert os.getcwd() == str(script.parent)
     err = capsys.readouterr().err
-    assert f"continuing {run} from its newest checkpoint, step 5" in err
+    assert f"resuming {run} at step 5 (epoch 2), from its newest checkpoint" in err
     assert shlex.join(argv) in err
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 
@@ -464,3 +465,30 @@ def test_a_teardown_error_names_the_plugin_and_every_teardown_runs(problem: Prob
         loop.run(problem.state())
     assert info.value.__notes__ == ["also: plugin 'a' raised in teardown: OSError: disk full (a)"]
     assert ("teardown", "b") in log
+
+
+def test_train_seconds_are_monotone_and_leave_out_every_plugin_call(problem: Problem) -> None:
+    seen: list[tuple[str, gm.Time]] = []
+    pause = 0.01
+
+    class Slow(gm.Plugin):
+        """Sleeps, and fires an event half-way through its own call."""
+
+        fires = ("checked",)
+
+        def on_step(self, event: gm.Event) -> None:
+            if event.time.step % 3 == 0:
+                time.sleep(pause)
+                event.loop.fire("checked")
+                time.sleep(pause)
+
+    loop = gm.Loop(problem.step, problem.source(8), steps=12, plugins=[Slow()])
+    loop.on(On("step") | On("checked"), lambda e: seen.append((e.type, e.time)))
+    loop.run(problem.state())
+    train = [t.train_seconds for _, t in seen]
+    assert [kind for kind, _ in seen].count("checked") == 4
+    assert train == sorted(train), train  # never backwards, fired events included
+    last = seen[-1][1]
+    # at least the sleeps before the last step's event (steps 3, 6, 9) were spent in
+    # plugins, whatever the machine's speed
+    assert last.train_seconds <= last.seconds - 6 * pause

@@ -100,6 +100,7 @@ class PluginTable:
         self.trace = DispatchTrace()
         self.current: Registration | None = None
         self.seconds = 0.0
+        self._began: float | None = None  # when the plugin call in progress began
         self.terminated = False
         self.templates: list[Template] = []  # alternatives apart, for planning fused steps
         self._orders: tuple[list[Registration], list[Registration]] = ([], [])
@@ -154,6 +155,11 @@ class PluginTable:
         """Whether a plugin (a Checkpoint) saves the run on an interrupt."""
         return any(getattr(e.plugin, "save_on_interrupt", False) for e in self.entries)
 
+    def plugin_seconds(self, now: float) -> float:
+        """The time spent in plugins until ``now`` (``perf_counter``), the call in
+        progress included, so an event a plugin fires is not timed as training."""
+        return self.seconds + (now - self._began if self._began is not None else 0.0)
+
     def previous(self, issuer: Any, type: str, default: Time) -> Time:
         """The time of the last event of ``type`` from ``issuer`` (``default``: none yet)."""
         return self._previous.get((id(issuer), type), default)
@@ -197,6 +203,9 @@ class PluginTable:
     def _call(self, entry: Registration, event: Event, order: int,
               handler: Callable[[Event], Any] | None = None) -> None:
         begin = _time.perf_counter()
+        outermost = self._began is None  # a plugin's time counts once, however nested
+        if outermost:
+            self._began = begin
         self.current = entry
         try:
             (handler or entry.plugin)(event)
@@ -209,7 +218,9 @@ class PluginTable:
         finally:
             self.current = None
             spent = _time.perf_counter() - begin
-            self.seconds += spent
+            if outermost:
+                self.seconds += spent
+                self._began = None
             self.trace.append(Dispatch(event.type, event.time.step, entry.name, order, spent))
 
     def setup(self, loop: Any) -> list[Registration]:

@@ -359,10 +359,11 @@ class Loop:
         """The loop's time now, ``steps`` and ``examples`` further on."""
         assert self._clock is not None
         start, base = self._clock
-        elapsed = _time.perf_counter() - start
+        now = _time.perf_counter()
+        elapsed = now - start
         t = self.time
         return Time(t.step + steps, t.epoch, t.examples + examples, base.seconds + elapsed,
-                    base.train_seconds + elapsed - self._plugins.seconds)
+                    base.train_seconds + elapsed - self._plugins.plugin_seconds(now))
 
     def _advance(self, steps: int, examples: int) -> None:
         self.time = self._now(steps, examples)

@@ -88,7 +88,7 @@ def test_a_resumed_run_cuts_the_log_back_to_its_checkpoint(problem: Problem, tmp
     loop = gm.Loop(problem.step, problem.source(8), epochs=1, plugins=[log])
     loop.on(On("step", step=at(8)), lambda e: saved.append(log.state_dict()))
     loop.run(problem.state())
-    assert saved == [{"rows": 2}] and len(_csv_rows(log.path)) == 3
+    assert saved == [{"rows": 2, "file": "log.csv"}] and len(_csv_rows(log.path)) == 3
     # A new process resumes from the checkpoint taken at step 8: row 3 is written again.
     resumed = Logger(tmp_path, every=every, tensorboard=False)
     resumed.load_state_dict(json.loads(json.dumps(saved[0])))
@@ -101,10 +101,11 @@ def test_a_resumed_run_cuts_the_log_back_to_its_checkpoint(problem: Problem, tmp
 @pytest.mark.skipif(importlib.util.find_spec("tensorboardX") is None,
                     reason="tensorboardX is not installed")
 def test_tensorboard_scalars_are_written_when_available(problem: Problem, tmp_path) -> None:
-    log = Logger(tmp_path, every=On("step", step=each(6)))
-    assert log.tensorboard
+    assert not Logger(tmp_path).tensorboard  # opt-in
+    log = Logger(tmp_path, every=On("step", step=each(6)), tensorboard=True)
     gm.Loop(problem.step, problem.source(8), epochs=1, plugins=[log]).run(problem.state())
-    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path))
+    assert any(name.startswith("events.out.tfevents")
+               for name in os.listdir(tmp_path / "log.tensorboard"))
 
 
 def test_bad_arguments_are_named(tmp_path) -> None:
@@ -117,3 +118,29 @@ def test_bad_arguments_are_named(tmp_path) -> None:
     if importlib.util.find_spec("tensorboardX") is None:
         with pytest.raises(ImportError, match="pip install tensorboardX"):
             Logger(tmp_path, tensorboard=True)
+
+
+def test_a_second_run_logs_to_its_own_file_and_resumes_into_it(problem: Problem,
+                                                                tmp_path) -> None:
+    every = On("step", step=each(4))
+    first = Logger(tmp_path, every=every)
+    gm.Loop(problem.step, problem.source(8), steps=8, plugins=[first]).run(problem.state())
+    second = Logger(tmp_path, every=every)
+    saved: list[dict] = []
+    loop = gm.Loop(problem.step, problem.source(8), steps=8, plugins=[second])
+    loop.on(On("step", step=at(4)), lambda e: saved.append(second.state_dict()))
+    with pytest.warns(UserWarning, match=r"log.csv holds another run's rows; this run logs "
+                                         r"to .*log-2.csv"):
+        loop.run(problem.state())
+    assert second.path == str(tmp_path / "log-2.csv")
+    assert [r["step"] for r in _csv_rows(first.path)] == ["4", "8"]  # untouched
+    assert [r["step"] for r in _csv_rows(second.path)] == ["4", "8"]
+    # Resuming the second run from its step-4 state cuts back and appends to log-2.csv.
+    resumed = Logger(tmp_path, every=every)
+    resumed.load_state_dict(saved[0])
+    gm.Loop(problem.step, problem.source(8), steps=4, plugins=[resumed]).run(problem.state())
+    assert resumed.path == second.path
+    assert [r["step"] for r in _csv_rows(second.path)] == ["4", "4"]
+    assert [r["step"] for r in _csv_rows(first.path)] == ["4", "8"]
+    with pytest.raises(ValueError, match=r"names log file '../x.csv'"):
+        Logger(tmp_path).load_state_dict({"rows": 1, "file": "../x.csv"})
