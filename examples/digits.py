@@ -8,12 +8,13 @@ The end-to-end path of graphmod in one script:
    inputs of every linear layer and ``BatchNorm`` on the outputs of every linear layer but
    the last;
 3. ``graphmod.optimize(program, optax.adam(...))`` (cosine-decayed learning rate): a
-   jitted, buffer-donating train step, run over shuffled minibatches for a fixed number of
-   epochs in a plain Python loop;
+   jitted, buffer-donating train step, run by ``graphmod.Loop`` over shuffled minibatches
+   (``graphmod.data.ArraySource``) with plugins: ``Checkpoint`` (the run, every epoch, in
+   ``--out``), ``Validation`` (test accuracy every 10 epochs), ``ProgressBar`` and ``Print``;
 4. a derived inference program (``program.derive(lambda m, x: m(x))``) for predictions:
    dropout off, batch norm on its running statistics;
-5. an orbax checkpoint of the trained variables (a plain nested dict of arrays), replaced
-   safely when one is already there, and checked by restoring it;
+5. the trained variables saved with their provenance (``program.save``) and checked by
+   loading them back;
 6. ``program.update_model``: the trained arrays written back into the NNX objects for eager
    use. Outside a compiled program managers do nothing, so the eager MLP has no batch
    normalization; folding batch norm's inference-mode affine map into the linear layers
@@ -23,11 +24,15 @@ Run it::
 
     python examples/digits.py                      # defaults: reaches >= 97% test accuracy
     python examples/digits.py --epochs 5 --out /tmp/digits
+    graphmod inspect runs/digits                   # checkpoints, counters, provenance
+    graphmod resume runs/digits                    # continue a run that was stopped
 
 Sharp edges
     The last incomplete minibatch of an epoch is dropped, so every step has the same shape
-    and the step compiles once. ``--out`` is a directory this script owns: it writes
-    ``variables/`` (the checkpoint) and ``metrics.json`` there, replacing earlier ones.
+    and the step compiles once. ``--out`` is a directory this script owns: a new run
+    deletes the loop checkpoints an earlier run left there (``Checkpoint(overwrite=True)``)
+    and replaces ``variables/`` and ``metrics.json``; ``graphmod resume`` continues the run
+    saved there instead.
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ import argparse
 import json
 import os
 import shutil
-import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,14 +50,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import graphmod
 import managers
-from graphmod import roles
+from graphmod import On, each, roles
+from graphmod.data import ArraySource
+from graphmod.plugins import Checkpoint, Print, ProgressBar, Validation
 
 DIMS = (64, 256, 256, 10)
 
@@ -89,49 +94,32 @@ def build(seed: int, dropout: float) -> tuple[graphmod.bricks.MLP, graphmod.Prog
     return mlp, program
 
 
-def batches(n: int, batch_size: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Indices of one epoch of shuffled full minibatches (the remainder is dropped)."""
-    order = rng.permutation(n)
-    return [order[i:i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
-
-
 def accuracy(predict: graphmod.Program, variables: dict, x: Any, y: np.ndarray) -> float:
     """Fraction of ``x`` whose arg-max prediction of the inference program is ``y``."""
     logits = predict.infer(variables, x)
     return float(np.mean(np.asarray(jnp.argmax(logits, axis=-1)) == y))
 
 
-def save_variables(directory: Path, variables: dict) -> Path:
-    """Saves ``variables`` to ``directory / "variables"`` with orbax, replacing a previous save.
+def save_variables(directory: Path, program: graphmod.Program, variables: dict) -> Path:
+    """Saves ``variables`` with the program's provenance to ``directory / "variables"`` and
+    checks that they load back unchanged.
 
-    The new checkpoint is written beside the old one and swapped in only once complete, so an
-    interrupted save never loses the previous checkpoint.
+    The new save is written beside an earlier one and swapped in only once complete and
+    verified, so an interrupted save never loses the earlier one.
     """
     directory = directory.resolve()
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / "variables"
-    staging = directory / f".variables.partial-{uuid.uuid4().hex[:8]}"
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(staging, variables)
-    checkpointer.wait_until_finished()
-    checkpointer.close()
-    retired = directory / f".variables.old-{uuid.uuid4().hex[:8]}"
+    final, staging = directory / "variables", directory / f".variables-{uuid.uuid4().hex[:8]}"
+    program.save(staging, variables)
+    loaded = program.load(staging)
+    if not all(np.array_equal(a, b) for a, b in zip(
+            jax.tree.leaves(variables), jax.tree.leaves(loaded), strict=True)):
+        raise RuntimeError(f"the variables saved at {staging} do not load back as saved")
+    retired = directory / f".variables-old-{uuid.uuid4().hex[:8]}"
     if final.exists():
         os.replace(final, retired)
     os.replace(staging, final)
     shutil.rmtree(retired, ignore_errors=True)
     return final
-
-
-def load_variables(path: str | os.PathLike, like: dict) -> dict:
-    """Restores a checkpoint written by :func:`save_variables` into the structure of ``like``.
-
-    ``like`` (e.g. ``program.init(...)``) gives the nesting, shapes and dtypes; the model's
-    integer keys (``linear_layers/0``) come back as integers.
-    """
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-    with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore(Path(path).resolve(), abstract)
 
 
 def fold_batch_norm(variables: dict, epsilon: float = 1e-5) -> dict:
@@ -164,65 +152,62 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="drop rate on the inputs of every linear layer")
     parser.add_argument("--seed", type=int, default=0, help="split, init, shuffle, dropout")
     parser.add_argument("--out", type=Path, default=Path("runs/digits"),
-                        help="directory for the checkpoint and metrics.json")
+                        help="the run directory: loop checkpoints, variables/, metrics.json")
     parser.add_argument("--quiet", action="store_true", help="print only the final metrics")
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Trains, evaluates, checkpoints and checks the model; returns the metrics.
-
-    Returns:
-        ``test_accuracy``, ``train_accuracy``, ``final_loss``, ``steps``, ``train_seconds``
-        (the loop, compile included), ``first_step_seconds`` (trace, compile and one step),
-        ``eager_agreement`` (fraction of test predictions on which the eager, batch-norm-folded
-        model agrees with the inference program), ``eager_max_abs_diff`` (of the logits),
-        ``checkpoint`` (its path) and ``variables`` (the trained variables, as numpy arrays).
-    """
-    args = parse_args(argv)
-    say = (lambda *a: None) if args.quiet else print
-    x_train, x_test, y_train, y_test = load_data(args.seed)
-    mlp, program = build(args.seed, args.dropout)
+def train(args: argparse.Namespace, program: graphmod.Program, data: tuple[np.ndarray, ...]
+          ) -> tuple[Any, graphmod.Loop]:
+    """Runs the loop (or continues the run saved in ``--out`` under ``graphmod resume``)."""
+    x_train, x_test, y_train, y_test = data
     steps_per_epoch = len(x_train) // args.batch_size
     schedule = optax.cosine_decay_schedule(args.lr, max(1, args.epochs * steps_per_epoch))
-    step = graphmod.optimize(program, optax.adam(schedule))
+    step = graphmod.optimize(program, optax.adam(schedule), config={
+        "name": "adam", "learning_rate": args.lr, "schedule": "cosine decay to 0"})
     variables = program.init(x_train[:args.batch_size], y_train[:args.batch_size])
     state = step.init(variables, jax.random.key(args.seed))
     predict = program.derive(lambda m, x: m(x))
+    every_10 = On("epoch_end", epoch=each(10)) | On("end")
+    plugins: list[Any] = [
+        Checkpoint(args.out, every=On("epoch_end"), keep=2, overwrite=True),
+        Validation(predict, ArraySource((x_test, y_test), 256), metrics=["accuracy"],
+                   every=every_10, prefix="test/"),
+    ]
+    if not args.quiet:
+        plugins += [ProgressBar(metrics=("loss", "accuracy")),
+                    Print("test/accuracy", every=On("validated"))]
+    source = ArraySource((x_train, y_train), args.batch_size, shuffle=True, seed=args.seed)
+    loop = graphmod.Loop(step, source, epochs=args.epochs, plugins=plugins)
+    return loop.run(state), loop
 
-    shuffle = np.random.default_rng(args.seed)
-    xs, ys = jnp.asarray(x_train), jnp.asarray(y_train)
-    start = time.perf_counter()
-    first_step_seconds: float | None = None
-    metrics: dict[str, jax.Array] = {}
-    for epoch in range(1, args.epochs + 1):
-        for index in batches(len(x_train), args.batch_size, shuffle):
-            state, metrics = step(state, xs[index], ys[index])
-            if first_step_seconds is None:  # trace, compile and run the first step
-                jax.block_until_ready(metrics)
-                first_step_seconds = time.perf_counter() - start
-        if epoch % 10 == 0 or epoch == args.epochs:  # the only host syncs of the loop
-            say(f"epoch {epoch:3d}  loss {float(metrics['loss']):.4f}  "
-                f"test accuracy {accuracy(predict, state.variables, x_test, y_test):.4f}")
-    jax.block_until_ready(state)
-    train_seconds = time.perf_counter() - start
 
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Trains, evaluates, saves and checks the model; returns the metrics.
+
+    Returns:
+        ``test_accuracy``, ``train_accuracy``, ``final_loss``, ``epochs``, ``steps``,
+        ``train_seconds`` (the loop's own timeline: wall time less plugins and evaluation),
+        ``eager_agreement`` (fraction of test predictions on which the eager,
+        batch-norm-folded model agrees with the inference program), ``eager_max_abs_diff``
+        (of the logits), ``checkpoint`` (the saved variables) and ``variables`` (the trained
+        variables, as numpy arrays).
+    """
+    args = parse_args(argv)
+    data = x_train, x_test, y_train, y_test = load_data(args.seed)
+    mlp, program = build(args.seed, args.dropout)
+    state, loop = train(args, program, data)
+    predict = program.derive(lambda m, x: m(x))
     trained = jax.tree.map(np.array, state.variables)  # host copies
     results: dict[str, Any] = {
         "test_accuracy": accuracy(predict, state.variables, x_test, y_test),
         "train_accuracy": accuracy(predict, state.variables, x_train, y_train),
-        "final_loss": float(metrics["loss"]) if metrics else float("nan"),
+        "final_loss": float(loop.metrics["loss"]),
         "epochs": args.epochs,
         "steps": int(state.step),
-        "train_seconds": round(train_seconds, 3),
-        "first_step_seconds": round(first_step_seconds or 0.0, 3),
+        "train_seconds": round(loop.time.train_seconds, 3),
     }
-
-    checkpoint = save_variables(args.out, state.variables)
-    restored = load_variables(checkpoint, like=state.variables)
-    if not all(np.array_equal(a, b) for a, b in
-               zip(jax.tree.leaves(trained), jax.tree.leaves(restored), strict=True)):
-        raise RuntimeError(f"the checkpoint at {checkpoint} does not restore what was saved")
+    checkpoint = save_variables(args.out, program, state.variables)
 
     # Eager use: the model's NNX variables get the trained arrays. Managers do nothing
     # outside a compiled program, so fold batch norm into the linear layers first.

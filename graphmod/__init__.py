@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         roles,
         typing,
     )
+    from graphmod._cli import inspect_run
     from graphmod._core._application import application
     from graphmod._core._brick import Brick
     from graphmod._core._call import ApplicationCall, OwnedVariable
@@ -124,6 +125,7 @@ __all__ = [
     "each",
     "errors",
     "evaluate",
+    "inspect_run",
     "metrics",
     "never",
     "optimize",

@@ -124,10 +124,16 @@ def _resume(args: argparse.Namespace) -> int:
     return 0  # reached only where os.execve is replaced (tests)
 
 
-def run_report(directory: str) -> str:
-    """What a run directory holds: checkpoints, counters, timelines, plugins, metrics, and
-    a summary of the provenance record (model, managers, optimizer, data, seeds,
-    fingerprint, versions)."""
+def inspect_run(directory: str | os.PathLike) -> str:
+    """What a run directory holds, as ``graphmod inspect DIR`` prints it: checkpoints (each
+    verified), counters, timelines, plugins, metrics, and a summary of the provenance record
+    (model, managers, optimizer, data, seeds, fingerprint, versions).
+
+    Examples:
+        >>> import tempfile, graphmod as gm
+        >>> print(gm.inspect_run(tempfile.mkdtemp()).splitlines()[1])
+        checkpoints: none
+    """
     reader = _reader(directory)
     try:
         steps = reader.steps()
@@ -188,7 +194,7 @@ def _count(shape: Sequence[int]) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     try:
-        report = run_report(args.directory)
+        report = inspect_run(args.directory)
     except _Failure:
         raise
     except Exception as error:  # orbax raises many kinds; the user needs the path

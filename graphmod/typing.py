@@ -144,8 +144,8 @@ class LoopLike(Protocol):
     def fire(self, type: str, **data: Any) -> None:
         """Queues an event of ``type`` issued by the plugin being dispatched."""
 
-    def terminate(self) -> None:
-        """Stops the run after the current step."""
+    def terminate(self, reason: str | None = None) -> None:
+        """Stops the run after the current step, saying why."""
 
     def update_state(self, fn: Callable[[Any], Any]) -> None:
         """Replaces the train state by ``fn(state)``, cast to each leaf's dtype."""
@@ -234,8 +234,8 @@ class HookContext(Protocol):
 @runtime_checkable
 class WrapContext(HookContext, Protocol):
     """An application call as a manager's ``wrap(call, next, args, kwargs)`` sees it: a
-    :class:`HookContext`. The chain applies the manager's own ``rewrite_input`` before its
-    ``wrap`` and ``rewrite_output`` after it, so a ``wrap`` only calls ``next``.
+    :class:`HookContext`. The ``next`` a ``wrap`` calls applies the manager's own
+    ``rewrite_input`` and ``rewrite_output`` around the rest of the chain.
 
     Examples:
         >>> import jax.numpy as jnp, graphmod as gm

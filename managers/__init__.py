@@ -8,6 +8,31 @@ Examples:
 
 from managers._batch_norm import BatchNorm
 from managers._dropout import Dropout
+from managers._lora import LoRA
+from managers._measurements import ActivationStats
 from managers._noise import GaussianNoise, WeightNoise
+from managers._quantization import FakeQuant
+from managers._regularizers import L2, WeightDecay
+from managers._reparametrizations import MaxNorm, SpectralNorm, WeightNorm, WeightStandardization
+from managers._stochastic_depth import StochasticDepth
+from managers._systems import Precision, Remat, StopGradient
 
-__all__ = ["BatchNorm", "Dropout", "GaussianNoise", "WeightNoise"]
+__all__ = [
+    "L2",
+    "ActivationStats",
+    "BatchNorm",
+    "Dropout",
+    "FakeQuant",
+    "GaussianNoise",
+    "LoRA",
+    "MaxNorm",
+    "Precision",
+    "Remat",
+    "SpectralNorm",
+    "StochasticDepth",
+    "StopGradient",
+    "WeightDecay",
+    "WeightNoise",
+    "WeightNorm",
+    "WeightStandardization",
+]

@@ -3,7 +3,7 @@
 The notebooks stay where CI executes them (``notebooks/``, at the repository root). This hook
 adds them to the site's files as documentation pages backed by the original files, after
 mkdocs-jupyter's own ``on_files`` (whose wrapper only handles files inside ``docs/``);
-mkdocs-jupyter then renders them, without executing them, like notebooks in ``docs/``.
+mkdocs-jupyter then executes and renders them like notebooks in ``docs/``.
 """
 
 from __future__ import annotations

@@ -95,7 +95,12 @@ def evaluate_needed(fn: Callable[..., Any], *args: Any) -> Any:
         closed.jaxpr, [True] * len(closed.jaxpr.outvars))
     consts = [c for c, used in zip(closed.consts, used_consts, strict=True) if used]
     flat = [a for a, used in zip(jax.tree.leaves(args), used_args, strict=True) if used]
-    return jax.tree.unflatten(jax.tree.structure(shapes), _evaluate(jaxpr, consts, flat))
+    # An output the jaxpr holds as a literal comes back as NumPy: made a device array of
+    # its own dtype, so the variables jit sees are the same kind as a step's outputs.
+    outs = [out if isinstance(out, jax.Array) else jnp.asarray(out, shape.dtype)
+            for out, shape in zip(_evaluate(jaxpr, consts, flat), jax.tree.leaves(shapes),
+                                  strict=True)]
+    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
 def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:

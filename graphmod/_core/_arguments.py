@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -179,3 +180,37 @@ def _expected_shape(shape: tuple[int, ...], features: bool = True) -> str:
     middle = ", *" * (len(shape) - 2)
     last = f", {shape[-1]}" if len(shape) >= 2 else ""
     return f"(batch{middle}{last})"
+
+
+def argument_names(fn: Callable[..., Any]) -> list[str]:
+    """The names of a model function's positional arguments after the model.
+
+    Examples:
+        >>> argument_names(lambda model, x, y=0: None)
+        ['x', 'y']
+    """
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    positional = [p.name for p in parameters
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional[1:]
+
+
+def bind_arguments(names: list[str], args: tuple, kwargs: dict,
+                   leaf: Callable[[Any], Any]) -> dict[str, Any]:
+    """``{argument name: leaf mapped over its value}`` of a call (``args[i]`` past the
+    named ones).
+
+    Examples:
+        >>> bind_arguments(["x"], (1, 2), {"y": 3}, lambda v: v * 10)
+        {'x': 10, 'args[1]': 20, 'y': 30}
+    """
+    bound: dict[str, Any] = {}
+    for index, value in enumerate(args):
+        name = names[index] if index < len(names) else f"args[{index}]"
+        bound[name] = jax.tree.map(leaf, value)
+    for name, value in kwargs.items():
+        bound[name] = jax.tree.map(leaf, value)
+    return bound

@@ -205,12 +205,64 @@ class ApplicationCall:
     def add_auxiliary_variable(
         self, value: Any, *, roles: Sequence[_roles.Role] = (), name: str | None = None
     ) -> Any:
-        """Tags ``value`` as an auxiliary variable of this call (monitorable); returns it."""
+        """Tags ``value`` as an auxiliary variable of this call (monitorable); returns it.
+
+        With ``roles=[graphmod.roles.COST]`` it is also an auxiliary cost: a scalar that
+        :func:`graphmod.optimize` adds to the cost it differentiates and reports in its
+        metrics, summed by owner (the manager's name, or ``path.application.name``). A
+        manager's cost in a ``rewrite_parameter`` hook counts once per parameter and step
+        (however many calls read it)."""
         role_list = _roles.as_roles(roles, argument="add_auxiliary_variable(roles=...)")
         role = role_list[0] if role_list else _roles.AUXILIARY
+        name = name or role.name.lower()
         if self._runner is not None and self.path is not None:
-            self._runner.auxiliary(value, role, name or role.name.lower())
+            self._runner.auxiliary(value, role, name)
+            if role.is_a(_roles.COST):
+                self._add_cost(value, name)
         return value
+
+    def report(self, value: Any, name: str) -> Any:
+        """Tags ``value`` (a scalar measurement of this call, e.g. an activation's mean) as
+        an auxiliary variable ``name``, and has :func:`graphmod.optimize` report it in its
+        metrics as ``"<manager>:<path>.<application>.<name>"``, fused into the step (no
+        host sync); returns it.
+
+        Examples:
+            >>> import jax, jax.numpy as jnp, optax, graphmod as gm
+            >>> from flax import nnx
+            >>> class Mean(gm.Manager):
+            ...     def rewrite_output(self, call, name, value):
+            ...         call.report(value.mean(), f"{name}.mean")
+            ...         return value
+            >>> lin = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+            >>> program = gm.compile(lambda m, x: m(x).sum(), lin,
+            ...                      managers=[Mean(roles=[gm.roles.OUTPUT])])
+            >>> step = gm.optimize(program, optax.sgd(0.1))
+            >>> state = step.init(program.init(jnp.ones((1, 2))), jax.random.key(0))
+            >>> sorted(step(state, jnp.ones((3, 2)))[1])
+            ['loss', 'mean:/.apply.output.mean']
+        """
+        self.add_auxiliary_variable(value, roles=[_roles.AUXILIARY], name=name)
+        if self._runner is not None and self.path is not None:
+            owner = self.manager.name if self.manager is not None else "report"
+            call = f"#{self.call_id}" if self.call_id else ""
+            self._runner.frame.add_measurement(
+                f"{owner}:{self.path}.{self.application}{call}.{name}", value)
+        return value
+
+    def _add_cost(self, value: Any, name: str) -> None:
+        if jnp.ndim(value) != 0 or not jnp.issubdtype(jnp.result_type(value), jnp.floating):
+            raise ValueError(
+                f"add_auxiliary_variable(..., roles=[COST], name={name!r}) in "
+                f"{self.path}.{self.application}: a cost must be a float scalar, got shape "
+                f"{jnp.shape(value)} and dtype {jnp.result_type(value)} (reduce it, e.g. "
+                "with .sum())")
+        where = self.parameter if self.parameter is not None and self.manager is not None \
+            else f"{self.path}.{self.application}#{self.call_id}"
+        owner = self.manager.name if self.manager is not None \
+            else f"{self.path}.{self.application}.{name}"
+        assert self._runner is not None
+        self._runner.frame.add_cost(owner, f"{owner}:{where}.{name}", value)
 
 
 def _iterates_over(brick: Any, frame: Frame) -> bool:

@@ -194,14 +194,16 @@ def run_managed(frame: Frame, spec: Spec, method: Callable, brick: Any, path: st
 
 def _layer(manager: Manager, chain: Chain, next: Callable[..., Any],
            *args: Any, **kwargs: Any) -> Any:
-    """One manager's layer: its input rewrites, its ``wrap`` around ``next``, its output
-    rewrites."""
-    args, kwargs = chain.rewrite_inputs(manager, args, kwargs)
+    """One manager's layer: its ``wrap`` around its input rewrites, ``next`` and its
+    output rewrites (so a wrap sees the call's arguments as they came)."""
+
+    def rewritten(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = chain.rewrite_inputs(manager, args, kwargs)
+        return chain.rewrite_outputs(manager, next(*args, **kwargs))
+
     if manager.has_hook("wrap"):
-        out = manager.wrap(chain.bound(manager), next, args, kwargs)
-    else:
-        out = next(*args, **kwargs)
-    return chain.rewrite_outputs(manager, out)
+        return manager.wrap(chain.bound(manager), rewritten, args, kwargs)
+    return rewritten(*args, **kwargs)
 
 
 def _scope_name(parent: Chain | None, path: str, application: str) -> str:

@@ -14,8 +14,6 @@ exclusive claims, and the snapshot, carry and restore of a ``graphmod.scan`` ste
 from __future__ import annotations
 
 import collections
-import dataclasses
-import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -24,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from graphmod import roles as _roles
+from graphmod._core._collected import Collected, LoopSnapshot, Recorded, crc32
 from graphmod._core._filter import Tag, VariableFilter
 from graphmod._core._loop_keys import mark
 from graphmod._core._manager import Manager
@@ -31,49 +30,12 @@ from graphmod._core._owned import OwnedKey, OwnedStore
 from graphmod._core._rewrites import Rewrite, shape_and_dtype
 from graphmod._core._trace import TraceScope, current_trace
 from graphmod._core._variables import identity_of
-from graphmod.errors import ManagerConflict
+from graphmod.errors import ManagerConflict, StateEscapesTransform
 
 if TYPE_CHECKING:
     from graphmod._core._layout import Layout
 
-__all__ = ["Frame", "LoopSnapshot", "OwnedKey", "Recorded", "crc32"]
-
-
-def crc32(text: str) -> int:
-    """A stable 31-bit hash of ``text`` (Python's ``hash`` is salted per process)."""
-    return zlib.crc32(text.encode()) & 0x7FFFFFFF
-
-
-@dataclasses.dataclass(frozen=True)
-class Recorded:
-    """A tagged variable seen in a trace: before a rewrite (``manager`` None) or after."""
-
-    tag: Tag
-    shape: tuple[int, ...]
-    dtype: str
-    manager: str | None
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopSnapshot:
-    """What a ``graphmod.scan`` body restores before each trace of it (JAX may trace a body
-    twice: its calls are counted and recorded once)."""
-
-    call_counts: dict[tuple[str, str], int]
-    rewrites: int
-    records: int
-
-
-@dataclasses.dataclass
-class Collected:
-    """What a trace collects beside its result (``records`` None: no graph is built)."""
-
-    records: list[Recorded] | None
-    monitored: dict[str, Any] = dataclasses.field(default_factory=dict)
-    rewrites: list[Rewrite] = dataclasses.field(default_factory=list)
-    matches: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
-    # (brick path, application, call id, variable path) -> the manager rewriting it alone
-    exclusive: dict[tuple[Any, ...], str] = dataclasses.field(default_factory=dict)
+__all__ = ["Frame", "OwnedKey"]
 
 
 class Frame:
@@ -92,6 +54,7 @@ class Frame:
         axis_name: Any = None,
         monitor: dict[str, VariableFilter] | None = None,
         record: bool = False,
+        costs: bool = False,
     ) -> None:
         self.layout = layout
         self.mode = mode
@@ -100,6 +63,7 @@ class Frame:
         self.key = key
         self.axis_name = axis_name
         self.monitor = monitor or {}
+        self.collects_costs = costs  # optimize's trace: auxiliary costs are kept
         self._out: Any = None  # what the traced function returned (see returned)
         self._scope = TraceScope()
         self._values = dict(values)
@@ -119,6 +83,8 @@ class Frame:
     values = property(lambda self: self._values, doc="Model variables by identity.")
     hparams = property(lambda self: self._hparams, doc="Hyperparameters by (manager, name).")
     monitored = property(lambda self: self._seen.monitored, doc="Monitored values by key.")
+    costs = property(lambda self: self._seen.costs, doc="Auxiliary costs by owner, by key.")
+    measured = property(lambda self: self._seen.measured, doc="Reported measurements by key.")
     records = property(lambda self: self._seen.records, doc="Tagged variables (graph traces).")
     rewrites = property(lambda self: self._seen.rewrites, doc="The rewrites the trace made.")
     matches = property(lambda self: self._seen.matches, doc="Matches per id(manager).")
@@ -318,6 +284,32 @@ class Frame:
             *shape_and_dtype(before), *shape_and_dtype(after),
         ))
         self.record(tag, after, by)
+
+    def add_cost(self, owner: str, key: str, value: Any) -> None:
+        """Notes an auxiliary cost of ``owner`` (a manager, or an application's variable),
+        once per ``key`` in a trace (a parameter's cost, read by several calls, counts once).
+        Only :func:`graphmod.optimize`'s trace keeps costs (it adds them)."""
+        if self._for_optimize(f"the auxiliary cost {key}"):
+            self._seen.costs.setdefault(owner, {})[key] = value
+
+    def add_measurement(self, key: str, value: Any) -> None:
+        """Notes a measurement (``call.report``) that :func:`graphmod.optimize` reports in
+        its metrics under ``key``."""
+        if self._for_optimize(f"the measurement {key}"):
+            self._seen.measured[key] = value
+
+    def _for_optimize(self, what: str) -> bool:
+        """Whether this trace keeps values for optimize's metrics; raises if ``what`` is
+        made where it cannot leave the trace."""
+        if not self.collects_costs:
+            return False
+        if self._scan_indices:
+            raise StateEscapesTransform(
+                f"{what} is made inside a loop body (graphmod.scan, nnx.scan, ...), which "
+                "cannot return it to optimize. Select what is computed outside loops, or "
+                "compute it in the model's function instead")
+        self.check_base_trace(what)
+        return True
 
     def collect(self, tag: Tag, value: Any, key: str) -> None:
         """Stores ``value`` as a monitored output if a monitor selects ``tag``."""

@@ -6,8 +6,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from graphmod import roles as _roles
+from graphmod._core._collected import Recorded
 from graphmod._core._filter import VariableFilter
-from graphmod._core._frame import Recorded
 from graphmod._core._layout import Layout
 from graphmod._core._table import html_table, text_table
 

@@ -107,6 +107,8 @@ class Layout:
         self.objects = {identity_of(objects[i]): objects[i] for i in canonical}
         self.by_key = {info.key: info for info in self.variables}
         self.brick_paths = self._tokenize(bricks, brick_objects)
+        self.bricks_at = {brick_path_string(keys[0]): brick_objects[i]
+                          for i, keys in bricks.items()}  # path -> brick, for filters
         self.instance_paths: dict[int, str] = {}
         self.swaps = () if intercept is None else _swaps(brick_objects.values(), intercept)
 

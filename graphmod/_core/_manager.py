@@ -350,8 +350,8 @@ class Manager:
     def wrap(self, call: WrapContext, next: Callable[..., Any], args: tuple,
              kwargs: dict) -> Any:
         """Middleware around the call (default: ``next(*args, **kwargs)``): remat, casts,
-        sharding constraints. ``args`` arrive rewritten by this manager's
-        ``rewrite_input``, and what it returns goes through its ``rewrite_output``."""
+        sharding constraints. ``args`` are the call's as they came; ``next`` applies this
+        manager's ``rewrite_input`` and ``rewrite_output`` around the rest of the chain."""
         return next(*args, **kwargs)
 
     # -- matching (used by the chain) -----------------------------------------------------

@@ -27,7 +27,6 @@ Sharp edges
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +37,7 @@ from graphmod import roles as _roles
 from graphmod._core import _context
 from graphmod._core import _owned_layout as owned_layout
 from graphmod._core._abstract_init import fresh_variables
-from graphmod._core._arguments import as_key, check_arguments
+from graphmod._core._arguments import argument_names, as_key, bind_arguments, check_arguments
 from graphmod._core._clock import utc_now
 from graphmod._core._construction import key_record
 from graphmod._core._filter import VariableFilter
@@ -50,7 +49,7 @@ from graphmod._core._manager import Manager
 from graphmod._core._program_checks import check_strict, check_variables
 from graphmod._core._program_record import ProgramRecord, Shared, abstract
 from graphmod._core._rewrites import Rewrites, RewriteTrace
-from graphmod._core._role_tree import merge, role_tree, select
+from graphmod._core._role_tree import is_one_of, merge, role_tree, select
 
 __all__ = ["ProgramCore", "ProgramRecord"]
 
@@ -81,15 +80,14 @@ class ProgramCore:
         self._monitor = monitor
         self._axis_name = axis_name
         self._strict = strict
-        self._argument_names = _argument_names(fn)
+        self._argument_names = argument_names(fn)
         self.rewrites = Rewrites()
         # Keys drawn in loop bodies get their iteration index (also in optimize's steps).
         self._train_traced = resolving(self._train_traced)  # type: ignore[method-assign]
         self._train = jax.jit(self._train_traced)
         # Owned variables stacked over loops are read one slice per iteration.
         self._infer_traced = resolving(self._infer_traced)  # type: ignore[method-assign]
-        # Jitted over the caller's own arguments (no tuple and dict to flatten, no static
-        # argument to hash): dispatch as a bare jax.jit.
+        # Jitted over the caller's own arguments: dispatch as a bare jax.jit.
         self._infer = jax.jit(functools.partial(_call_with, self._infer_traced))
         self._infer_mutable = jax.jit(functools.partial(
             _call_with, functools.partial(self._infer_traced, mutable=True)))
@@ -238,15 +236,22 @@ class ProgramCore:
             raise TypeError(f"program.infer(..., mutable={mutable!r}): expected True or False")
         return self._infer_mutable(variables, *args, **kwargs)
 
-    def _train_traced(self, variables: dict, rng: Any, args: tuple, kwargs: dict) -> Any:
+    def _train_traced(self, variables: dict, rng: Any, args: tuple, kwargs: dict,
+                      with_costs: bool = False) -> Any:
+        """``train``'s traced function; ``with_costs``: always ``(out, variables,
+        monitored, costs, measured)``, costs by owner then key (what ``optimize``
+        differentiates), measurements by key (``call.report``)."""
         values, owned, hparams = self._unpack(variables)
-        frame = self._trace("train", values, owned, hparams, as_key(rng, _TRAIN), args, kwargs)
+        frame = self._trace("train", values, owned, hparams, as_key(rng, _TRAIN), args, kwargs,
+                            costs=with_costs)
         new = {
             "model": self._shared.layout.pure(frame.values),
             "managers": owned_layout.replaced(variables["managers"], {
                 key: value for key, value in frame.owned_out().items()
                 if key in frame.owned_updated}),
         }
+        if with_costs:
+            return frame.out, new, frame.monitored, frame.costs, frame.measured
         return (frame.out, new, frame.monitored) if self._monitor else (frame.out, new)
 
     def _infer_traced(self, variables: dict, args: tuple, kwargs: dict,
@@ -262,7 +267,8 @@ class ProgramCore:
         return out if len(out) > 1 else frame.out
 
     def _trace(self, mode: str, values: dict, owned: dict, hparams: dict, key: Any,
-               args: tuple, kwargs: dict, record: bool = False) -> Frame:
+               args: tuple, kwargs: dict, record: bool = False, costs: bool = False
+               ) -> Frame:
         # graph()'s traces (record=True) neither check against nor change the program.
         if mode != "init" and not record:
             check_arguments(self._shared.examples, self._bind(args, kwargs, lambda x: x))
@@ -270,7 +276,8 @@ class ProgramCore:
         def fresh() -> Frame:
             return Frame(layout=self._shared.layout, mode=mode, values=values, owned=owned,
                          hparams=hparams, managers=self._managers, key=key,
-                         axis_name=self._axis_name, monitor=self._monitor, record=record)
+                         axis_name=self._axis_name, monitor=self._monitor, record=record,
+                         costs=costs)
 
         frame = _context.traced(self._shared, fresh,
                                 lambda f: f.returned(self.fn(self.model, *args, **kwargs)))
@@ -323,7 +330,8 @@ class ProgramCore:
         the others, each in the original nesting (empty branches dropped)."""
         wanted = _roles.as_roles(roles, argument="program.split(variables, *roles)")
         tree = self.roles(variables)
-        return select(variables, tree, wanted, True), select(variables, tree, wanted, False)
+        test = is_one_of(wanted)
+        return select(variables, tree, test, True), select(variables, tree, test, False)
 
     @staticmethod
     def merge(selected: dict, rest: dict) -> dict:
@@ -384,24 +392,7 @@ class ProgramCore:
         return ComputationGraph(tuple(records), jaxpr, mode, self._shared.layout)
 
     def _bind(self, args: tuple, kwargs: dict, leaf: Callable[[Any], Any]) -> dict[str, Any]:
-        names = self._argument_names
-        bound: dict[str, Any] = {}
-        for index, value in enumerate(args):
-            name = names[index] if index < len(names) else f"args[{index}]"
-            bound[name] = jax.tree.map(leaf, value)
-        for name, value in kwargs.items():
-            bound[name] = jax.tree.map(leaf, value)
-        return bound
-
-
-def _argument_names(fn: Callable[..., Any]) -> list[str]:
-    try:
-        parameters = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return []
-    positional = [p.name for p in parameters
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return positional[1:]
+        return bind_arguments(self._argument_names, args, kwargs, leaf)
 
 
 def _call_with(traced: Callable[..., Any], variables: dict, *args: Any, **kwargs: Any) -> Any:

@@ -7,7 +7,7 @@ hyperparameters: no trace runs here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from graphmod import roles as _roles
@@ -15,7 +15,7 @@ from graphmod._core._layout import Layout
 from graphmod._core._owned import OwnedKey
 from graphmod._core._owned_layout import map_leaves
 
-__all__ = ["merge", "role_tree", "select"]
+__all__ = ["is_one_of", "merge", "role_tree", "select"]
 
 
 def role_tree(variables: Mapping, layout: Layout,
@@ -40,15 +40,20 @@ def role_tree(variables: Mapping, layout: Layout,
             "managers": map_leaves(variables["managers"], manager_role)}
 
 
-def select(variables: Mapping, roles: Mapping, wanted: Sequence[_roles.Role],
+def select(variables: Mapping, marks: Mapping, test: Callable[[Any], bool],
            keep: bool) -> dict:
-    """The leaves of ``variables`` whose role (in ``roles``, same nesting) is (``keep``)
-    or is not one of ``wanted`` or a sub-role, in the original nesting (empty branches
+    """The leaves of ``variables`` whose mark (in ``marks``, same nesting: a role, a bool)
+    passes ``test`` (``keep``) or does not, in the original nesting (empty branches
     dropped)."""
-    parts = {k: (select(v, roles[k], wanted, keep) if isinstance(v, Mapping)
-                 else v if any(roles[k].is_a(r) for r in wanted) == keep else _EMPTY)
+    parts = {k: (select(v, marks[k], test, keep) if isinstance(v, Mapping)
+                 else v if test(marks[k]) == keep else _EMPTY)
              for k, v in variables.items()}
     return {k: v for k, v in parts.items() if v is not _EMPTY}
+
+
+def is_one_of(wanted: Sequence[_roles.Role]) -> Callable[[_roles.Role], bool]:
+    """A test for :func:`select`: a role is one of ``wanted`` or a sub-role."""
+    return lambda role: any(role.is_a(r) for r in wanted)
 
 
 def merge(selected: Mapping, rest: Mapping) -> dict:

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from graphmod._core import _context
-from graphmod._core._frame import Frame, LoopSnapshot
+from graphmod._core._collected import LoopSnapshot
+from graphmod._core._frame import Frame
 
 
 def scan(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -12,6 +13,8 @@ import optax
 from graphmod import roles as _roles
 from graphmod._core._arguments import as_key
 from graphmod._core._construction import key_record
+from graphmod._core._role_tree import select
+from graphmod._core._selection import as_selectors, selected
 from graphmod._records._collect import training_provenance
 from graphmod._records._optimizer import optimizer_record
 from graphmod._train._batch import step_arguments
@@ -70,7 +73,8 @@ class TrainStep:
     """
 
     def __init__(self, program: Program, tx: optax.GradientTransformation,
-                 skip_nonfinite: bool, config: Mapping[str, Any] | None = None) -> None:
+                 skip_nonfinite: bool, config: Mapping[str, Any] | None = None,
+                 trainable: Any = None, grad_norms: bool = False) -> None:
         if not isinstance(program, Program):
             raise TypeError(f"optimize(program, tx): expected a graphmod Program, got "
                             f"{type(program).__name__}")
@@ -80,6 +84,9 @@ class TrainStep:
         self.program = program
         self.tx = tx
         self.skip_nonfinite = skip_nonfinite
+        self.trainable = None if trainable is None else as_selectors(
+            trainable, "optimize(trainable=...)")
+        self.grad_norms = bool(grad_norms)
         self.optimizer_record = optimizer_record(tx, config)
         self.train_seed: dict | None = None
         self._step = jax.jit(self._traced, donate_argnums=0)
@@ -110,7 +117,7 @@ class TrainStep:
         key = as_key(rng, "step.init(variables, rng)")
         self.program._unpack(variables)
         variables = jax.tree.map(lambda x: jnp.array(x, copy=True), variables)
-        params, _ = self.program.split(variables, _roles.PARAMETER)
+        params, _ = self._parameters(variables)
         data = jax.random.key_data(key)
         seed = key_record(key)
         if seed is not None:  # not under a trace (abstract_state)
@@ -138,29 +145,52 @@ class TrainStep:
 
         return jax.lax.scan(one, state, batches)
 
+    def _parameters(self, variables: dict) -> tuple[dict, dict]:
+        """``(trained, rest)``: the PARAMETER leaves optax sees (those ``trainable``
+        selects, when given), and every other leaf."""
+        program = self.program
+        params, rest = program.split(variables, _roles.PARAMETER)
+        if self.trainable is None:
+            return params, rest
+        chosen = selected(params, program.record.layout, self.trainable,
+                          "optimize(trainable=...)")
+        trained = select(params, chosen, bool, True)
+        if not jax.tree.leaves(trained):
+            raise ValueError(f"optimize(trainable={list(self.trainable)!r}) selects no "
+                             "PARAMETER leaf of the program's variables; see program.roles("
+                             "variables) for what there is")
+        return trained, program.merge(select(params, chosen, bool, False), rest)
+
+    def _loss(self, key: jax.Array, batch: tuple, kwargs: dict, rest: dict, params: dict
+              ) -> tuple[jax.Array, tuple[dict, dict]]:
+        """The cost to differentiate (the function's plus every auxiliary cost), and the
+        metrics and new variables."""
+        program = self.program
+        out, new_variables, monitored, costs, measured = program._train_traced(
+            program.merge(params, rest), key, batch, kwargs, with_costs=True)
+        cost, metrics = _split_output(out)
+        if jnp.ndim(cost) != 0 or not jnp.issubdtype(jnp.result_type(cost), jnp.floating):
+            raise ValueError(
+                f"optimize: the cost returned by {getattr(program.fn, '__name__', 'fn')} "
+                f"must be a float scalar to differentiate; got shape {jnp.shape(cost)} "
+                f"and dtype {jnp.result_type(cost)} (reduce it, e.g. with .mean())"
+            )
+        owned = {owner: sum(by_key.values()) for owner, by_key in costs.items()}
+        total = cost + sum(owned.values()) if owned else cost
+        return total, ({**metrics, **owned, **measured, **monitored}, new_variables)
+
     def _traced(self, state: TrainState, batch: tuple, kwargs: dict) -> tuple[TrainState, dict]:
         program = self.program
         program._unpack(state.variables)  # named errors before split meets a stranger
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        params, rest = program.split(state.variables, _roles.PARAMETER)
-
-        def loss(params: dict) -> tuple[jax.Array, tuple[dict, dict]]:
-            result = program._train_traced(program.merge(params, rest), key, batch, kwargs)
-            out, new_variables = result[0], result[1]
-            monitored = result[2] if len(result) == 3 else {}
-            cost, metrics = _split_output(out)
-            if jnp.ndim(cost) != 0 or not jnp.issubdtype(jnp.result_type(cost), jnp.floating):
-                raise ValueError(
-                    f"optimize: the cost returned by {getattr(program.fn, '__name__', 'fn')} "
-                    f"must be a float scalar to differentiate; got shape {jnp.shape(cost)} "
-                    f"and dtype {jnp.result_type(cost)} (reduce it, e.g. with .mean())"
-                )
-            return cost, ({**metrics, **monitored}, new_variables)
-
+        params, rest = self._parameters(state.variables)
+        loss = functools.partial(self._loss, key, batch, kwargs, rest)
         (cost, (metrics, new_variables)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        if self.grad_norms:
+            metrics = {**metrics, **_norms(grads)}
         updates, opt_state = self.tx.update(grads, state.opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        _, new_rest = program.split(new_variables, _roles.PARAMETER)
+        _, new_rest = self._parameters(new_variables)
         variables = program.merge(new_params, new_rest)
         skipped = state.skipped
         if self.skip_nonfinite:
@@ -175,9 +205,16 @@ class TrainStep:
         return new_state, {"loss": cost, **metrics}
 
 
+def _norms(grads: dict) -> dict[str, jax.Array]:
+    """``{"grad_norm/<path>": L2 norm}`` of each gradient leaf (``model/linear_layers/0/W``)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(grads)
+    return {"grad_norm/" + "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path):
+            jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32)))) for path, g in flat}
+
+
 def optimize(program: Program, tx: optax.GradientTransformation, *,
-             skip_nonfinite: bool = False, config: Mapping[str, Any] | None = None
-             ) -> TrainStep:
+             skip_nonfinite: bool = False, config: Mapping[str, Any] | None = None,
+             trainable: Any = None, grad_norms: bool = False) -> TrainStep:
     """A jitted, buffer-donating train step for ``program`` with optax optimizer ``tx``.
 
     Args:
@@ -189,6 +226,16 @@ def optimize(program: Program, tx: optax.GradientTransformation, *,
         config: the optimizer's name and hyperparameters for the provenance record, e.g.
             ``{"name": "adam", "learning_rate": 1e-3}``, when ``tx`` was not made with
             :func:`graphmod.provenance.optimizer` (which records them itself).
+        trainable: what optax trains: a :class:`graphmod.VariableFilter` over the model's
+            variables (``bricks``, ``roles``, ``name``, ``name_regex``, ``path``), a manager
+            (the parameters it owns, e.g. LoRA's adapters) or a list of them. The other
+            PARAMETER leaves are frozen: no gradient, no update, not in the optimizer state.
+        grad_norms: also report each parameter's gradient norm in the metrics, as
+            ``metrics["grad_norm/model/linear_layers/0/W"]``.
+
+    Auxiliary costs (``call.add_auxiliary_variable(value, roles=[COST])``, e.g. from
+    ``managers.L2``) are added to the cost that is differentiated: ``metrics["loss"]`` is
+    the total, and each owner's sum is reported under its name (``metrics["l2"]``).
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, graphmod as gm
@@ -202,4 +249,4 @@ def optimize(program: Program, tx: optax.GradientTransformation, *,
         >>> int(state.step), sorted(metrics)
         (1, ['loss'])
     """
-    return TrainStep(program, tx, skip_nonfinite, config)
+    return TrainStep(program, tx, skip_nonfinite, config, trainable, grad_norms)

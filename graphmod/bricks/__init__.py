@@ -6,11 +6,13 @@ Examples:
     ['Conv', 'Embedding', 'LSTM']
 """
 
+from graphmod.bricks._attention import MultiHeadAttention, causal_mask
 from graphmod.bricks._conv import Conv
 from graphmod.bricks._embedding import Embedding
 from graphmod.bricks._linear import MLP, Linear
 from graphmod.bricks._norm import LayerNorm
 from graphmod.bricks._recurrent import LSTM, SimpleRecurrent
+from graphmod.bricks._residual import Residual, TransformerBlock
 from graphmod.bricks._sequence import Sequence
 
 __all__ = [
@@ -20,6 +22,10 @@ __all__ = [
     "Embedding",
     "LayerNorm",
     "Linear",
+    "MultiHeadAttention",
+    "Residual",
     "Sequence",
     "SimpleRecurrent",
+    "TransformerBlock",
+    "causal_mask",
 ]

@@ -47,6 +47,20 @@ def scalars(metrics: Mapping[str, Any], names: tuple[str, ...] = ()) -> dict[str
             if name in metrics and np.ndim(metrics[name]) == 0}
 
 
+def copying(metrics: Mapping[str, Any], names: tuple[str, ...] = ()) -> dict[str, Any]:
+    """:func:`scalars`, with their copies to the host started (nothing waits)."""
+    chosen = scalars(metrics, names)
+    for value in chosen.values():
+        if isinstance(value, jax.Array):
+            value.copy_to_host_async()
+    return chosen
+
+
+def on_host(metrics: Mapping[str, Any]) -> bool:
+    """Whether every value of ``metrics`` can be read without waiting on the device."""
+    return all(not isinstance(v, jax.Array) or v.is_ready() for v in metrics.values())
+
+
 def scalar_metrics(metrics: Mapping[str, Any], names: tuple[str, ...] = ()) -> dict[str, float]:
     """The scalar metrics among ``names`` (all when empty) as Python floats, in order."""
     chosen = scalars(metrics, names)

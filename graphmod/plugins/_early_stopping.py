@@ -117,7 +117,10 @@ class EarlyStopping(Plugin):
         self.wait += 1
         if self.wait >= self.patience and self.stopped_step is None:
             self.stopped_step = event.time.step
-            event.loop.terminate()
+            best = "none yet" if self.best is None else (
+                f"{self.best:.4g} at step {self.best_step}")
+            event.loop.terminate(f"early stopping: no better {self.metric} in "
+                                 f"{self.patience} evaluations (best {best})")
 
     def restore(self, loop: LoopLike) -> None:
         """Puts the best state kept back into the loop (when ``restore_best``)."""

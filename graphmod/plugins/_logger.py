@@ -21,16 +21,15 @@ import warnings
 from collections.abc import Iterable
 from typing import Any, TextIO
 
-import jax
-
 from graphmod._train._events import TIMELINES, Event, On, Template
 from graphmod._train._plugin import Plugin
 from graphmod._train._schedule import each
 from graphmod.plugins._common import (
+    copying,
     event_metrics,
     metric_names,
+    on_host,
     scalar_metrics,
-    scalars,
     template_or,
 )
 from graphmod.typing import LoopLike
@@ -118,7 +117,7 @@ class Logger(Plugin):
     # -- plugin protocol ------------------------------------------------------------------------
     def __call__(self, event: Event) -> None:
         self._pending.append(self._start(event))
-        while self._pending and all(_on_host(v) for v in self._pending[0][1].values()):
+        while self._pending and on_host(self._pending[0][1]):
             self.write(_finish(*self._pending.pop(0)))
 
     def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
@@ -141,11 +140,8 @@ class Logger(Plugin):
     # -- rows -----------------------------------------------------------------------------------
     def _start(self, event: Event) -> tuple[dict[str, Any], dict[str, Any]]:
         """The row's times, and its scalar metrics on their way to the host."""
-        chosen = scalars(event_metrics(event), self.metrics)
-        for value in chosen.values():
-            if isinstance(value, jax.Array):
-                value.copy_to_host_async()
-        return {"event": event.type, **event.time.to_dict()}, chosen
+        return ({"event": event.type, **event.time.to_dict()},
+                copying(event_metrics(event), self.metrics))
 
     def flush(self) -> None:
         """Writes the rows whose metrics are still on their way (waits for the device)."""
@@ -232,10 +228,6 @@ def _free_path(path: str) -> str:
     warnings.warn(f"Logger: {path} holds another run's rows; this run logs to {free}",
                   stacklevel=2)
     return free
-
-
-def _on_host(value: Any) -> bool:
-    return not isinstance(value, jax.Array) or value.is_ready()
 
 
 def _finish(head: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:

@@ -84,7 +84,7 @@ class NaNGuard(Plugin):
     def __call__(self, event: Event) -> None:
         if self._check(event.loop, event.metrics, event.time.step):
             self.stopped_step = event.time.step
-            event.loop.terminate()
+            event.loop.terminate(f"{self.skipped} step(s) with a non-finite loss or update")
 
     def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
         if error is None and self.stopped_step is None and loop.metrics \

@@ -7,6 +7,7 @@ import warnings
 from typing import TextIO
 
 import numpy as np
+from tqdm import tqdm
 
 from graphmod._train._events import Event, On, Template
 from graphmod._train._plugin import Plugin
@@ -63,7 +64,11 @@ class Print(Plugin):
 
     def __call__(self, event: Event) -> None:
         self._printed += 1
-        print(self.format(event), file=self.file or sys.stdout, flush=True)
+        # Through tqdm: a progress bar on the terminal is cleared, the line written above
+        # it, and the bar drawn again (no line glued onto the bar).
+        out = self.file or sys.stdout
+        tqdm.write(self.format(event), file=out)
+        out.flush()
 
     def format(self, event: Event) -> str:
         """The line printed for ``event`` (reads its metrics: a device sync)."""

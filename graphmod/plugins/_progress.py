@@ -1,4 +1,4 @@
-"""``ProgressBar``: a tqdm bar over the run's steps that reads metrics only now and then."""
+"""``ProgressBar``: a tqdm bar over the run's steps that never waits on the device."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ from typing import Any
 
 from graphmod._train._events import Event, On, Template
 from graphmod._train._plugin import Plugin
-from graphmod.plugins._common import metric_names, planned_steps, scalar_metrics, template_or
+from graphmod.plugins._common import (
+    copying,
+    metric_names,
+    on_host,
+    planned_steps,
+    scalar_metrics,
+    template_or,
+)
 from graphmod.typing import LoopLike
 
 
@@ -17,17 +24,21 @@ class ProgressBar(Plugin):
     """A ``tqdm.auto`` progress bar (a widget in Jupyter) over the steps of a run.
 
     The bar advances on every ``step`` event by the steps the event covers (a fused
-    ``steps_per_call`` dispatch moves it by k at once), which never waits on the device.
-    The ``metrics`` are read (one device sync) and shown only on the step events matching
-    ``every`` (by default at most once a second of wall time), and once more when the run
-    ends. The bar closes at the end of the run, also on an error or an interrupt.
+    ``steps_per_call`` dispatch moves it by k at once) and shows the epoch counted from 1.
+    It never waits on the device: on the step events matching ``every`` (by default at
+    most every 0.1 s of wall time, as tqdm redraws) the ``metrics`` start copying to the
+    host, and they are shown at the first step event that finds them there (and when the
+    run ends). The
+    bar closes at the end of the run, also on an error or an interrupt, saying why a run
+    stopped early (``loop.terminate(reason)``, e.g. early stopping; an interrupt; an
+    error). :class:`graphmod.plugins.Print` writes its lines above the bar.
 
     Args:
         total: the bar's length in steps (default: the loop's ``steps``, or ``epochs``
             times the length of its data; open-ended when neither is known).
         metrics: names of step metrics to show beside the bar (those present are shown).
         every: the step events on which the metrics are read and shown (default: at most
-            once a second).
+            every 0.1 s: a copy started, nothing waited for).
         name: the plugin's name.
         **tqdm_kwargs: passed to ``tqdm`` (``desc``, ``file``, ``leave``, ``disable``, ...).
 
@@ -53,44 +64,52 @@ class ProgressBar(Plugin):
                  **tqdm_kwargs: Any) -> None:
         # The bar sees every step event (a catch-all step template never blocks fusing
         # steps); ``every`` only decides when the metrics are read.
-        super().__init__(name=name, every=On("step"))
+        super().__init__(name=name, every=On("step") | On("terminate"))
         if total is not None and (isinstance(total, bool) or not isinstance(total, int)
                                   or total < 1):
             raise ValueError(f"ProgressBar(total={total!r}): must be a positive int or None")
         if isinstance(metrics, str):
             metrics = (metrics,)
         self.metrics = metric_names(metrics, "ProgressBar(metrics=...)")
-        # None: at most once a second, checked with a clock read (cheaper than a template).
+        # None: at most every 0.1 s, checked with a clock read (cheaper than a template).
         self.show_every = None if every is None else template_or(every, On("step"),
                                                                  "ProgressBar")
         self.tqdm_kwargs = tqdm_kwargs
         self.total = total
         self.position = 0
         self.postfix: dict[str, float] = {}
+        self.stopped: str | None = None  # why the run stopped early, once it did
         self._requested_total = total
         self._bar: Any = None
         self._shown_at = -math.inf
+        self._copying: dict[str, Any] | None = None  # metrics on their way to the host
 
     def setup(self, loop: LoopLike) -> None:
         self.total = self._requested_total or planned_steps(loop)
         self._bar = None
         self._shown_at = -math.inf
+        self._copying = None
+        self.stopped = None
 
     def __call__(self, event: Event) -> None:
-        if event.type != "step":
+        if event.type == "terminate":
+            who = getattr(event.issuer, "name", type(event.issuer).__name__)
+            self.stopped = getattr(event, "reason", None) or f"terminated by {who}"
             return
         if self._bar is None:
-            start = event.loop.start_time.step
-            self._bar = self._open(start)
+            self._bar = self._open(event.loop.start_time.step)
         self._advance(event.time.step, event.time.epoch)
-        if self.metrics and self._due(event):
-            self._show(event.metrics)
+        if self._copying is not None and on_host(self._copying):
+            self._show(self._copying)
+            self._copying = None
+        if self.metrics and self._copying is None and self._due(event):
+            self._copying = copying(event.metrics, self.metrics)
 
     def _due(self, event: Event) -> bool:
         if self.show_every is not None:
             return self.show_every.matches(event)
         now = time.perf_counter()
-        if now - self._shown_at < 1.0:
+        if now - self._shown_at < 0.1:
             return False
         self._shown_at = now
         return True
@@ -107,12 +126,12 @@ class ProgressBar(Plugin):
             self._bar.update(step - self.position)
             self.position = step
         if epoch is not None and "desc" not in self.tqdm_kwargs:
-            desc = f"epoch {epoch}"
+            desc = f"epoch {epoch + 1}"  # counted from 1, as the bar's steps
             if self._bar.desc != desc:
                 self._bar.set_description_str(desc, refresh=False)
 
     def _show(self, metrics: Any) -> None:
-        values = scalar_metrics(metrics, self.metrics)  # the one sync
+        values = scalar_metrics(metrics, self.metrics)  # on the host already (or at the end)
         if values:
             self.postfix = values
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()})
@@ -124,7 +143,14 @@ class ProgressBar(Plugin):
             if error is None:  # not when stopping on an error: reading could raise again
                 self._advance(loop.time.step, None)  # the description keeps the last epoch
                 if self.metrics and loop.metrics:
-                    self._show(loop.metrics)
+                    self._show(loop.metrics)  # the run is over: this read waits for nothing
+            else:
+                self.stopped = ("interrupted" if isinstance(error, KeyboardInterrupt)
+                                else f"stopped by {type(error).__name__}")
+            if self.stopped is not None:
+                self.stopped = f"{self.stopped} (at step {loop.time.step})"
+                self._bar.set_description_str(f"{self._bar.desc}: {self.stopped}",
+                                              refresh=True)
         finally:
             self._bar.close()
             self._bar = None

@@ -21,7 +21,7 @@ import pytest
 
 import graphmod as gm
 from graphmod import On, at, each
-from graphmod._cli import run_report
+from graphmod._cli import inspect_run
 from graphmod._train._checkpoint import Checkpointer, CheckpointError
 from graphmod._train._checkpoint._format import storable
 from graphmod.plugins import Checkpoint
@@ -210,7 +210,7 @@ def test_stray_directories_are_named_and_never_read(
     assert meta["step"] == 8
     assert reader.meta()["step"] == 8  # the newest readable record, quietly
     reader.close()
-    report = run_report(str(directory))
+    report = inspect_run(str(directory))
     assert "checkpoint 4: verified" in report and "checkpoint 8: verified" in report
     assert "checkpoint 7: FAILS verification: no meta record" in report
     assert "leftover 13.orbax-checkpoint-tmp: an incomplete write" in report
@@ -474,4 +474,4 @@ def test_a_graphmod_0_1_checkpoint_resumes_unverified_with_a_warning(
                         jax.tree.leaves(straight.variables))
     reason = Checkpointer(directory, keep=None).verify(6)
     assert reason is not None and "cannot be verified" in reason
-    assert "cannot be verified" in run_report(str(directory))
+    assert "cannot be verified" in inspect_run(str(directory))

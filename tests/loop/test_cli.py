@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from graphmod._cli import main, run_report
+from graphmod._cli import inspect_run, main
 
 SCRIPT = pathlib.Path(__file__).with_name("resumable_run.py")
 ROOT = pathlib.Path(__file__).parents[2]
@@ -28,7 +28,7 @@ def test_run_stop_resume_and_inspect(tmp_path: pathlib.Path) -> None:
     stopped = _graphmod("run", str(SCRIPT), str(directory), str(tmp_path / "early.npz"),
                         "--until", "10")
     assert stopped.returncode == 0, stopped.stderr
-    report = run_report(str(directory))
+    report = inspect_run(str(directory))
     assert "checkpoints: 8, 10" in report and "step=10" in report
     assert "resumable_run.py" in report and "--until 10" in report
     resumed = _graphmod("resume", str(directory))

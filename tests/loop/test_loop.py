@@ -492,3 +492,14 @@ def test_train_seconds_are_monotone_and_leave_out_every_plugin_call(problem: Pro
     # at least the sleeps before the last step's event (steps 3, 6, 9) were spent in
     # plugins, whatever the machine's speed
     assert last.train_seconds <= last.seconds - 6 * pause
+
+
+def test_the_dispatch_trace_shows_its_latest_calls_in_a_notebook(problem: Problem) -> None:
+    loop = gm.Loop(problem.step, problem.source(8), steps=30)
+    loop.on(On("step"), lambda e: None)
+    loop.run(problem.state())
+    text, page = repr(loop.trace), loop.trace._repr_html_()
+    assert text.startswith("DispatchTrace: 30 plugin calls, the latest 20\n")
+    assert len(text.splitlines()) == 23 and max(map(len, text.splitlines())) <= 100
+    assert page.count("<tr>") == 21 and "<caption>DispatchTrace: 30 plugin calls" in page
+    assert len(str(loop.trace).splitlines()) == 32  # print() shows them all

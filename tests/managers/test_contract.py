@@ -28,7 +28,32 @@ MAKERS: dict[str, Callable[..., gm.Manager]] = {
     "weight_noise": lambda **kw: managers.WeightNoise(0.1, roles=[roles.WEIGHT], **kw),
     "gaussian_noise": lambda **kw: managers.GaussianNoise(0.1, roles=[roles.OUTPUT], **kw),
     "batch_norm": lambda **kw: managers.BatchNorm(roles=[roles.OUTPUT], **kw),
+    "weight_norm": lambda **kw: managers.WeightNorm(roles=[roles.WEIGHT], **kw),
+    "weight_standardization": lambda **kw: managers.WeightStandardization(
+        roles=[roles.WEIGHT], **kw),
+    "spectral_norm": lambda **kw: managers.SpectralNorm(roles=[roles.WEIGHT], **kw),
+    "max_norm": lambda **kw: managers.MaxNorm(0.2, roles=[roles.WEIGHT], **kw),
+    "lora": lambda **kw: managers.LoRA(2, roles=[roles.WEIGHT], **kw),
+    "l2": lambda **kw: managers.L2(0.1, roles=[roles.WEIGHT], **kw),
+    "weight_decay": lambda **kw: managers.WeightDecay(0.1, roles=[roles.WEIGHT], **kw),
+    "stop_gradient": lambda **kw: managers.StopGradient(roles=[roles.INPUT], **kw),
+    "remat": lambda **kw: managers.Remat(policy="dots_saveable", **kw),
+    "precision": lambda **kw: managers.Precision("bfloat16", **kw),
+    "activation_stats": lambda **kw: managers.ActivationStats(roles=[roles.OUTPUT], **kw),
+    "fake_quant": lambda **kw: managers.FakeQuant(4, roles=[roles.WEIGHT, roles.OUTPUT], **kw),
 }
+# Managers whose forward pass at init is the plain model's (B = 0, g = ||W||, a cost
+# only optimize adds, a gradient-only or memory-only change).
+IDENTITY_AT_INIT = {"weight_norm", "lora", "l2", "weight_decay", "stop_gradient", "remat",
+                    "activation_stats"}
+# Middleware and costs leave the values as they are: nothing in the rewrite trace.
+UNTRACED = {"remat", "l2", "weight_decay", "activation_stats"}
+# Gradients that are not the forward pass's derivative, by design: the straight-through
+# estimator, and power-iteration vectors held constant (as flax.nnx.SpectralNorm does).
+NOT_DERIVATIVES = {"fake_quant", "spectral_norm"}
+TOLERANCE = {"precision": {"rtol": 2e-2, "atol": 2e-3}}  # bf16 rounds eager and jit apart
+ANY_DTYPE = {"remat", "precision", "stop_gradient"}  # integer variables pass unchanged
+
 
 
 def cost(model: gm.bricks.Linear, x: jax.Array) -> tuple[jax.Array, dict]:
@@ -77,14 +102,16 @@ def plain_cost(model: gm.bricks.Linear, x: jax.Array) -> float:
 
 
 def test_the_manager_rewrites_in_training(case: Case) -> None:
-    assert not np.isclose(float(case.out[0]), plain_cost(case.model, case.x), rtol=1e-4)
-    assert [r.manager for r in case.program.rewrites.train] == [case.name]
+    unchanged = np.isclose(float(case.out[0]), plain_cost(case.model, case.x), rtol=1e-5)
+    assert unchanged == (case.name in IDENTITY_AT_INIT)
+    names = {r.manager for r in case.program.rewrites.train}
+    assert names == (set() if case.name in UNTRACED else {case.name})
 
 
 def test_eager_and_jit_agree(case: Case) -> None:
     with jax.disable_jit():
         eager = case.program.train(case.variables, case.x, rng=key(0))
-    assert_trees_close(eager, (case.out, case.new))
+    assert_trees_close(eager, (case.out, case.new), **TOLERANCE.get(case.name, {}))
 
 
 def test_grad_agrees_with_the_forward_pass_and_finite_differences(case: Case) -> None:
@@ -98,6 +125,8 @@ def test_grad_agrees_with_the_forward_pass_and_finite_differences(case: Case) ->
     for leaf in jax.tree.leaves(grads):
         assert np.all(np.isfinite(array(leaf)))
     assert np.abs(array(grads["model"]["W"])).sum() > 0
+    if case.name in NOT_DERIVATIVES:
+        return
     # a central difference along a random direction of the parameters, same key
     rng = np.random.default_rng(0)
     direction = jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32),
@@ -225,8 +254,13 @@ class Ints(gm.Brick):
 def test_an_integer_variable_selected_raises_naming_manager_variable_and_path(
         case: Case) -> None:
     program = gm.compile(apply_model, Ints(), managers=[MAKERS[case.name]()])
+    x = jnp.asarray(np.arange(15).reshape(5, 3), jnp.int32)
+    if case.name in ANY_DTYPE:  # casts and gradients leave integers alone
+        variables = program.init(x)
+        np.testing.assert_array_equal(program.train(variables, x, rng=key(0))[0], x + Ints().W)
+        return
     with pytest.raises(TypeError, match=rf"{case.name!r} selected .* at /, of dtype int32"):
-        program.init(jnp.asarray(np.arange(15).reshape(5, 3), jnp.int32))
+        program.init(x)
 
 
 # -- inside graphmod.scan, through provenance, in low precision ----------------------------------
@@ -249,13 +283,13 @@ def test_inside_graphmod_scan_eager_and_jit_agree_and_rewrite_once(case: Case) -
     xs = jnp.stack([case.x, normal(6, 5, 3), normal(7, 5, 3)])
     variables = program.init(xs)
     out, new = program.train(variables, xs, rng=key(0))
+    # the body's calls are recorded once, as call 0 of the Linear
+    assert {(r.manager, r.path, r.call_id) for r in program.rewrites.train} == (
+        set() if case.name in UNTRACED else {(case.name, "/lin", 0)})
     with jax.disable_jit():
         eager = program.train(variables, xs, rng=key(0))
-    assert_trees_close(eager, (out, new))
+    assert_trees_close(eager, (out, new), **TOLERANCE.get(case.name, {}))
     assert np.isfinite(float(out))
-    # the body's calls are recorded once, as call 0 of the Linear
-    assert {(r.manager, r.path, r.call_id) for r in program.rewrites.train} == {
-        (case.name, "/lin", 0)}
     assert jax.tree.map(jnp.shape, new) == jax.tree.map(jnp.shape, variables)
 
 

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import graphmod as gm
-from graphmod._cli import main, run_report
+from graphmod._cli import inspect_run, main
 from graphmod.plugins import Checkpoint
 from tests.provenance.provenance_workload import build, source
 
@@ -78,7 +78,7 @@ def test_saved_programs_hold_their_provenance(tmp_path: pathlib.Path) -> None:
     loaded = program.load(tmp_path / "saved")
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(state.variables), strict=True):
         np.testing.assert_array_equal(a, b)
-    report = run_report(str(tmp_path / "saved"))
+    report = inspect_run(str(tmp_path / "saved"))
     assert "checkpoints: 3" in report and "graphmod.bricks.MLP(dims=[4, 8, 2]" in report
     fresh = gm.compile(lambda m, x: m(x), gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0)))
     with pytest.raises(RuntimeError, match=r"call program.init"):

@@ -14,7 +14,7 @@ import time as _time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from graphmod._core._table import text_table
+from graphmod._core._table import html_table, text_table
 from graphmod._train._events import AnyOf, Event, Template, Time, as_template, plugin_name
 from graphmod._train._plugin import Plugin
 
@@ -54,6 +54,10 @@ class Dispatch:
     seconds: float
 
 
+_TRACE_HEADERS = ("event", "step", "order", "plugin", "ms")
+_SHOWN = 20  # rows a repr shows
+
+
 class DispatchTrace:
     """The latest dispatches of a loop (a bounded buffer); prints as a table.
 
@@ -64,6 +68,12 @@ class DispatchTrace:
         ...     trace.append(Dispatch("step", i, "print", 0, 0.0))
         >>> [d.step for d in trace]
         [1, 2]
+        >>> print(repr(trace))
+        DispatchTrace: 2 plugin calls
+        event  step  order  plugin  ms
+        -----  ----  -----  ------  -----
+        step   1     0      print   0.000
+        step   2     0      print   0.000
     """
 
     def __init__(self, maxlen: int = 4096) -> None:
@@ -82,8 +92,21 @@ class DispatchTrace:
         return reversed(self._records)
 
     def __str__(self) -> str:
-        rows = [(d.event, d.step, d.order, d.plugin, f"{d.seconds * 1e3:.3f}") for d in self]
-        return text_table(("event", "step", "order", "plugin", "ms"), rows)
+        return text_table(_TRACE_HEADERS, self._rows(len(self)))
+
+    def __repr__(self) -> str:  # a notebook's or shell's echo: the latest calls only
+        return f"{self._caption(_SHOWN)}\n{text_table(_TRACE_HEADERS, self._rows(_SHOWN))}"
+
+    def _repr_html_(self) -> str:
+        return html_table(_TRACE_HEADERS, self._rows(_SHOWN), self._caption(_SHOWN))
+
+    def _caption(self, shown: int) -> str:
+        latest = f", the latest {shown}" if len(self) > shown else ""
+        return f"DispatchTrace: {len(self)} plugin calls{latest}"
+
+    def _rows(self, count: int) -> list[tuple]:
+        chosen = list(self._records)[-count:] if count else []
+        return [(d.event, d.step, d.order, d.plugin, f"{d.seconds * 1e3:.3f}") for d in chosen]
 
 
 class PluginTable:

@@ -127,9 +127,10 @@ class Loop:
         issuer = current.plugin if current is not None else self
         self._plugins.queue.append(self._event(type, issuer, data))
 
-    def terminate(self) -> None:
-        """Stops the run after the current step (fires a ``terminate`` event)."""
-        self.fire("terminate")
+    def terminate(self, reason: str | None = None) -> None:
+        """Stops the run after the current step (fires a ``terminate`` event whose
+        ``reason`` a progress bar or log shows, e.g. ``"early stopping: ..."``)."""
+        self.fire("terminate", reason=reason)
 
     def update_state(self, fn: Callable[[Any], Any]) -> None:
         """Replaces the train state by ``fn(state)``, cast to each leaf's dtype (no retrace)."""

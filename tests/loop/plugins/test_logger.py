@@ -44,7 +44,7 @@ def test_csv_rows_hold_every_timeline_and_the_metrics_as_floats(problem: Problem
 
 def test_a_due_event_never_waits_for_the_device(problem: Problem, tmp_path,
                                                 monkeypatch) -> None:
-    monkeypatch.setattr(_logger, "_on_host", lambda value: False)  # metrics still in transit
+    monkeypatch.setattr(_logger, "on_host", lambda metrics: False)  # metrics still in transit
     every = On("step", step=each(4))
     log = Logger(tmp_path, every=every, tensorboard=False)
     written: list[int] = []

@@ -1,0 +1,83 @@
+"""Every internal link and anchor of a built site resolves (run by ``.ci/run`` after
+``mkdocs build``; ``tests/test_docs_links.py`` tests the crawler itself).
+
+Usage::
+
+    python docs/_hooks/links.py SITE_DIR     # exit 1 and list the broken ones, if any
+"""
+
+from __future__ import annotations
+
+import sys
+import urllib.parse
+from html.parser import HTMLParser
+from pathlib import Path
+
+
+class _Page(HTMLParser):
+    """The ids a page defines and the links it makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: set[str] = set()
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = dict(attrs)
+        for key in ("id", "name"):
+            if found.get(key):
+                self.ids.add(str(found[key]))
+        if tag == "a" and found.get("href"):
+            self.links.append(str(found["href"]))
+
+
+def _parse(path: Path) -> _Page:
+    page = _Page()
+    page.feed(path.read_text(encoding="utf-8", errors="replace"))
+    return page
+
+
+def _target(site: Path, page: Path, href: str) -> tuple[Path, str] | None:
+    """The file and fragment an internal ``href`` of ``page`` points to (None: external)."""
+    parts = urllib.parse.urlsplit(href)
+    if parts.scheme or parts.netloc or href.startswith(("mailto:", "javascript:")):
+        return None
+    path = urllib.parse.unquote(parts.path)
+    target = page if not path else (
+        site / path.lstrip("/") if path.startswith("/") else page.parent / path)
+    if target.is_dir() or path.endswith("/"):
+        target = target / "index.html"
+    return target.resolve(), urllib.parse.unquote(parts.fragment)
+
+
+def broken_links(site: Path) -> list[str]:
+    """``"page: href"`` for every internal link whose file or anchor does not exist.
+
+    Examples:
+        >>> import tempfile
+        >>> site = Path(tempfile.mkdtemp())
+        >>> _ = (site / "index.html").write_text('<h2 id="a">A</h2><a href="#a">ok</a>'
+        ...                                      '<a href="#b">no</a><a href="x/">gone</a>')
+        >>> broken_links(site)
+        ['index.html: #b', 'index.html: x/']
+    """
+    site = site.resolve()
+    pages = {path.resolve(): _parse(path) for path in sorted(site.rglob("*.html"))}
+    broken = []
+    for path, page in pages.items():
+        for href in page.links:
+            target = _target(site, path, href)
+            if target is None:
+                continue
+            file, fragment = target
+            known = pages.get(file)
+            exists = known is not None or (file.is_file() and not fragment)
+            if not exists or (fragment and known is not None and fragment not in known.ids):
+                broken.append(f"{path.relative_to(site)}: {href}")
+    return broken
+
+
+if __name__ == "__main__":
+    found = broken_links(Path(sys.argv[1]))
+    print("\n".join(found) or "every internal link and anchor resolves")
+    sys.exit(1 if found else 0)

@@ -1,0 +1,54 @@
+"""What one trace collects beside its result (:class:`Collected`), the snapshot a
+``graphmod.scan`` body starts from, and the stable hash randomness is folded with."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import zlib
+from typing import Any
+
+from graphmod._core._filter import Tag
+from graphmod._core._rewrites import Rewrite
+
+__all__ = ["Collected", "LoopSnapshot", "Recorded", "crc32"]
+
+
+def crc32(text: str) -> int:
+    """A stable 31-bit hash of ``text`` (Python's ``hash`` is salted per process)."""
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """A tagged variable seen in a trace: before a rewrite (``manager`` None) or after."""
+
+    tag: Tag
+    shape: tuple[int, ...]
+    dtype: str
+    manager: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSnapshot:
+    """What a ``graphmod.scan`` body restores before each trace of it (JAX may trace a body
+    twice: its calls are counted and recorded once)."""
+
+    call_counts: dict[tuple[str, str], int]
+    rewrites: int
+    records: int
+
+
+@dataclasses.dataclass
+class Collected:
+    """What a trace collects beside its result (``records`` None: no graph is built)."""
+
+    records: list[Recorded] | None
+    monitored: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # auxiliary costs (COST auxiliary variables) by owner, then by key: optimize adds them
+    costs: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    measured: dict[str, Any] = dataclasses.field(default_factory=dict)  # call.report()
+    rewrites: list[Rewrite] = dataclasses.field(default_factory=list)
+    matches: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
+    # (brick path, application, call id, variable path) -> the manager rewriting it alone
+    exclusive: dict[tuple[Any, ...], str] = dataclasses.field(default_factory=dict)

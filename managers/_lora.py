@@ -1,0 +1,110 @@
+"""``LoRA``: low-rank adapters on weights (Hu et al., 2021), without model surgery."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import zlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import graphmod as gm
+from graphmod import roles
+from managers._checks import fan_in_axes
+
+
+class LoRA(gm.Manager):
+    """``W + (alpha / rank) * A @ B`` for each selected weight ``W`` of shape ``(..., out)``
+    (``A``: ``(fan_in, rank)``, ``B``: ``(rank, out)``, the product reshaped to ``W``'s
+    shape), at read time.
+
+    The manager owns ``A`` (normal, scaled by ``1/sqrt(fan_in)``, drawn from ``seed`` and
+    the weight's path) and ``B`` (zeros, so the model is unchanged at init) as PARAMETERs at
+    ``variables["managers"]["lora"][<brick path>][<weight name>]``. Train only them with
+    ``graphmod.optimize(program, tx, trainable=[lora])``: the base weights get no gradient
+    and no optimizer state. :meth:`merge` folds the adapters into the weights for export.
+    ``alpha`` may be :func:`graphmod.dynamic`.
+
+    Examples:
+        >>> import jax.numpy as jnp, graphmod as gm, managers
+        >>> from flax import nnx
+        >>> lin = gm.bricks.Linear(4, 3, rngs=nnx.Rngs(0))
+        >>> lora = managers.LoRA(rank=2, roles=[gm.roles.WEIGHT])
+        >>> program = gm.compile(lambda m, x: m(x), lin, managers=[lora])
+        >>> x = jnp.ones((1, 4))
+        >>> variables = program.init(x)
+        >>> {k: v.shape for k, v in variables["managers"]["lora"]["/"]["W"].items()}
+        {'a': (4, 2), 'b': (2, 3)}
+        >>> bool(jnp.allclose(program.infer(variables, x), lin(x)))  # B = 0: unchanged
+        True
+    """
+
+    hparams = ("alpha",)
+
+    def __init__(self, rank: int, *, alpha: float | gm.Dynamic = 1.0, seed: int = 0,
+                 **kwargs: Any) -> None:
+        if "manager_name" not in kwargs and "name" not in kwargs:
+            kwargs["manager_name"] = "lora"  # not the class name's snake case, lo_r_a
+        super().__init__(**kwargs)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"LoRA(rank={rank!r}): must be a positive int")
+        number = alpha.value if isinstance(alpha, gm.Dynamic) else alpha
+        if isinstance(number, bool) or not isinstance(number, numbers.Real) \
+                or not math.isfinite(number):
+            raise ValueError(f"LoRA(alpha={alpha!r}): must be a finite float")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"LoRA(seed={seed!r}): expected an int")
+        self.rank = rank
+        self.alpha = alpha
+        self.seed = seed
+
+    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+                          value: jax.Array) -> jax.Array:
+        fan_in_axes(self, call, name, value)
+        fan_in, out = math.prod(value.shape[:-1]), value.shape[-1]
+        seed = zlib.crc32(f"{self.seed}:{call.parameter}".encode()) & 0x7FFFFFFF
+        a = call.variable("a", lambda: jax.random.normal(jax.random.key(seed), (
+            fan_in, self.rank)) / math.sqrt(fan_in), role=roles.PARAMETER)
+        b = call.variable("b", lambda: jnp.zeros((self.rank, out)), role=roles.PARAMETER)
+        scale = jnp.asarray(self.hp("alpha"), jnp.float32) / self.rank
+        update = (scale * (a.value @ b.value)).reshape(value.shape)
+        return value + update.astype(value.dtype)
+
+    def merge(self, variables: dict) -> dict:
+        """``variables`` with every adapter folded into its weight and this manager's
+        entries removed: a program compiled without it gives the same outputs.
+
+        Examples:
+            >>> import jax.numpy as jnp, graphmod as gm, managers
+            >>> from flax import nnx
+            >>> lin = gm.bricks.Linear(4, 3, rngs=nnx.Rngs(0))
+            >>> lora = managers.LoRA(rank=2, roles=[gm.roles.WEIGHT])
+            >>> program = gm.compile(lambda m, x: m(x), lin, managers=[lora])
+            >>> variables = program.init(jnp.ones((1, 4)))
+            >>> sorted(lora.merge(variables)["managers"])
+            []
+        """
+        owned = variables["managers"].get(self.name, {})
+        alpha = owned.get("hparams", {}).get("alpha", self.alpha)
+        model = jax.tree.map(lambda leaf: leaf, variables["model"])  # containers copied
+        for path, weights in owned.items():
+            if path == "hparams":
+                continue
+            for weight, adapter in weights.items():
+                parent = _node(model, path)
+                base = parent[weight]
+                update = (jnp.asarray(alpha, jnp.float32) / self.rank
+                          * (adapter["a"] @ adapter["b"])).reshape(base.shape)
+                parent[weight] = base + update.astype(base.dtype)
+        others = {k: v for k, v in variables["managers"].items() if k != self.name}
+        return {"model": model, "managers": others}
+
+
+def _node(model: dict, path: str) -> Any:
+    """The dict of the model's variables at brick path ``path`` (``/layers/0``)."""
+    node: Any = model
+    for part in (p for p in path.split("/") if p):
+        node = node[part] if part in node else node[int(part)]
+    return node

@@ -1,0 +1,88 @@
+"""Regularizers as auxiliary costs: ``L2`` and ``WeightDecay`` on selected parameters.
+
+Each adds a cost per selected parameter with ``call.add_auxiliary_variable(cost,
+roles=[COST])`` and leaves the parameter as it is; :func:`graphmod.optimize` adds the costs
+to the one it differentiates and reports their sum under the manager's name
+(``metrics["l2"]``). A parameter read by several applications costs once per step.
+
+Sharp edges
+    The costs are training-mode only (inference and ``program.train``'s outputs do not
+    include them: :func:`graphmod.optimize` does). A parameter first read inside a raw JAX
+    transform or ``graphmod.scan`` body cannot add a cost there (it would have to leave the
+    inner trace): the error names it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import graphmod as gm
+from graphmod import roles
+from managers._checks import require_floating
+
+
+class _ParameterCost(gm.Manager):
+    """``factor * strength * sum(W ** 2)`` as an auxiliary cost of each selected parameter."""
+
+    hparams = ("strength",)
+    factor = 1.0
+
+    def __init__(self, strength: float | gm.Dynamic, **kwargs: Any) -> None:
+        kwargs.setdefault("roles", None if "filter" in kwargs else [roles.WEIGHT])
+        super().__init__(**kwargs)
+        number = strength.value if isinstance(strength, gm.Dynamic) else strength
+        if isinstance(number, bool) or not isinstance(number, numbers.Real) \
+                or not math.isfinite(number) or number < 0:
+            raise ValueError(f"{type(self).__name__}({number!r}): the strength must be a "
+                             "finite float >= 0")
+        self.strength = strength
+
+    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+                          value: jax.Array) -> jax.Array:
+        require_floating(self, call, name, value)
+        if call.training:
+            square = jnp.sum(jnp.square(value.astype(jnp.float32)))
+            cost = self.factor * jnp.asarray(self.hp("strength"), jnp.float32) * square
+            call.add_auxiliary_variable(cost, roles=[roles.COST], name="cost")
+        return value
+
+
+class L2(_ParameterCost):
+    """An L2 penalty ``strength * sum(W ** 2)`` per selected parameter (Keras' ``L2``),
+    added to the cost by :func:`graphmod.optimize`. Selects ``WEIGHT`` parameters unless
+    a filter says otherwise; ``strength`` may be :func:`graphmod.dynamic`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, graphmod as gm, managers
+        >>> from flax import nnx
+        >>> lin = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> program = gm.compile(lambda m, x: m(x).mean(), lin, managers=[managers.L2(0.1)])
+        >>> step = gm.optimize(program, optax.sgd(0.1))
+        >>> state = step.init(program.init(jnp.ones((1, 2))), jax.random.key(0))
+        >>> _, metrics = step(state, jnp.ones((4, 2)))
+        >>> bool(jnp.isclose(metrics["l2"], 0.1 * (lin.W[...] ** 2).sum()))
+        True
+    """
+
+
+class WeightDecay(_ParameterCost):
+    """Weight decay as a cost, ``rate / 2 * sum(W ** 2)`` per selected parameter: its
+    gradient is ``rate * W``, what ``optax.add_decayed_weights(rate)`` adds to the updates
+    before the optimizer (coupled decay; for AdamW's decoupled decay use
+    ``optax.adamw``). Selects ``WEIGHT`` parameters unless a filter says otherwise.
+
+    Examples:
+        >>> import graphmod as gm, managers
+        >>> managers.WeightDecay(1e-4).name
+        'weight_decay'
+    """
+
+    factor = 0.5
+
+    def __init__(self, rate: float | gm.Dynamic, **kwargs: Any) -> None:
+        super().__init__(rate, **kwargs)

@@ -1,0 +1,184 @@
+"""Reparametrizations: read-time rewrites of weights (the stored parameter never changes).
+
+``WeightNorm``, ``WeightStandardization``, ``SpectralNorm`` and ``MaxNorm`` rewrite a weight
+each time an application reads it; the optimizer keeps training the stored weight (and the
+manager's own variables), so removing the manager gives back the raw weights.
+
+Sharp edges
+    The output axis of a weight is its last one (``Linear``'s ``W`` is ``(in, out)``, a
+    convolution's ``(..., in, out)``); the norms are over the other axes, per output unit.
+    A weight read by two applications (tied weights) is rewritten in each of them:
+    ``SpectralNorm`` then runs its power iteration once per call.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import graphmod as gm
+from graphmod import roles
+from managers._checks import fan_in_axes
+
+
+def _positive(cls: str, argument: str, value: Any) -> None:
+    number = value.value if isinstance(value, gm.Dynamic) else value
+    if isinstance(number, bool) or not isinstance(number, numbers.Real) or not number > 0:
+        raise ValueError(f"{cls}({argument}={value!r}): must be a float > 0")
+
+
+def _norm(value: jax.Array, axes: tuple[int, ...], epsilon: float) -> jax.Array:
+    """The L2 norm over ``axes`` (kept), ``epsilon`` added under the root."""
+    return jnp.sqrt(jnp.sum(jnp.square(value), axes, keepdims=True) + epsilon)
+
+
+class WeightNorm(gm.Manager):
+    """Weight normalization (Salimans & Kingma, 2016): ``W = g * V / ||V||`` per output
+    unit, ``V`` the stored weight and ``g`` a parameter the manager owns.
+
+    ``g`` starts at ``||V||``, so the function is unchanged at init; it lives at
+    ``variables["managers"]["weight_norm"][<brick path>][<weight name>]["g"]``. As
+    ``flax.nnx.WeightNorm`` (which starts its scale at 1), the norm is
+    ``sqrt(sum(V ** 2) + epsilon)`` over every axis but the last.
+
+    Examples:
+        >>> import jax.numpy as jnp, graphmod as gm, managers
+        >>> from flax import nnx
+        >>> lin = gm.bricks.Linear(3, 2, rngs=nnx.Rngs(0))
+        >>> with managers.WeightNorm(roles=[gm.roles.WEIGHT]):
+        ...     program = gm.compile(lambda m, x: m(x), lin)
+        >>> x = jnp.ones((1, 3))
+        >>> variables = program.init(x)
+        >>> variables["managers"]["weight_norm"]["/"]["W"]["g"].shape
+        (2,)
+        >>> bool(jnp.allclose(program.infer(variables, x), lin(x), atol=1e-6))
+        True
+    """
+
+    def __init__(self, *, epsilon: float = 1e-12, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        _positive("WeightNorm", "epsilon", epsilon)
+        self.epsilon = epsilon
+
+    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+                          value: jax.Array) -> jax.Array:
+        axes = fan_in_axes(self, call, name, value)
+        norm = lambda w: _norm(w, axes, self.epsilon).reshape(w.shape[-1])
+        g = call.variable("g", norm, role=roles.PARAMETER)
+        return value * (g.value / norm(value)).astype(value.dtype)
+
+
+class WeightStandardization(gm.Manager):
+    """Weight standardization (Qiao et al., 2019): each output unit's weights shifted to
+    zero mean and scaled to unit variance over their inputs, ``(W - mean) / sqrt(var +
+    epsilon)``. Owns nothing; pair it with a normalization of the outputs as the paper does.
+
+    Examples:
+        >>> import jax.numpy as jnp, graphmod as gm, managers
+        >>> from flax import nnx
+        >>> lin = gm.bricks.Linear(4, 2, rngs=nnx.Rngs(0))
+        >>> with managers.WeightStandardization(roles=[gm.roles.WEIGHT]):
+        ...     program = gm.compile(lambda m, x: m(x), lin)
+        >>> x = jnp.eye(4)
+        >>> w = program.infer(program.init(x), x) - lin.b[...]  # the rows of W as read
+        >>> [abs(round(float(v), 4)) for v in w.mean(0)], [round(float(v), 3) for v in w.std(0)]
+        ([0.0, 0.0], [1.0, 1.0])
+    """
+
+    def __init__(self, *, epsilon: float = 1e-5, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        _positive("WeightStandardization", "epsilon", epsilon)
+        self.epsilon = epsilon
+
+    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+                          value: jax.Array) -> jax.Array:
+        axes = fan_in_axes(self, call, name, value)
+        mean = value.mean(axes, keepdims=True)
+        var = jnp.mean(jnp.square(value - mean), axes, keepdims=True)
+        return ((value - mean) * jax.lax.rsqrt(var + self.epsilon)).astype(value.dtype)
+
+
+class SpectralNorm(gm.Manager):
+    """Spectral normalization (Miyato et al., 2018): ``W / sigma``, ``sigma`` the largest
+    singular value of ``W`` (reshaped to ``(fan_in, out)``), estimated by power iteration.
+
+    Owns, per weight, the iteration's vector ``u`` and the estimate ``sigma`` (STATE). A
+    training step runs ``steps`` iterations from the stored ``u`` (no gradient through
+    them), divides by the new estimate and stores ``u`` and ``sigma``, as
+    ``flax.nnx.SpectralNorm`` does; inference divides by the stored ``sigma``. ``u`` starts
+    at a fixed unit vector (all ones, normalized), ``sigma`` at 1.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm, managers
+        >>> from flax import nnx
+        >>> lin = gm.bricks.Linear(3, 2, rngs=nnx.Rngs(0))
+        >>> with managers.SpectralNorm(roles=[gm.roles.WEIGHT]):
+        ...     program = gm.compile(lambda m, x: m(x).sum(), lin)
+        >>> variables = program.init(jnp.ones((1, 3)))
+        >>> sorted(variables["managers"]["spectral_norm"]["/"]["W"])
+        ['sigma', 'u']
+    """
+
+    def __init__(self, *, steps: int = 1, epsilon: float = 1e-12, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"SpectralNorm(steps={steps!r}): must be a positive int")
+        _positive("SpectralNorm", "epsilon", epsilon)
+        self.steps = steps
+        self.epsilon = epsilon
+
+    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+                          value: jax.Array) -> jax.Array:
+        fan_in_axes(self, call, name, value)
+        out = value.shape[-1]
+        u = call.variable("u", lambda: jnp.full((1, out), out ** -0.5, jnp.float32))
+        sigma = call.variable("sigma", lambda: jnp.ones((), jnp.float32))
+        if not call.training:
+            return value / sigma.value.astype(value.dtype)
+        matrix = value.reshape(-1, out).astype(jnp.float32)
+        normalize = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x) + self.epsilon)
+        vector = u.value
+        for _ in range(self.steps):
+            left = normalize(vector @ matrix.T)
+            vector = normalize(left @ matrix)
+        vector, left = jax.lax.stop_gradient(vector), jax.lax.stop_gradient(left)
+        estimate = (left @ matrix @ vector.T)[0, 0]
+        u.value, sigma.value = vector, jax.lax.stop_gradient(estimate)
+        return (value / jnp.where(estimate != 0, estimate, 1).astype(value.dtype))
+
+
+class MaxNorm(gm.Manager):
+    """A max-norm constraint (Srivastava et al., 2014): each output unit's weight vector
+    is scaled down to norm ``max_norm`` when it is longer, at read time.
+
+    ``max_norm`` may be :func:`graphmod.dynamic`. The gradient flows through the rescaling
+    (a read-time constraint, not a projection of the stored weight after each step).
+
+    Examples:
+        >>> import jax.numpy as jnp, graphmod as gm, managers
+        >>> from flax import nnx
+        >>> lin = gm.bricks.Linear(3, 2, rngs=nnx.Rngs(0), use_bias=False)
+        >>> with managers.MaxNorm(0.1, roles=[gm.roles.WEIGHT]):
+        ...     program = gm.compile(lambda m, x: m(x), lin)
+        >>> x = jnp.eye(3)
+        >>> norms = jnp.linalg.norm(program.infer(program.init(x), x), axis=0)
+        >>> bool(jnp.all(norms <= 0.1 + 1e-6))
+        True
+    """
+
+    hparams = ("max_norm",)
+
+    def __init__(self, max_norm: float | gm.Dynamic, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        _positive("MaxNorm", "max_norm", max_norm)
+        self.max_norm = max_norm
+
+    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+                          value: jax.Array) -> jax.Array:
+        axes = fan_in_axes(self, call, name, value)
+        norms = _norm(value, axes, 0.0)
+        limit = jnp.asarray(self.hp("max_norm"), value.dtype)
+        return value * jnp.minimum(1, limit / jnp.maximum(norms, 1e-12)).astype(value.dtype)

@@ -1,0 +1,61 @@
+"""``StochasticDepth``: drops whole residual branches per example (Huang et al., 2016)."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import graphmod as gm
+from graphmod import roles
+from managers._checks import require_floating
+
+_FIELDS = ("bricks", "roles", "applications", "path", "variable_name", "name_regex",
+           "call_id", "filter")
+
+
+class StochasticDepth(gm.Manager):
+    """In training, each example's residual branch is kept with probability ``1 - rate``
+    and scaled by ``1 / (1 - rate)`` (so its expected value is unchanged), or dropped;
+    inference is the identity. Acts on the output of ``graphmod.bricks.Residual``'s
+    ``residual`` application by default (every residual block: a ``TransformerBlock`` has
+    two), one draw per example along axis 0. ``rate`` may be :func:`graphmod.dynamic`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm, managers
+        >>> from flax import nnx
+        >>> block = gm.bricks.Residual(gm.bricks.Linear(4, 4, rngs=nnx.Rngs(0)))
+        >>> program = gm.compile(lambda m, x: m(x), block,
+        ...                      managers=[managers.StochasticDepth(0.5)])
+        >>> x = jnp.ones((6, 4))
+        >>> out, _ = program.train(program.init(x), x, rng=jax.random.key(0))
+        >>> sorted({bool(jnp.allclose(row, 1.0)) for row in out})  # some rows dropped
+        [False, True]
+    """
+
+    hparams = ("rate",)
+
+    def __init__(self, rate: float | gm.Dynamic, **kwargs: Any) -> None:
+        if not any(kwargs.get(field) is not None for field in _FIELDS):
+            kwargs.update(bricks=[gm.bricks.Residual], applications=["residual"],
+                          roles=[roles.OUTPUT])
+        super().__init__(**kwargs)
+        value = rate.value if isinstance(rate, gm.Dynamic) else rate
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                or not 0.0 <= value < 1.0:
+            raise ValueError(f"StochasticDepth(rate={rate!r}): must be a float in [0, 1)")
+        self.rate = rate
+
+    def rewrite_output(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+        require_floating(self, call, name, value)
+        if not call.training or (not isinstance(self.rate, gm.Dynamic) and self.rate == 0):
+            return value
+        if jnp.ndim(value) < 1:
+            raise ValueError(f"StochasticDepth {self.name!r}: {name!r} of {call.path} is a "
+                             "scalar; it drops examples along axis 0 (the batch)")
+        keep = 1.0 - jnp.asarray(self.hp("rate"), jnp.float32)
+        kept = jax.random.bernoulli(call.rng(), keep, (value.shape[0],) + (1,) * (
+            value.ndim - 1))
+        return jnp.where(kept, value / keep.astype(value.dtype), jnp.zeros((), value.dtype))

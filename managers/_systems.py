@@ -1,0 +1,173 @@
+"""Systems managers: ``Remat`` (recompute in the backward pass), ``Precision`` (compute
+in a low dtype) and ``StopGradient``.
+
+Sharp edges
+    ``Remat`` wraps the matched application calls in ``jax.checkpoint``: a manager inside
+    that region which updates state (``BatchNorm``'s running statistics) or adds an
+    auxiliary cost there raises, since the value cannot leave the checkpointed trace; give
+    ``Remat`` the outermost place (it is, when entered first) and keep such managers off
+    the rematerialized applications. ``Precision`` casts floating-point inputs and the
+    parameters read inside the call; integer inputs (token ids) are left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import graphmod as gm
+
+
+class StopGradient(gm.Manager):
+    """``jax.lax.stop_gradient`` on the selected inputs, outputs or parameters: the
+    forward pass is unchanged, no gradient flows back through them (freeze a layer by its
+    parameters, or cut a branch).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm, managers
+        >>> from flax import nnx
+        >>> lin = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> program = gm.compile(lambda m, x: m(x).sum(), lin,
+        ...                      managers=[managers.StopGradient(roles=[gm.roles.WEIGHT])])
+        >>> x = jnp.ones((1, 2))
+        >>> variables = program.init(x)
+        >>> grads = jax.grad(lambda v: program.train(v, x, rng=jax.random.key(0))[0])(
+        ...     variables)
+        >>> float(jnp.abs(grads["model"]["W"]).sum()), float(grads["model"]["b"].sum())
+        (0.0, 1.0)
+    """
+
+    def rewrite_input(self, call: gm.ApplicationCall, name: str, value: Any) -> Any:
+        return jax.lax.stop_gradient(value)
+
+    def rewrite_output(self, call: gm.ApplicationCall, name: str, value: Any) -> Any:
+        return jax.lax.stop_gradient(value)
+
+    def rewrite_parameter(self, call: gm.ApplicationCall, name: str, value: Any) -> Any:
+        return jax.lax.stop_gradient(value)
+
+
+def _policy(name: str | None) -> Callable[..., Any] | None:
+    if name is None:
+        return None
+    known = sorted(n for n in dir(jax.checkpoint_policies) if not n.startswith("_"))
+    policy = getattr(jax.checkpoint_policies, name, None) if name in known else None
+    if policy is None or not callable(policy) or name.startswith(("save_", "offload")):
+        plain = [n for n in known if not n.startswith(("save_", "offload"))]
+        raise ValueError(f"Remat(policy={name!r}): expected the name of one of JAX's "
+                         f"checkpoint policies: {', '.join(plain)}")
+    return policy
+
+
+def _split_arrays(args: tuple, kwargs: dict) -> tuple[list, Callable[[list], tuple]]:
+    """The array leaves of ``(args, kwargs)`` and a function putting new ones back (other
+    leaves, such as flags, stay Python values)."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array | np.ndarray)]
+
+    def rebuild(arrays: list) -> tuple:
+        new = list(leaves)
+        for i, array in zip(where, arrays, strict=True):
+            new[i] = array
+        return jax.tree.unflatten(tree, new)
+
+    return [leaves[i] for i in where], rebuild
+
+
+class Remat(gm.Manager):
+    """Rematerialization: ``jax.checkpoint`` around each matched application call, so its
+    activations are recomputed in the backward pass instead of stored (less memory, more
+    compute). ``policy`` names one of ``jax.checkpoint_policies`` (e.g.
+    ``"dots_saveable"``: keep matrix products, recompute the rest); None saves nothing.
+
+    With no filter it matches every application; name the blocks to rematerialize, e.g.
+    ``Remat(bricks=[TransformerBlock])``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm, managers
+        >>> from flax import nnx
+        >>> mlp = gm.bricks.MLP([3, 8, 1], activation=jax.nn.relu, rngs=nnx.Rngs(0))
+        >>> with managers.Remat(bricks=mlp.linear_layers, policy="dots_saveable"):
+        ...     program = gm.compile(lambda m, x: m(x).sum(), mlp)
+        >>> x = jnp.ones((2, 3))
+        >>> variables = program.init(x)
+        >>> grads = jax.grad(lambda v: program.train(v, x, rng=jax.random.key(0))[0])(
+        ...     variables)
+        >>> grads["model"]["linear_layers"][0]["W"].shape
+        (3, 8)
+    """
+
+    def __init__(self, *, policy: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        _policy(policy)
+        self.policy = policy
+
+    def wrap(self, call: gm.ApplicationCall, next: Callable[..., Any], args: tuple,
+             kwargs: dict) -> Any:
+        arrays, rebuild = _split_arrays(args, kwargs)
+
+        def region(*arrays: Any) -> Any:
+            inner_args, inner_kwargs = rebuild(list(arrays))
+            return next(*inner_args, **inner_kwargs)
+
+        return jax.checkpoint(region, policy=_policy(self.policy))(*arrays)
+
+
+class Precision(gm.Manager):
+    """Mixed precision: matched applications compute in ``compute_dtype`` on their
+    selected floating-point inputs and parameters, cast down; their floating-point outputs
+    are cast back to the widest floating dtype among the call's inputs. Stored parameters,
+    gradients and the optimizer stay in their own dtype (the casts are part of the
+    differentiated function).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm, managers
+        >>> from flax import nnx
+        >>> lin = gm.bricks.Linear(2, 2, rngs=nnx.Rngs(0))
+        >>> program = gm.compile(lambda m, x: m(x), lin,
+        ...                      managers=[managers.Precision("bfloat16")])
+        >>> x = jnp.ones((1, 2))
+        >>> variables = program.init(x)
+        >>> program.infer(variables, x).dtype, variables["model"]["W"].dtype
+        (dtype('float32'), dtype('float32'))
+    """
+
+    def __init__(self, compute_dtype: Any = "bfloat16", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        try:
+            dtype = jnp.dtype(compute_dtype)
+        except TypeError:
+            raise TypeError(f"Precision(compute_dtype={compute_dtype!r}): expected a dtype, "
+                            "e.g. jnp.bfloat16") from None
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"Precision(compute_dtype={compute_dtype!r}): must be a "
+                             "floating-point dtype")
+        self.compute_dtype = dtype.name
+
+    def _low(self, value: Any) -> Any:
+        if isinstance(value, jax.Array | np.ndarray) and jnp.issubdtype(value.dtype,
+                                                                        jnp.floating):
+            return value.astype(self.compute_dtype)
+        return value
+
+    def wrap(self, call: gm.ApplicationCall, next: Callable[..., Any], args: tuple,
+             kwargs: dict) -> Any:
+        floats = [leaf.dtype for leaf in jax.tree.leaves((args, kwargs))
+                  if isinstance(leaf, jax.Array | np.ndarray)
+                  and jnp.issubdtype(leaf.dtype, jnp.floating)]
+        out = next(*args, **kwargs)  # the selected inputs are cast by rewrite_input
+        if not floats:
+            return out
+        wide = jnp.result_type(*floats)
+        return jax.tree.map(lambda v: v.astype(wide) if isinstance(v, jax.Array) and
+                            jnp.issubdtype(v.dtype, jnp.floating) else v, out)
+
+    def rewrite_input(self, call: gm.ApplicationCall, name: str, value: Any) -> Any:
+        return self._low(value)
+
+    def rewrite_parameter(self, call: gm.ApplicationCall, name: str, value: Any) -> Any:
+        return self._low(value)

@@ -1,0 +1,45 @@
+"""The crawler CI runs over the built documentation site (docs/_hooks/links.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _crawler():  # docs/_hooks is not a package: import the file
+    spec = importlib.util.spec_from_file_location("docs_links", ROOT / "docs/_hooks/links.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_broken_files_and_anchors_are_found_and_good_ones_pass(tmp_path: Path) -> None:
+    (tmp_path / "guide").mkdir()
+    (tmp_path / "guide" / "index.html").write_text(
+        '<h2 id="fusing-steps">Fusing</h2><a href="../#top">up</a>'
+        '<a href="../api/#missing">api</a><a href="https://jax.dev/#x">out</a>')
+    (tmp_path / "api").mkdir()
+    (tmp_path / "api" / "index.html").write_text('<a name="compile"></a>')
+    (tmp_path / "index.html").write_text(
+        '<p id="top"></p><a href="guide/#fusing-steps">ok</a><a href="guide/#fusing">bad</a>'
+        '<a href="api/index.html#compile">ok</a><a href="nowhere.html">bad</a>'
+        '<a href="assets/logo.png">ok</a>')
+    (tmp_path / "assets").mkdir()
+    (tmp_path / "assets" / "logo.png").write_bytes(b"")
+    assert _crawler().broken_links(tmp_path) == [
+        "guide/index.html: ../api/#missing", "index.html: guide/#fusing",
+        "index.html: nowhere.html"]
+
+
+def test_no_notebook_heading_holds_code_the_table_of_contents_would_misspell() -> None:
+    # mkdocs-jupyter's table of contents drops code spans from a heading's anchor while
+    # the heading's own id keeps them: such a heading gets a broken link.
+    for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for cell in json.loads(notebook.read_text())["cells"]:
+            if cell["cell_type"] == "markdown":
+                for line in "".join(cell["source"]).splitlines():
+                    assert not (line.startswith("#") and "`" in line), (notebook.name, line)
