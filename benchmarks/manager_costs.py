@@ -95,6 +95,15 @@ CASES = [
          hidden=lambda h, p, s, key: _batch_norm(h, p, s),
          hidden_params=lambda n: {"scale": jnp.ones(n), "bias": jnp.zeros(n)},
          hidden_stats=lambda n: {"mean": jnp.zeros(n), "var": jnp.ones(n)}),
+    Case("MaxNorm(1.0) on W", lambda mlp: [managers.MaxNorm(1.0, roles=[roles.WEIGHT])],
+         weight=lambda w, key: w * jnp.minimum(1, 1.0 / jnp.maximum(
+             jnp.linalg.norm(w, axis=0, keepdims=True), 1e-12))),
+    Case("WeightStandardization on W",
+         lambda mlp: [managers.WeightStandardization(roles=[roles.WEIGHT])],
+         weight=lambda w, key: (w - w.mean(0)) * jax.lax.rsqrt(w.var(0) + 1e-5)),
+    Case("FakeQuant(8) on W", lambda mlp: [managers.FakeQuant(8, roles=[roles.WEIGHT])],
+         weight=lambda w, key: w + jax.lax.stop_gradient(
+             jnp.clip(jnp.round(w / (s := jnp.abs(w).max(0) / 127)), -127, 127) * s - w)),
 ]
 
 
