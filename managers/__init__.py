@@ -16,6 +16,7 @@ from managers._regularizers import L2, WeightDecay
 from managers._reparametrizations import MaxNorm, SpectralNorm, WeightNorm, WeightStandardization
 from managers._stochastic_depth import StochasticDepth
 from managers._systems import Precision, Remat, StopGradient
+from managers._targets import LabelSmoothing
 
 __all__ = [
     "L2",
@@ -24,6 +25,7 @@ __all__ = [
     "Dropout",
     "FakeQuant",
     "GaussianNoise",
+    "LabelSmoothing",
     "LoRA",
     "MaxNorm",
     "Precision",

@@ -27,6 +27,17 @@ def require_floating(manager: gm.Manager, call: gm.ApplicationCall, name: str,
         )
 
 
+_FILTER_FIELDS = ("bricks", "roles", "applications", "path", "variable_name", "name_regex",
+                  "call_id", "filter")
+
+
+def default_filter(kwargs: dict[str, Any], **defaults: Any) -> dict[str, Any]:
+    """``kwargs`` with the filter fields ``defaults`` added when the caller gave none."""
+    if any(kwargs.get(field) is not None for field in _FILTER_FIELDS):
+        return kwargs
+    return {**kwargs, **defaults}
+
+
 def fan_in_axes(manager: gm.Manager, call: gm.ApplicationCall, name: str,
                 value: Any) -> tuple[int, ...]:
     """The axes of a weight feeding one output unit: all but the last (a Linear's

@@ -10,10 +10,7 @@ import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import require_floating
-
-_FIELDS = ("bricks", "roles", "applications", "path", "variable_name", "name_regex",
-           "call_id", "filter")
+from managers._checks import default_filter, require_floating
 
 
 class StochasticDepth(gm.Manager):
@@ -38,10 +35,8 @@ class StochasticDepth(gm.Manager):
     hparams = ("rate",)
 
     def __init__(self, rate: float | gm.Dynamic, **kwargs: Any) -> None:
-        if not any(kwargs.get(field) is not None for field in _FIELDS):
-            kwargs.update(bricks=[gm.bricks.Residual], applications=["residual"],
-                          roles=[roles.OUTPUT])
-        super().__init__(**kwargs)
+        super().__init__(**default_filter(kwargs, bricks=[gm.bricks.Residual],
+                                          applications=["residual"], roles=[roles.OUTPUT]))
         value = rate.value if isinstance(rate, gm.Dynamic) else rate
         if isinstance(value, bool) or not isinstance(value, numbers.Real) \
                 or not 0.0 <= value < 1.0:

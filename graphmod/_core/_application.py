@@ -33,12 +33,17 @@ def application(
     *,
     inputs: Sequence[str] = (),
     outputs: Sequence[str] = (),
+    targets: Sequence[str] = (),
+    costs: Sequence[str] = (),
 ) -> Any:
     """Decorates a brick method as an application with named inputs and outputs.
 
     Args:
         inputs: names of the method's arguments tagged ``INPUT``.
         outputs: names of its results tagged ``OUTPUT`` (several: it returns a tuple).
+        targets: names of arguments tagged ``TARGET`` instead (a cost's labels: what
+            ``managers.LabelSmoothing`` rewrites; ``roles=[INPUT]`` leaves them alone).
+        costs: names among ``outputs`` tagged ``COST`` instead.
 
     The decorated method accepts ``use_manager=`` (a manager or a list) to scope managers
     to this call and its children inside a compiled program.
@@ -53,8 +58,9 @@ def application(
         9.0
     """
     if method is None:
-        return functools.partial(application, inputs=inputs, outputs=outputs)
-    return _wrapped(method, _spec(method, inputs, outputs))
+        return functools.partial(application, inputs=inputs, outputs=outputs,
+                                 targets=targets, costs=costs)
+    return _wrapped(method, _spec(method, inputs, outputs, targets, costs))
 
 
 def _wrapped(method: Callable[..., Any], spec: Spec) -> Callable[..., Any]:
@@ -77,20 +83,25 @@ def _wrapped(method: Callable[..., Any], spec: Spec) -> Callable[..., Any]:
     return wrapper
 
 
-def _spec(method: Callable[..., Any], inputs: Sequence[str], outputs: Sequence[str]) -> Spec:
+def _spec(method: Callable[..., Any], inputs: Sequence[str], outputs: Sequence[str],
+          targets: Sequence[str] = (), costs: Sequence[str] = ()) -> Spec:
     """The checked declaration of application ``method``."""
-    for label, names in (("inputs", inputs), ("outputs", outputs)):
+    named = (("inputs", inputs), ("outputs", outputs), ("targets", targets), ("costs", costs))
+    for label, names in named:
         if isinstance(names, str) or not all(isinstance(n, str) for n in names):
             raise TypeError(f"application {method.__name__!r}: {label} must be a list of names")
     signature = inspect.signature(method)
-    missing = [n for n in inputs if n not in signature.parameters]
+    missing = [n for n in (*inputs, *targets) if n not in signature.parameters]
     if missing:
         raise ValueError(
-            f"application {method.__qualname__}: inputs {missing} are not arguments of the "
-            f"method (it takes {list(signature.parameters)[1:]})"
+            f"application {method.__qualname__}: inputs and targets {missing} are not "
+            f"arguments of the method (it takes {list(signature.parameters)[1:]})"
         )
+    if not set(costs) <= set(outputs):
+        raise ValueError(f"application {method.__qualname__}: costs {list(costs)} must be "
+                         f"among its outputs {list(outputs)}")
     return Spec(method.__name__, tuple(inputs), tuple(outputs), signature,
-                "application_call" in signature.parameters)
+                "application_call" in signature.parameters, tuple(targets), tuple(costs))
 
 
 def _run_plain(spec: Spec, method: Callable, brick: Any, args: tuple, kwargs: dict) -> Any:

@@ -107,7 +107,8 @@ class Chain:
         bound = self.spec.signature.bind_partial(self.brick, *args, **kwargs)
         for name, argument, keys in self.spec.input_slots(bound.arguments):
             value = nested(bound.arguments[argument], keys)
-            new = self.rewrite(manager, "rewrite_input", self.tag(_roles.INPUT, name), value)
+            new = self.rewrite(manager, "rewrite_input",
+                               self.tag(self.spec.input_role(name), name), value)
             if new is not value:
                 bound.arguments[argument] = replaced(bound.arguments[argument], keys, new)
         return bound.args[1:], bound.kwargs
@@ -116,7 +117,7 @@ class Chain:
         """``manager.rewrite_output`` applied to each selected output of this call."""
         if not manager.has_hook("rewrite_output"):
             return out
-        new = [self.rewrite(manager, "rewrite_output", self.tag(_roles.OUTPUT, n), v)
+        new = [self.rewrite(manager, "rewrite_output", self.tag(self.spec.output_role(n), n), v)
                for n, v in self.spec.output_items(out)]
         return self.spec.with_outputs(out, new)
 
@@ -143,11 +144,12 @@ class Chain:
     def see_inputs(self, args: tuple, kwargs: dict, see: See) -> None:
         bound = self.spec.signature.bind_partial(self.brick, *args, **kwargs)
         for name, argument, keys in self.spec.input_slots(bound.arguments):
-            see(self.tag(_roles.INPUT, name), nested(bound.arguments[argument], keys), name)
+            see(self.tag(self.spec.input_role(name), name),
+                nested(bound.arguments[argument], keys), name)
 
     def see_outputs(self, out: Any, see: See) -> None:
         for name, value in self.spec.output_items(out):
-            see(self.tag(_roles.OUTPUT, name), value, name)
+            see(self.tag(self.spec.output_role(name), name), value, name)
 
     def _record(self, tag: Tag, value: Any, name: str) -> None:
         self.frame.record(tag, value, None)

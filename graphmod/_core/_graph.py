@@ -52,14 +52,19 @@ class ComputationGraph:
         return self._by_role(_roles.OUTPUT)
 
     @property
+    def targets(self) -> Records:
+        """The arguments applications declare as ``targets`` (a cost's labels)."""
+        return self._by_role(_roles.TARGET)
+
+    @property
     def parameters(self) -> Records:
         return self._by_role(_roles.PARAMETER)
 
     @property
     def auxiliary_variables(self) -> Records:
-        return Records(r for r in self.variables if not r.tag.role.is_a(_roles.INPUT)
-                       and not r.tag.role.is_a(_roles.OUTPUT)
-                       and not r.tag.role.is_a(_roles.PERSISTENT))
+        return Records(r for r in self.variables if not any(
+            r.tag.role.is_a(role) for role in (_roles.INPUT, _roles.OUTPUT, _roles.TARGET,
+                                               _roles.PERSISTENT)))
 
     @property
     def rewritten(self) -> Records:

@@ -14,16 +14,27 @@ from typing import Any
 import jax
 import numpy as np
 
+from graphmod import roles as _roles
+
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """What an application declares: its input and output names."""
+    """What an application declares: its input and output names (``targets``: arguments
+    tagged TARGET, e.g. a cost's labels; ``costs``: outputs tagged COST)."""
 
     name: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     signature: inspect.Signature
     takes_call: bool
+    targets: tuple[str, ...] = ()
+    costs: tuple[str, ...] = ()
+
+    def input_role(self, name: str) -> _roles.Role:
+        return _roles.TARGET if name in self.targets else _roles.INPUT
+
+    def output_role(self, name: str) -> _roles.Role:
+        return _roles.COST if name in self.costs else _roles.OUTPUT
 
     def split_outputs(self, out: Any) -> tuple[Any, ...]:
         if len(self.outputs) == 1:
@@ -42,7 +53,8 @@ class Spec:
     def input_slots(self, arguments: dict[str, Any]) -> list[tuple[str, str, tuple]]:
         """``(tag name, argument, keys into it)`` of each tagged input of a call's bound
         arguments."""
-        return [(name, name, ()) for name in self.inputs if name in arguments]
+        return [(name, name, ()) for name in (*self.inputs, *self.targets)
+                if name in arguments]
 
     def output_items(self, out: Any) -> list[tuple[str, Any]]:
         """``(name, value)`` of each tagged output of a call's result."""

@@ -8,6 +8,7 @@ Examples:
 
 from graphmod.bricks._attention import MultiHeadAttention, causal_mask
 from graphmod.bricks._conv import Conv
+from graphmod.bricks._cost import SoftmaxCrossEntropy, SquaredError
 from graphmod.bricks._embedding import Embedding
 from graphmod.bricks._linear import MLP, Linear
 from graphmod.bricks._norm import LayerNorm
@@ -26,6 +27,8 @@ __all__ = [
     "Residual",
     "Sequence",
     "SimpleRecurrent",
+    "SoftmaxCrossEntropy",
+    "SquaredError",
     "TransformerBlock",
     "causal_mask",
 ]
