@@ -16,7 +16,7 @@ from managers._regularizers import L2, WeightDecay
 from managers._reparametrizations import MaxNorm, SpectralNorm, WeightNorm, WeightStandardization
 from managers._stochastic_depth import StochasticDepth
 from managers._systems import Precision, Remat, StopGradient
-from managers._targets import LabelSmoothing
+from managers._targets import LabelSmoothing, Mixup
 
 __all__ = [
     "L2",
@@ -28,6 +28,7 @@ __all__ = [
     "LabelSmoothing",
     "LoRA",
     "MaxNorm",
+    "Mixup",
     "Precision",
     "Remat",
     "SpectralNorm",

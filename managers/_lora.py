@@ -1,4 +1,12 @@
-"""``LoRA``: low-rank adapters on weights (Hu et al., 2021), without model surgery."""
+"""``LoRA``: low-rank adapters on weights (Hu et al., 2021), without model surgery.
+
+Sharp edges
+    LoRA freezes nothing by itself: pass ``trainable=[lora]`` to ``graphmod.optimize`` or
+    the base weights train too. A convolution's kernel ``(..., in, out)`` gets ``A`` of
+    shape ``(fan_in, rank)``, the product reshaped to the kernel. A tied weight has one
+    adapter, applied in each application that reads it, and :meth:`LoRA.merge` folds it
+    in once.
+"""
 
 from __future__ import annotations
 
@@ -74,7 +82,9 @@ class LoRA(gm.Manager):
 
     def merge(self, variables: dict) -> dict:
         """``variables`` with every adapter folded into its weight and this manager's
-        entries removed: a program compiled without it gives the same outputs.
+        entries removed: a program compiled without it gives the same outputs. The alpha
+        folded in is the one stored in ``variables`` when ``alpha`` is dynamic. Raises
+        :class:`graphmod.errors.VariablesMismatch` if ``variables`` hold none of its entries.
 
         Examples:
             >>> import jax.numpy as jnp, graphmod as gm, managers
@@ -86,7 +96,12 @@ class LoRA(gm.Manager):
             >>> sorted(lora.merge(variables)["managers"])
             []
         """
-        owned = variables["managers"].get(self.name, {})
+        if self.name not in variables.get("managers", {}):
+            raise gm.errors.VariablesMismatch(
+                f"LoRA {self.name!r}.merge: these variables hold no entries of it (managers: "
+                f"{sorted(variables.get('managers', {}))}). Give the variables of a program "
+                "compiled with this manager (program.init or the trained state's variables).")
+        owned = variables["managers"][self.name]
         alpha = owned.get("hparams", {}).get("alpha", self.alpha)
         model = jax.tree.map(lambda leaf: leaf, variables["model"])  # containers copied
         for path, weights in owned.items():

@@ -8,7 +8,10 @@ Sharp edges
     The output axis of a weight is its last one (``Linear``'s ``W`` is ``(in, out)``, a
     convolution's ``(..., in, out)``); the norms are over the other axes, per output unit.
     A weight read by two applications (tied weights) is rewritten in each of them:
-    ``SpectralNorm`` then runs its power iteration once per call.
+    ``SpectralNorm`` then runs its power iteration once per call. ``SpectralNorm``'s
+    gradient holds the iteration's vectors constant (as Flax does). ``MaxNorm`` clips at
+    read time with a gradient through the rescaling; Keras projects the stored weight
+    after each update instead, so the stored weight may grow past ``max_norm`` here.
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ class WeightNorm(gm.Manager):
 class WeightStandardization(gm.Manager):
     """Weight standardization (Qiao et al., 2019): each output unit's weights shifted to
     zero mean and scaled to unit variance over their inputs, ``(W - mean) / sqrt(var +
-    epsilon)``. Owns nothing; pair it with a normalization of the outputs as the paper does.
+    epsilon)``. Pair it with a normalization of the outputs as the paper does. With
+    ``gain=True`` it owns a PARAMETER ``gain`` per output unit (starting at 1) that scales
+    the standardized weights, as NF-Nets' scaled weight standardization does.
 
     Examples:
         >>> import jax.numpy as jnp, graphmod as gm, managers
@@ -88,17 +93,24 @@ class WeightStandardization(gm.Manager):
         ([0.0, 0.0], [1.0, 1.0])
     """
 
-    def __init__(self, *, epsilon: float = 1e-5, **kwargs: Any) -> None:
+    def __init__(self, *, epsilon: float = 1e-5, gain: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         _positive("WeightStandardization", "epsilon", epsilon)
+        if not isinstance(gain, bool):
+            raise TypeError(f"WeightStandardization(gain={gain!r}): expected True or False")
         self.epsilon = epsilon
+        self.gain = gain
 
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
         axes = fan_in_axes(self, call, name, value)
         mean = value.mean(axes, keepdims=True)
         var = jnp.mean(jnp.square(value - mean), axes, keepdims=True)
-        return ((value - mean) * jax.lax.rsqrt(var + self.epsilon)).astype(value.dtype)
+        scale = jax.lax.rsqrt(var + self.epsilon)
+        if self.gain:
+            gain = call.variable("gain", lambda: jnp.ones(value.shape[-1]), role=roles.PARAMETER)
+            scale = scale * gain.value
+        return ((value - mean) * scale).astype(value.dtype)
 
 
 class SpectralNorm(gm.Manager):
@@ -154,8 +166,11 @@ class MaxNorm(gm.Manager):
     """A max-norm constraint (Srivastava et al., 2014): each output unit's weight vector
     is scaled down to norm ``max_norm`` when it is longer, at read time.
 
-    ``max_norm`` may be :func:`graphmod.dynamic`. The gradient flows through the rescaling
-    (a read-time constraint, not a projection of the stored weight after each step).
+    ``axis`` (an int or a tuple of ints) names the axes each norm runs over, as Keras'
+    ``MaxNorm(axis=)``; the default, None, is every axis but the last (a Linear's inputs, a
+    convolution's window and inputs), one norm per output unit. ``max_norm`` may be
+    :func:`graphmod.dynamic`. The gradient flows through the rescaling (a read-time
+    constraint, not a projection of the stored weight after each step as Keras does).
 
     Examples:
         >>> import jax.numpy as jnp, graphmod as gm, managers
@@ -171,14 +186,36 @@ class MaxNorm(gm.Manager):
 
     hparams = ("max_norm",)
 
-    def __init__(self, max_norm: float | gm.Dynamic, **kwargs: Any) -> None:
+    def __init__(self, max_norm: float | gm.Dynamic, *,
+                 axis: int | tuple[int, ...] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         _positive("MaxNorm", "max_norm", max_norm)
+        axes = (axis,) if isinstance(axis, int) else axis
+        if axis is not None and not (isinstance(axes, tuple | list) and axes and all(
+                isinstance(a, int) and not isinstance(a, bool) for a in axes)):
+            raise TypeError(f"MaxNorm(axis={axis!r}): expected None, an int or a tuple of ints")
         self.max_norm = max_norm
+        self.axis = axis
 
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
         axes = fan_in_axes(self, call, name, value)
+        if self.axis is not None:
+            axes = _given_axes(self, name, value, self.axis)
         norms = _norm(value, axes, 0.0)
         limit = jnp.asarray(self.hp("max_norm"), value.dtype)
         return value * jnp.minimum(1, limit / jnp.maximum(norms, 1e-12)).astype(value.dtype)
+
+
+def _given_axes(manager: MaxNorm, name: str, value: jax.Array,
+                axis: int | tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """``axis`` as non-negative axes of ``value``; raises naming the manager if one is out
+    of range."""
+    ndim = jnp.ndim(value)
+    given = (axis,) if isinstance(axis, int) else tuple(axis)
+    if any(not -ndim <= a < ndim for a in given):
+        raise ValueError(
+            f"MaxNorm {manager.name!r}(axis={axis!r}) selected {name!r} of shape "
+            f"{jnp.shape(value)}: an axis is out of range. Give axes in "
+            f"[-{ndim}, {ndim}) or axis=None (every axis but the last).")
+    return tuple(sorted({a % ndim for a in given}))

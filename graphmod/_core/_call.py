@@ -107,7 +107,8 @@ class ApplicationCall:
         return None if self._runner is None else self._runner.frame
 
     # -- public API for methods and managers ------------------------------------------
-    def rng(self, *, per_step: bool = True, per_call: bool = False) -> jax.Array:
+    def rng(self, *, per_step: bool = True, per_call: bool = False,
+            per_variable: bool = True) -> jax.Array:
         """A key for this call: the step key folded with CRC32 of (manager, path,
         application, role, variable name) and the call id; inside ``graphmod.scan`` also
         the step index, inside a loop JAX traces once (``nnx.scan`` over layers,
@@ -132,8 +133,8 @@ class ApplicationCall:
             self.manager.name if self.manager is not None else "",
             self.parameter if by_parameter else self.path,
             "" if by_parameter else self.application,
-            self.role.name if self.role is not None else "",
-            self.name or "",
+            self.role.name if self.role is not None and per_variable else "",
+            (self.name or "") if per_variable else "",
         )
         return frame.rng(parts, 0 if by_parameter else self.call_id, per_step=per_step)
 

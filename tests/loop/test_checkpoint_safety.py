@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import graphmod as gm
@@ -369,8 +370,6 @@ def test_a_clean_run_leaves_complete_checkpoints_only(tmp_path: pathlib.Path) ->
 def test_disk_full_at_the_last_save_is_named_and_leaves_the_previous_checkpoint(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
         capfd: pytest.CaptureFixture) -> None:
-    import orbax.checkpoint as ocp
-
     original = ocp.handlers.JsonCheckpointHandler._save_fn
     started = []
 
@@ -464,14 +463,22 @@ def test_a_graphmod_0_1_checkpoint_resumes_unverified_with_a_warning(
 
     directory = tmp_path / "run"
     shutil.copytree(pathlib.Path(__file__).parent / "data" / "format1", directory)
-    step, data, state = build()
-    straight = gm.Loop(step, data, steps=12).run(state)
-    step, data, state = build()
+    step, data, _ = build()
+    with pytest.warns(UserWarning, match=r"format 1.*restored unverified"):
+        restored = gm.Loop.resume(directory, step, data, steps=6)
+    # What was stored, read by orbax alone: the arrays were computed by graphmod 0.1 on
+    # another machine (other keys, other XLA rounding), so they are compared with the file,
+    # not with a run here; bitwise resume on one machine is what the SIGKILL tests check.
+    stored = ocp.PyTreeCheckpointer().restore((directory / "6" / "state").resolve())
+    assert int(restored.step) == 6
+    _assert_same_arrays(jax.tree.leaves(restored.variables),
+                        jax.tree.leaves(stored["variables"]))
+    _assert_same_arrays(jax.tree.leaves(restored.opt_state),
+                        jax.tree.leaves(stored["opt_state"]))
     with pytest.warns(UserWarning, match=r"format 1.*restored unverified"):
         resumed = gm.Loop.resume(directory, step, data, steps=12)
     assert int(resumed.step) == 12
-    _assert_same_arrays(jax.tree.leaves(resumed.variables),
-                        jax.tree.leaves(straight.variables))
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(resumed.variables))
     reason = Checkpointer(directory, keep=None).verify(6)
     assert reason is not None and "cannot be verified" in reason
     assert "cannot be verified" in inspect_run(str(directory))

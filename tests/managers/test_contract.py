@@ -40,6 +40,7 @@ MAKERS: dict[str, Callable[..., gm.Manager]] = {
     "remat": lambda **kw: managers.Remat(policy="dots_saveable", **kw),
     "precision": lambda **kw: managers.Precision("bfloat16", **kw),
     "activation_stats": lambda **kw: managers.ActivationStats(roles=[roles.OUTPUT], **kw),
+    "mixup": lambda **kw: managers.Mixup(0.4, **({"bricks": [gm.Brick]} | kw)),
     "fake_quant": lambda **kw: managers.FakeQuant(4, roles=[roles.WEIGHT, roles.OUTPUT], **kw),
 }
 # Managers whose forward pass at init is the plain model's (B = 0, g = ||W||, a cost
