@@ -53,22 +53,36 @@ Hook = Callable[..., Any]
 @dataclasses.dataclass(frozen=True)
 class Case:
     """A manager on the MLP (``make(mlp)``) and its rewrite by hand: hooks on every linear
-    layer's input ``(x, key)``, weight ``(W, key)`` and hidden output
-    ``(h, params, stats) -> (h, stats)``, with their own parameters and statistics per
-    hidden width."""
+    layer's input ``(x, key)``, weight ``(W, params, key)`` (with ``weight_params(W)`` of
+    its own), affine map ``(x, W, b)`` and hidden output ``(h, params, stats, key) -> (h,
+    stats)`` (with parameters and statistics per hidden width), a ``penalty(params)``
+    added to the loss, and ``frozen_base`` (only the hooks' own parameters trained)."""
 
     name: str
     make: Callable[[Any], list[graphmod.Manager]]
     input: Hook | None = None
     weight: Hook | None = None
+    weight_params: Callable[[jax.Array], dict] = lambda w: {}
+    dense: Hook = lambda x, w, b: x @ w + b
     hidden: Hook | None = None
     hidden_params: Callable[[int], dict] = lambda n: {}
     hidden_stats: Callable[[int], dict] = lambda n: {}
+    penalty: Callable[[dict], jax.Array] | None = None
+    frozen_base: bool = False
 
 
 def _dropout(x: jax.Array, key: jax.Array, rate: float = 0.2) -> jax.Array:
     keep = jax.random.bernoulli(key, 1 - rate, x.shape)
     return jnp.where(keep, x * (1 / (1 - rate)), 0)
+
+
+def _bf16_dense(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    low = jnp.bfloat16
+    return (x.astype(low) @ w.astype(low) + b.astype(low)).astype(x.dtype)
+
+
+def _squares(params: dict) -> jax.Array:
+    return sum(jnp.sum(layer["W"] ** 2) for layer in params["linear"])
 
 
 def _batch_norm(h: jax.Array, params: dict, stats: dict) -> tuple[jax.Array, dict]:
@@ -83,7 +97,7 @@ CASES = [
          lambda mlp: [managers.Dropout(0.2, bricks=mlp.linear_layers, roles=[roles.INPUT])],
          input=_dropout),
     Case("WeightNoise(0.01)", lambda mlp: [managers.WeightNoise(0.01, roles=[roles.WEIGHT])],
-         weight=lambda w, key: w + 0.01 * jax.random.normal(key, w.shape)),
+         weight=lambda w, p, key: w + 0.01 * jax.random.normal(key, w.shape)),
     Case("GaussianNoise(0.1) on hidden outputs",
          lambda mlp: [managers.GaussianNoise(0.1, bricks=mlp.linear_layers[:-1],
                                              roles=[roles.OUTPUT])],
@@ -96,14 +110,34 @@ CASES = [
          hidden_params=lambda n: {"scale": jnp.ones(n), "bias": jnp.zeros(n)},
          hidden_stats=lambda n: {"mean": jnp.zeros(n), "var": jnp.ones(n)}),
     Case("MaxNorm(1.0) on W", lambda mlp: [managers.MaxNorm(1.0, roles=[roles.WEIGHT])],
-         weight=lambda w, key: w * jnp.minimum(1, 1.0 / jnp.maximum(
+         weight=lambda w, p, key: w * jnp.minimum(1, 1.0 / jnp.maximum(
              jnp.linalg.norm(w, axis=0, keepdims=True), 1e-12))),
     Case("WeightStandardization on W",
          lambda mlp: [managers.WeightStandardization(roles=[roles.WEIGHT])],
-         weight=lambda w, key: (w - w.mean(0)) * jax.lax.rsqrt(w.var(0) + 1e-5)),
+         weight=lambda w, p, key: (w - w.mean(0)) * jax.lax.rsqrt(w.var(0) + 1e-5)),
     Case("FakeQuant(8) on W", lambda mlp: [managers.FakeQuant(8, roles=[roles.WEIGHT])],
-         weight=lambda w, key: w + jax.lax.stop_gradient(
+         weight=lambda w, p, key: w + jax.lax.stop_gradient(
              jnp.clip(jnp.round(w / (s := jnp.abs(w).max(0) / 127)), -127, 127) * s - w)),
+    Case("WeightNorm on W", lambda mlp: [managers.WeightNorm(roles=[roles.WEIGHT])],
+         weight=lambda w, p, key: w * (p["g"] / jnp.linalg.norm(w, axis=0)),
+         weight_params=lambda w: {"g": jnp.linalg.norm(w, axis=0)}),
+    Case("LoRA(4) on W, base frozen", lambda mlp: [managers.LoRA(4, roles=[roles.WEIGHT])],
+         weight=lambda w, p, key: w + (1.0 / 4) * (p["a"] @ p["b"]),
+         weight_params=lambda w: {"a": jax.random.normal(jax.random.key(0), (w.shape[0], 4))
+                                  / np.sqrt(w.shape[0]), "b": jnp.zeros((4, w.shape[1]))},
+         frozen_base=True),
+    Case("L2(1e-4) on W", lambda mlp: [managers.L2(1e-4, roles=[roles.WEIGHT])],
+         penalty=lambda params: 1e-4 * _squares(params)),
+    Case("WeightDecay(1e-4) on W", lambda mlp: [managers.WeightDecay(1e-4, roles=[roles.WEIGHT])],
+         penalty=lambda params: 0.5e-4 * _squares(params)),
+    Case("Precision(bfloat16)", lambda mlp: [managers.Precision("bfloat16",
+                                                                bricks=mlp.linear_layers)],
+         dense=_bf16_dense),
+    Case("Remat on each layer", lambda mlp: [managers.Remat(bricks=mlp.linear_layers)],
+         dense=jax.checkpoint(lambda x, w, b: x @ w + b)),
+    Case("StopGradient on inputs",
+         lambda mlp: [managers.StopGradient(bricks=mlp.linear_layers, roles=[roles.INPUT])],
+         input=lambda x, key: jax.lax.stop_gradient(x)),
 ]
 
 
@@ -112,7 +146,9 @@ def graphmod_variant(case: Case, seed: int, batch: tuple) -> tuple[Variant, list
     mlp = graphmod.bricks.MLP(list(DIMS), activation=jax.nn.relu, rngs=nnx.Rngs(seed))
     program = graphmod.compile(lambda m, x, y: cross_entropy(m(x), y), mlp,
                                managers=case.make(mlp))
-    step = graphmod.optimize(program, optax.adam(LR))
+    chosen = program.managers
+    trainable = {"trainable": list(chosen)} if case.frozen_base else {}
+    step = graphmod.optimize(program, optax.adam(LR), **trainable)
     state = step.init(program.init(*batch), jax.random.key(seed))
     weights = initial_weights(state)  # read before the first step donates the state
     call, _ = functional(step, state)
@@ -125,8 +161,9 @@ def hand_forward(case: Case, params: dict, stats: list, x: jax.Array, key: jax.A
     for i, layer in enumerate(layers):
         keys = jax.random.split(jax.random.fold_in(key, i), 3)
         x = case.input(x, keys[0]) if case.input else x
-        w = case.weight(layer["W"], keys[1]) if case.weight else layer["W"]
-        x = x @ w + layer["b"]
+        w = case.weight(layer["W"], params["weight"][i], keys[1]) if case.weight \
+            else layer["W"]
+        x = case.dense(x, w, layer["b"])
         if i < len(layers) - 1:
             if case.hidden:
                 x, new = case.hidden(x, params["hidden"][i], stats[i], keys[2])
@@ -137,23 +174,29 @@ def hand_forward(case: Case, params: dict, stats: list, x: jax.Array, key: jax.A
 
 def hand_variant(case: Case, weights: list, seed: int) -> Variant:
     widths = [w.shape[1] for w, _ in weights[:-1]]
-    params = {"linear": [{"W": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in weights],
-              "hidden": [case.hidden_params(n) for n in widths]}
+    linear = [{"W": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in weights]
+    params = {"linear": linear, "hidden": [case.hidden_params(n) for n in widths],
+              "weight": [case.weight_params(layer["W"]) for layer in linear]}
+    trained = ("weight",) if case.frozen_base else tuple(params)
     tx = optax.adam(LR)
     state = {"params": params, "stats": [case.hidden_stats(n) for n in widths],
-             "opt": tx.init(params), "step": jnp.int32(0),
+             "opt": tx.init({k: params[k] for k in trained}), "step": jnp.int32(0),
              "rng": jax.random.key_data(jax.random.key(seed))}
 
     def step(state: dict, x: jax.Array, y: jax.Array) -> tuple[dict, jax.Array]:
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+        fixed = {k: v for k, v in state["params"].items() if k not in trained}
 
-        def loss(params: dict) -> tuple[jax.Array, list]:
+        def loss(train: dict) -> tuple[jax.Array, list]:
+            params = {**fixed, **train}
             logits, stats = hand_forward(case, params, state["stats"], x, key)
-            return cross_entropy(logits, y), stats
+            value = cross_entropy(logits, y)
+            return value + (case.penalty(params) if case.penalty else 0.0), stats
 
-        (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
-        updates, opt = tx.update(grads, state["opt"], state["params"])
-        return {**state, "params": optax.apply_updates(state["params"], updates),
+        train = {k: state["params"][k] for k in trained}
+        (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(train)
+        updates, opt = tx.update(grads, state["opt"], train)
+        return {**state, "params": {**fixed, **optax.apply_updates(train, updates)},
                 "stats": stats or state["stats"], "opt": opt, "step": state["step"] + 1}, value
 
     call, _ = functional(jax.jit(step, donate_argnums=0), state)

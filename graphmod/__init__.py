@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         plugins,
         provenance,
         roles,
+        sharding,
         typing,
     )
     from graphmod._cli import inspect_run
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from graphmod._core._graph import ComputationGraph
     from graphmod._core._manager import Dynamic, HParam, Manager, dynamic
     from graphmod._core._scan import scan
+    from graphmod._core._show import VariablesTable
     from graphmod._core._variables import Bias, Filter, Parameter, State, Weight
     from graphmod._train._checkpoint import CheckpointError
     from graphmod._train._evaluate import Evaluation, evaluate
@@ -112,6 +114,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "VariableFilter",
+    "VariablesTable",
     "Weight",
     "after",
     "always",
@@ -134,5 +137,6 @@ __all__ = [
     "rebuild",
     "roles",
     "scan",
+    "sharding",
     "typing",
 ]

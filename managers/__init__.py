@@ -14,6 +14,7 @@ from managers._noise import GaussianNoise, WeightNoise
 from managers._quantization import FakeQuant
 from managers._regularizers import L2, WeightDecay
 from managers._reparametrizations import MaxNorm, SpectralNorm, WeightNorm, WeightStandardization
+from managers._sharding import Sharding
 from managers._stochastic_depth import StochasticDepth
 from managers._systems import Precision, Remat, StopGradient
 from managers._targets import LabelSmoothing, Mixup
@@ -31,6 +32,7 @@ __all__ = [
     "Mixup",
     "Precision",
     "Remat",
+    "Sharding",
     "SpectralNorm",
     "StochasticDepth",
     "StopGradient",

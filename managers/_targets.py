@@ -13,6 +13,7 @@ Sharp edges:
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -49,13 +50,7 @@ class LabelSmoothing(gm.Manager):
     def __init__(self, alpha: float | gm.Dynamic, *, num_classes: int | None = None,
                  **kwargs: Any) -> None:
         super().__init__(**default_filter(kwargs, roles=[roles.TARGET]))
-        value = alpha.value if isinstance(alpha, gm.Dynamic) else alpha
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-                or not 0.0 <= value <= 1.0:
-            raise ValueError(f"LabelSmoothing(alpha={alpha!r}): must be a float in [0, 1]")
-        _check_num_classes(self, num_classes)
-        self.alpha = alpha
-        self.num_classes = num_classes
+        _configure(self, alpha, num_classes, lambda a: 0.0 <= a <= 1.0, "a float in [0, 1]")
 
     def rewrite_input(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
         if not call.training:
@@ -111,13 +106,8 @@ class Mixup(gm.Manager):
         if kwargs.get("roles") is None and kwargs.get("filter") is None:
             kwargs["roles"] = [roles.INPUT, roles.TARGET]
         super().__init__(**kwargs)
-        value = alpha.value if isinstance(alpha, gm.Dynamic) else alpha
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0:
-            raise ValueError(f"Mixup(alpha={alpha!r}): must be a float > 0 (the Beta "
-                             "distribution's concentration; 0.2-0.4 is usual)")
-        _check_num_classes(self, num_classes)
-        self.alpha = alpha
-        self.num_classes = num_classes
+        _configure(self, alpha, num_classes, lambda a: a > 0, "a float > 0 (the Beta "
+                   "distribution's concentration; 0.2-0.4 is usual)")
 
     def rewrite_input(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
         if not call.training:
@@ -135,11 +125,17 @@ class Mixup(gm.Manager):
         return lam * value + (1 - lam) * value[perm]
 
 
-def _check_num_classes(manager: gm.Manager, num_classes: Any) -> None:
+def _configure(manager: gm.Manager, alpha: Any, num_classes: Any,
+               valid: Callable[[float], bool], requirement: str) -> None:
+    """Checks and sets ``alpha`` (a number, or a dynamic one) and ``num_classes``."""
+    value = alpha.value if isinstance(alpha, gm.Dynamic) else alpha
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not valid(value):
+        raise ValueError(f"{type(manager).__name__}(alpha={alpha!r}): must be {requirement}")
     if num_classes is not None and (isinstance(num_classes, bool)
                                     or not isinstance(num_classes, int) or num_classes < 2):
         raise ValueError(f"{type(manager).__name__}(num_classes={num_classes!r}): must be an "
                          "int >= 2")
+    manager.alpha, manager.num_classes = alpha, num_classes  # type: ignore[attr-defined]
 
 
 def _one_hot(manager: gm.Manager, call: gm.ApplicationCall, name: str,

@@ -43,3 +43,15 @@ def test_no_notebook_heading_holds_code_the_table_of_contents_would_misspell() -
             if cell["cell_type"] == "markdown":
                 for line in "".join(cell["source"]).splitlines():
                     assert not (line.startswith("#") and "`" in line), (notebook.name, line)
+
+
+def test_private_names_on_api_and_tutorial_pages_are_found(tmp_path: Path) -> None:
+    for folder, text in [("api", "Bases: _AdditiveNoise. Program(fn, shared: Shared)"),
+                         ("tutorials/04", "from graphmod._cli import describe_run"),
+                         ("tutorials/06", 'rebuild refuses {"function": "graphmod._cli.main"}'),
+                         ("concepts", "graphmod/_core/_frame.py holds the frame")]:
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "index.html").write_text(
+            f"<p>{text}</p><script>var _Private = 1;</script>")
+    assert _crawler().private_names(tmp_path) == [
+        "api/index.html: _AdditiveNoise", "tutorials/04/index.html: from graphmod._cli"]

@@ -1,13 +1,15 @@
-"""Every internal link and anchor of a built site resolves (run by ``.ci/run`` after
-``mkdocs build``; ``tests/test_docs_links.py`` tests the crawler itself).
+"""Every internal link and anchor of a built site resolves, and the API reference and the
+tutorials show no private names (run by ``.ci/run`` after ``mkdocs build``;
+``tests/test_docs_links.py`` tests the crawler itself).
 
 Usage::
 
-    python docs/_hooks/links.py SITE_DIR     # exit 1 and list the broken ones, if any
+    python docs/_hooks/links.py SITE_DIR     # exit 1 and list what is wrong, if anything
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import urllib.parse
 from html.parser import HTMLParser
@@ -21,9 +23,19 @@ class _Page(HTMLParser):
         super().__init__()
         self.ids: set[str] = set()
         self.links: list[str] = []
+        self.text: list[str] = []
+        self._hidden = 0  # inside <script> or <style>
+
+    def handle_endtag(self, tag: str) -> None:
+        self._hidden -= tag in ("script", "style")
+
+    def handle_data(self, data: str) -> None:
+        if not self._hidden:
+            self.text.append(data)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         found = dict(attrs)
+        self._hidden += tag in ("script", "style")
         for key in ("id", "name"):
             if found.get(key):
                 self.ids.add(str(found[key]))
@@ -77,7 +89,42 @@ def broken_links(site: Path) -> list[str]:
     return broken
 
 
+# The API reference shows no private module of graphmod or managers (graphmod._core._frame)
+# and no private class (_AdditiveNoise) in signatures and bases; the tutorials import none
+# (they may name one as data: a crafted record that rebuild refuses).
+_PRIVATE = {
+    "api/": re.compile(r"\b(?:graphmod|managers)(?:\.\w+)*\._[a-z]\w*|(?<![\w.])_[A-Z]\w*"),
+    "tutorials/": re.compile(r"(?:from|import)\s+(?:graphmod|managers)(?:\.\w+)*\._\w+"),
+}
+
+
+def private_names(site: Path) -> list[str]:
+    """``"page: name"`` for each private name an API page shows or a tutorial imports.
+
+    Examples:
+        >>> import tempfile
+        >>> site = Path(tempfile.mkdtemp())
+        >>> (site / "api").mkdir()
+        >>> _ = (site / "api" / "index.html").write_text(
+        ...     "<p>Bases: _AdditiveNoise</p><p>graphmod._cli.inspect_run()</p>"
+        ...     "<script>var _Hidden = 1;</script><p>graphmod.compile</p>")
+        >>> private_names(site)
+        ['api/index.html: _AdditiveNoise', 'api/index.html: graphmod._cli']
+    """
+    site = site.resolve()
+    found = []
+    for path in sorted(site.rglob("*.html")):
+        page = path.relative_to(site).as_posix()
+        for prefix, pattern in _PRIVATE.items():
+            if page.startswith(prefix):
+                text = " ".join(_parse(path).text)
+                found += [f"{page}: {name}" for name in dict.fromkeys(pattern.findall(text))]
+    return found
+
+
 if __name__ == "__main__":
-    found = broken_links(Path(sys.argv[1]))
-    print("\n".join(found) or "every internal link and anchor resolves")
-    sys.exit(1 if found else 0)
+    site_dir = Path(sys.argv[1])
+    broken, private = broken_links(site_dir), private_names(site_dir)
+    print("\n".join(broken) or "every internal link and anchor resolves")
+    print("\n".join(private) or "no private names in the API reference and tutorials")
+    sys.exit(1 if broken or private else 0)

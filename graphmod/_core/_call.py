@@ -77,7 +77,8 @@ class ApplicationCall:
             ``nnx.scan``).
 
     It is read-only: hooks read it and draw keys and variables through it; the plumbing
-    of the call (tags, rewrites, monitors) is its chain runner's (``graphmod._core._chain``).
+    of the call (tags, rewrites, monitors) belongs to the chain runner, which hooks never
+    see.
 
     Examples:
         >>> import graphmod as gm
@@ -107,6 +108,14 @@ class ApplicationCall:
         return None if self._runner is None else self._runner.frame
 
     # -- public API for methods and managers ------------------------------------------
+    @property
+    def mesh(self) -> Any:
+        """The program's ``jax.sharding.Mesh`` (``compile(mesh=...)``, its axes ``Auto``),
+        None on one device or outside a program: what ``managers.Sharding`` constrains
+        activations on."""
+        frame = self._frame
+        return None if frame is None else frame.mesh
+
     def rng(self, *, per_step: bool = True, per_call: bool = False,
             per_variable: bool = True) -> jax.Array:
         """A key for this call: the step key folded with CRC32 of (manager, path,

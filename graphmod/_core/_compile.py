@@ -13,6 +13,7 @@ from graphmod._core._layout import Layout
 from graphmod._core._manager import Manager
 from graphmod._core._program_checks import check_managers, monitors
 from graphmod._core._program_record import Shared
+from graphmod._core._sharding import Placement
 
 __all__ = ["compile_program"]
 
@@ -26,14 +27,21 @@ def compile_program(
     monitor: VariableFilter | Mapping[str, VariableFilter] | None = None,
     axis_name: Any = None,
     applications: Mapping[type, Sequence[str]] | None = None,
+    mesh: Any = None,
+    rules: Sequence[Any] = (),
+    batch_axis: Any = None,
 ) -> Any:
     """``graphmod.compile`` as the core does it, making a ``program_type``."""
     if not callable(fn):
         raise TypeError(f"compile(fn, model): fn must be callable, got {fn!r}")
+    if mesh is None and (rules or batch_axis is not None):
+        raise ValueError("compile(rules=..., batch_axis=...) place arrays on a device mesh: "
+                         "pass mesh= too (e.g. jax.make_mesh((8,), ('data',)))")
     layout = Layout(model, interceptor(applications))
+    placement = None if mesh is None else Placement(mesh, rules, batch_axis, layout=layout)
     chosen = _context.active_managers() if managers is None else tuple(managers)
     labelled = monitors(monitor)
     for label, monitor_filter in labelled.items():
         layout.resolve(monitor_filter.brick_instances(), f"monitor[{label!r}]")
-    return program_type(fn, Shared(layout), check_managers(chosen, layout), labelled,
+    return program_type(fn, Shared(layout, placement), check_managers(chosen, layout), labelled,
                         axis_name, strict=True)

@@ -12,7 +12,7 @@ import fnmatch
 import inspect
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from flax import nnx
@@ -225,8 +225,27 @@ class VariableFilter:
         set_("call_id", call_ids)
 
     def __repr__(self) -> str:
+        return self.as_text()
+
+    def as_text(self, brick_path: Callable[[Any], str | None] = lambda brick: None) -> str:
+        """This filter as text; brick instances as ``brick_path(brick)`` (their path in a
+        model) where it knows them, else as ``<Class at 0x…>``, never their own long repr.
+
+        Examples:
+            >>> import graphmod as gm
+            >>> from flax import nnx
+            >>> lin = gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0))
+            >>> gm.VariableFilter(bricks=[lin, gm.bricks.Linear]).as_text(lambda b: "/lin")
+            'VariableFilter(bricks=(/lin, Linear))'
+        """
+        def brick(b: Any) -> str:
+            if isinstance(b, type):
+                return b.__name__
+            return brick_path(b) or f"<{type(b).__name__} at 0x{id(b):x}>"
+
         fields = [
-            f"{f.name}={getattr(self, f.name)!r}"
+            f"{f.name}=({', '.join(map(brick, self.bricks))}{',' * (len(self.bricks) == 1)})"
+            if f.name == "bricks" else f"{f.name}={getattr(self, f.name)!r}"
             for f in dataclasses.fields(self)
             if getattr(self, f.name) not in (None, False)
         ]

@@ -52,6 +52,7 @@ class Frame:
         managers: tuple[Manager, ...],
         key: Any = None,
         axis_name: Any = None,
+        mesh: Any = None,
         monitor: dict[str, VariableFilter] | None = None,
         record: bool = False,
         costs: bool = False,
@@ -62,6 +63,7 @@ class Frame:
         self.managers = managers
         self.key = key
         self.axis_name = axis_name
+        self.mesh = mesh  # the program's device mesh (compile(mesh=...)), else None
         self.monitor = monitor or {}
         self.collects_costs = costs  # optimize's trace: auxiliary costs are kept
         self._out: Any = None  # what the traced function returned (see returned)

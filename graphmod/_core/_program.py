@@ -31,7 +31,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from graphmod import roles as _roles
 from graphmod._core import _context
@@ -48,15 +47,16 @@ from graphmod._core._loop_keys import resolving
 from graphmod._core._manager import Manager
 from graphmod._core._program_checks import check_strict, check_variables
 from graphmod._core._program_record import ProgramRecord, Shared, abstract
+from graphmod._core._program_variables import VariablesByRole
 from graphmod._core._rewrites import Rewrites, RewriteTrace
-from graphmod._core._role_tree import is_one_of, merge, role_tree, select
+from graphmod._core._sharding import Placement
 
 __all__ = ["ProgramCore", "ProgramRecord"]
 
 _TRAIN = "program.train(variables, *args, rng=key)"
 
 
-class ProgramCore:
+class ProgramCore(VariablesByRole):
     """The compiler core's program: ``init``, ``train``, ``infer``, ``derive``, ``graph``.
 
     Knows nothing of provenance or storage: what those need it exposes as :attr:`record`.
@@ -115,6 +115,12 @@ class ProgramCore:
     def layout(self) -> Layout:
         """Paths, identities and roles of the model's variables."""
         return self._shared.layout
+
+    @property
+    def placement(self) -> Placement | None:
+        """Where this program's arrays live on a mesh (``compile(mesh=...)``; None: one
+        device)."""
+        return self._shared.placement
 
     @property
     def record(self) -> ProgramRecord:
@@ -177,6 +183,10 @@ class ProgramCore:
         key = jax.random.key(0) if rng is None else as_key(rng, "program.init(..., rng=key)")
         variables, owned_roles = self._fresh_variables(
             example_args, example_kwargs, key, probe=False)
+        placement = self._shared.placement
+        if placement is not None:  # checked against the rules before anything is kept
+            variables = jax.device_put(variables, placement.variables(
+                variables, self._shared.layout))
         # Kept only once the variables exist: a failed init changes nothing.
         self._shared.examples.update(self._bind(example_args, example_kwargs, jax.typeof))
         self._shared.owned_roles = owned_roles
@@ -206,6 +216,8 @@ class ProgramCore:
         """Runs ``fn`` in training mode: ``(out, variables)`` (``+ monitored`` with monitor=)."""
         if not hasattr(rng, "dtype"):  # e.g. rng=0: refused before jit sees it
             as_key(rng, _TRAIN)
+        if self._shared.placement is not None:
+            args, kwargs = self._shared.placement.put_batch((args, kwargs))
         return self._train(variables, rng, args, kwargs)
 
     def infer(self, variables: dict, *args: Any, mutable: bool = False, **kwargs: Any) -> Any:
@@ -230,6 +242,8 @@ class ProgramCore:
             >>> int(variables["model"]["calls"]), out.tolist()
             (1, [2.0, 2.0])
         """
+        if self._shared.placement is not None:
+            args, kwargs = self._shared.placement.put_batch((args, kwargs))
         if mutable is False:  # the common case first: this is on the dispatch path
             return self._infer(variables, *args, **kwargs)
         if mutable is not True:
@@ -250,6 +264,8 @@ class ProgramCore:
                 key: value for key, value in frame.owned_out().items()
                 if key in frame.owned_updated}),
         }
+        if self._shared.placement is not None:
+            new = self._shared.placement.constrain(new, self._shared.layout)
         if with_costs:
             return frame.out, new, frame.monitored, frame.costs, frame.measured
         return (frame.out, new, frame.monitored) if self._monitor else (frame.out, new)
@@ -273,10 +289,13 @@ class ProgramCore:
         if mode != "init" and not record:
             check_arguments(self._shared.examples, self._bind(args, kwargs, lambda x: x))
 
+        placement = self._shared.placement
+
         def fresh() -> Frame:
             return Frame(layout=self._shared.layout, mode=mode, values=values, owned=owned,
                          hparams=hparams, managers=self._managers, key=key,
-                         axis_name=self._axis_name, monitor=self._monitor, record=record,
+                         axis_name=self._axis_name, mesh=placement and placement.mesh,
+                         monitor=self._monitor, record=record,
                          costs=costs)
 
         frame = _context.traced(self._shared, fresh,
@@ -300,43 +319,6 @@ class ProgramCore:
         # Entries of managers this program does not use are read but never asked for.
         owned, hparams = owned_layout.decode(variables["managers"])
         return self._shared.layout.model_values(variables["model"]), owned, hparams
-
-    def update_model(self, variables: dict) -> None:
-        """Writes ``variables["model"]`` (copies) into the model's NNX variables.
-
-        Checks every path, shape and dtype first; nothing is written if one does not fit.
-        """
-        values, _, _ = self._unpack(variables)
-        layout = self._shared.layout
-        for identity, value in values.items():
-            layout.objects[identity].set_raw_value(jnp.array(value, copy=True))
-
-    def roles(self, variables: dict) -> dict:
-        """The tree of roles of ``variables`` (same nesting, a Role per leaf).
-
-        Read from the layout, and for manager-owned variables from the ``init`` of any
-        program over it: no trace runs.
-        """
-        owned = self._shared.owned_roles
-        if owned is None and owned_layout.decode(variables["managers"])[0]:
-            raise RuntimeError(
-                "this program has not been initialised: call program.init(*example_args) "
-                "(or init a program it was derived from) first"
-            )
-        return role_tree(variables, self._shared.layout, owned or {})
-
-    def split(self, variables: dict, *roles: _roles.Role) -> tuple[dict, dict]:
-        """``(selected, rest)``: leaves whose role is one of ``roles`` (or a sub-role), and
-        the others, each in the original nesting (empty branches dropped)."""
-        wanted = _roles.as_roles(roles, argument="program.split(variables, *roles)")
-        tree = self.roles(variables)
-        test = is_one_of(wanted)
-        return select(variables, tree, test, True), select(variables, tree, test, False)
-
-    @staticmethod
-    def merge(selected: dict, rest: dict) -> dict:
-        """The inverse of :meth:`split`: one nested dict from two disjoint ones."""
-        return merge(selected, rest)
 
     # -- more programs and views ----------------------------------------------------------------
     def derive(self, fn: Callable[..., Any]) -> ProgramCore:

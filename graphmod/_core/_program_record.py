@@ -14,6 +14,7 @@ from graphmod._core._filter import VariableFilter
 from graphmod._core._layout import Layout
 from graphmod._core._manager import Manager
 from graphmod._core._owned import OwnedKey
+from graphmod._core._sharding import Placement
 
 __all__ = ["ProgramRecord", "Shared", "abstract"]
 
@@ -54,8 +55,9 @@ class ProgramRecord:
 class Shared:
     """What programs derived from one another share: layout, owned variables, examples."""
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, placement: Placement | None = None) -> None:
         self.layout = layout
+        self.placement = placement  # where arrays live on a mesh (None: one device)
         self.owned_roles: dict[OwnedKey, _roles.Role] | None = None
         self.examples: dict[str, Any] = {}
         # Whether an inner trace of this layout's programs reads the frame (see _context).

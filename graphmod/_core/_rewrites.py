@@ -114,8 +114,13 @@ class Rewrites:
     def infer(self) -> RewriteTrace:
         return self["infer"]
 
+    @property
+    def modes(self) -> list[str]:
+        """The modes traced so far, of ``init``, ``train`` and ``infer``."""
+        return [m for m in ("init", "train", "infer") if m in self._by_mode]
+
     def _shown(self) -> list[RewriteTrace]:
-        return [self._by_mode[m] for m in ("init", "train", "infer") if m in self._by_mode]
+        return [self._by_mode[m] for m in self.modes]
 
     def __str__(self) -> str:
         shown = self._shown()

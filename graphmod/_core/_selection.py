@@ -35,6 +35,14 @@ def as_selectors(value: Any, argument: str) -> tuple[Selector, ...]:
     return items
 
 
+def stored_tag(layout: Layout, key: tuple) -> Tag:
+    """The tag a filter sees for the model variable at ``key`` (of no application call)."""
+    info = layout.by_key[key]
+    brick_path = info.path.rpartition(".")[0]
+    return Tag(info.role, info.name, info.path, brick_path, "", 0,
+               layout.bricks_at.get(brick_path))
+
+
 def selected(variables: Mapping, layout: Layout, selectors: tuple[Selector, ...],
              argument: str) -> dict:
     """A tree of bools in the nesting of ``variables``: whether a selector names the leaf."""
@@ -46,10 +54,7 @@ def selected(variables: Mapping, layout: Layout, selectors: tuple[Selector, ...]
     def model(node: Any, key: tuple) -> Any:
         if isinstance(node, Mapping):
             return {k: model(v, (*key, k)) for k, v in node.items()}
-        info = layout.by_key[key]
-        brick_path = info.path.rpartition(".")[0]
-        brick = layout.bricks_at.get(brick_path)
-        tag = Tag(info.role, info.name, info.path, brick_path, "", 0, brick)
+        tag = stored_tag(layout, key)
         return any(f.matches(tag, layout.instance_paths) for f in filters)
 
     return {"model": model(variables["model"], ()),

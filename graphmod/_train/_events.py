@@ -116,8 +116,7 @@ class On(Template):
     """Matches events of ``type`` (and ``issuer``) whose fields match.
 
     Examples:
-        >>> from graphmod import On, each, Time
-        >>> from graphmod._train._events import Event
+        >>> from graphmod import Event, On, Time, each
         >>> t = On("step", examples=each(1000))
         >>> e = Event("step", None, Time(step=8, examples=1024), Time(step=7, examples=896), None)
         >>> t.matches(e)

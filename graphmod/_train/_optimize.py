@@ -15,6 +15,7 @@ from graphmod._core._arguments import as_key
 from graphmod._core._construction import key_record
 from graphmod._core._role_tree import select
 from graphmod._core._selection import as_selectors, selected
+from graphmod._core._show import VariablesTable, size_text
 from graphmod._records._collect import training_provenance
 from graphmod._records._optimizer import optimizer_record
 from graphmod._train._batch import step_arguments
@@ -42,6 +43,22 @@ class TrainState(NamedTuple):
     step: jax.Array
     rng: jax.Array
     skipped: jax.Array
+
+    def __repr__(self) -> str:  # sizes, never the arrays' values (a 100-column line)
+        variables, opt = VariablesTable(self.variables), VariablesTable(self.opt_state)
+        return (f"TrainState(step={_count(self.step)}, skipped={_count(self.skipped)}, "
+                f"variables: {len(variables.rows)} arrays, {size_text(variables.nbytes, 'B')}"
+                f"; opt_state: {len(opt.rows)} arrays, {size_text(opt.nbytes, 'B')})")
+
+    def _repr_html_(self) -> str:
+        head = f"TrainState: step {_count(self.step)}, skipped {_count(self.skipped)}"
+        return (VariablesTable(self.variables, title=head)._repr_html_()
+                + VariablesTable(self.opt_state, title="opt_state")._repr_html_())
+
+
+def _count(value: Any) -> str:
+    """A step counter as text, without a device read inside a trace."""
+    return "traced" if isinstance(value, jax.core.Tracer) else str(int(value))
 
 
 def _split_output(out: Any) -> tuple[jax.Array, dict]:
@@ -122,7 +139,28 @@ class TrainStep:
         seed = key_record(key)
         if seed is not None:  # not under a trace (abstract_state)
             self.train_seed = seed
-        return TrainState(variables, self.tx.init(params), jnp.int32(0), data, jnp.int32(0))
+        return self.place(TrainState(variables, self.tx.init(params), jnp.int32(0), data,
+                                     jnp.int32(0)))
+
+    def place(self, state: TrainState) -> TrainState:
+        """``state`` put on the program's mesh as :meth:`init` places it (``state`` itself
+        for a program on one device): e.g. a state restored from a checkpoint, which holds
+        whole arrays whatever mesh saved it. The loop places the state it starts from."""
+        if self.program.placement is None:
+            return state
+        return jax.device_put(state, self._shardings(state))
+
+    def _shardings(self, state: TrainState) -> TrainState:
+        """The placement of every leaf of ``state`` on the program's mesh: the variables by
+        the program's rules, the optimizer's copies of a parameter (Adam's moments) as that
+        parameter, everything else replicated."""
+        placement = self.program.placement
+        variables = placement.variables(state.variables, self.program.layout)
+        whole = placement.replicated()
+        opt = optax.tree_map_params(self.tx, lambda _, sharding: sharding, state.opt_state,
+                                    self._parameters(variables)[0],
+                                    transform_non_params=lambda _: whole)
+        return TrainState(variables, opt, whole, whole, whole)
 
     def abstract_state(self, *example_args: Any, **example_kwargs: Any) -> TrainState:
         """The shapes and dtypes of this step's train state (no array is computed)."""
@@ -130,6 +168,8 @@ class TrainStep:
             self.program.init(*example_args, **example_kwargs), jax.random.key(0)))
 
     def __call__(self, state: TrainState, *batch: Any, **kwargs: Any) -> tuple[TrainState, dict]:
+        if self.program.placement is not None:
+            batch, kwargs = self.program.placement.put_batch((batch, kwargs))
         return self._step(state, batch, kwargs)
 
     def steps(self, state: TrainState, batches: Any) -> tuple[TrainState, dict]:
@@ -137,6 +177,8 @@ class TrainStep:
         axis (a tuple is passed positionally, a dict by name); metrics stacked per step.
         One jitted function per train step, so the loop's fused runs compile once per
         number of steps."""
+        if self.program.placement is not None:
+            batches = self.program.placement.put_batch(batches, stacked=True)
         return self._steps(state, batches)
 
     def _scanned(self, state: TrainState, batches: Any) -> tuple[TrainState, dict]:
@@ -202,6 +244,8 @@ class TrainStep:
             skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
             metrics = {**metrics, "skipped_steps": skipped}
         new_state = TrainState(variables, opt_state, state.step + 1, state.rng, skipped)
+        if program.placement is not None:  # outputs placed as inputs: nothing moves
+            new_state = jax.lax.with_sharding_constraint(new_state, self._shardings(new_state))
         return new_state, {"loss": cost, **metrics}
 
 

@@ -15,6 +15,7 @@ from graphmod._core._compile import compile_program
 from graphmod._core._filter import VariableFilter
 from graphmod._core._manager import Manager
 from graphmod._core._program import ProgramCore
+from graphmod._core._show import VariablesTable, program_html, program_lines
 from graphmod._records._collect import program_provenance
 from graphmod._records._record import Provenance
 from graphmod._train._checkpoint import Checkpointer, CheckpointReader
@@ -28,6 +29,9 @@ def compile(
     monitor: VariableFilter | Mapping[str, VariableFilter] | None = None,
     axis_name: Any = None,
     applications: Mapping[type, Sequence[str]] | None = None,
+    mesh: Any = None,
+    rules: Sequence[Any] = (),
+    batch_axis: Any = None,
 ) -> Program:
     """Traces ``fn(model, *args)`` with managers into a :class:`Program`.
 
@@ -44,6 +48,14 @@ def compile(
         applications: more methods of unmodified Flax modules that are applications, by
             class (subclasses included): ``{MyModule: ["encode"]}``; ``nnx.Embed.attend``
             always is.
+        mesh: a ``jax.sharding.Mesh`` to run on (JAX's SPMD: one program, its arrays split
+            over the devices); default: one device.
+        rules: ``[(VariableFilter, PartitionSpec), ...]``: each model variable is placed by
+            the first rule whose filter selects it (``bricks``, ``roles``, ``name``,
+            ``path``), replicated when none does; a manager's variables for a parameter
+            follow it; presets in :mod:`graphmod.sharding`.
+        batch_axis: the mesh axis (or axes) the arguments of ``train``/``infer`` and the
+            train step's batches are split along (their leading dimension).
 
     Returns:
         The program: ``init``, ``train``, ``infer``, ``derive``, ``graph``, ...
@@ -61,7 +73,8 @@ def compile(
         ()
     """
     return compile_program(Program, fn, model, managers=managers, monitor=monitor,
-                           axis_name=axis_name, applications=applications)
+                           axis_name=axis_name, applications=applications, mesh=mesh,
+                           rules=rules, batch_axis=batch_axis)
 
 
 class Program(ProgramCore):
@@ -108,6 +121,28 @@ class Program(ProgramCore):
         if self._assembled is None or self._assembled[0] != inits:
             self._assembled = (inits, program_provenance(self))
         return self._assembled[1]
+
+    def variables_table(self, variables: dict) -> VariablesTable:
+        """``variables`` as a table of path, role, shape, dtype and size (never values).
+
+        Examples:
+            >>> import jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> program = gm.compile(lambda m, x: m(x), gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0)))
+            >>> print(program.variables_table(program.init(jnp.ones((1, 2)))))
+            path     role    shape   dtype    size  bytes
+            -------  ------  ------  -------  ----  -----
+            model/W  WEIGHT  (2, 3)  float32  6     24 B
+            model/b  BIAS    (3,)    float32  3     12 B
+            2 arrays, 9 values, 36 B
+        """
+        return VariablesTable(variables, self.roles(variables))
+
+    def __repr__(self) -> str:
+        return "\n".join(program_lines(self))
+
+    def _repr_html_(self) -> str:
+        return program_html(self)
 
     def save(self, directory: Any, variables: dict, *, step: int = 0) -> None:
         """Writes ``variables`` and this program's provenance record to ``directory``.

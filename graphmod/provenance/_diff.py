@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from graphmod._core._show import WIDTH, shorten
 from graphmod._core._table import html_table, text_table
 from graphmod._records._record import Provenance, is_record
 from graphmod._records._summary import readable
@@ -70,9 +71,18 @@ class Difference:
     in_a: bool = True
     in_b: bool = True
 
-    def row(self) -> tuple[str, str, str]:
-        return (self.field, readable(self.a, 60) if self.in_a else "(absent)",
-                readable(self.b, 60) if self.in_b else "(absent)")
+    def row(self, field_width: int = 1000, value_width: int = 48) -> tuple[str, str, str]:
+        return (shorten(self.field, field_width),
+                readable(self.a, value_width) if self.in_a else "(absent)",
+                readable(self.b, value_width) if self.in_b else "(absent)")
+
+
+def _text_table(differences: tuple[Difference, ...]) -> str:
+    """The differences as a table of at most 100 columns: long fields cut from the left,
+    values from the right."""
+    field = min(max(len(d.field) for d in differences), 40)
+    value = (WIDTH - field - 4) // 2
+    return text_table(_HEADERS, [d.row(field, value) for d in differences])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +129,9 @@ class Differences:
     def __str__(self) -> str:
         parts = [self._caption()]
         if self.inputs:
-            parts += ["", "input fields", text_table(_HEADERS, [d.row() for d in self.inputs])]
+            parts += ["", "input fields", _text_table(self.inputs)]
         if self.derived:
-            parts += ["", "derived fields",
-                      text_table(_HEADERS, [d.row() for d in self.derived])]
+            parts += ["", "derived fields", _text_table(self.derived)]
         return "\n".join(parts)
 
     __repr__ = __str__

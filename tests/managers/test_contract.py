@@ -40,6 +40,10 @@ MAKERS: dict[str, Callable[..., gm.Manager]] = {
     "remat": lambda **kw: managers.Remat(policy="dots_saveable", **kw),
     "precision": lambda **kw: managers.Precision("bfloat16", **kw),
     "activation_stats": lambda **kw: managers.ActivationStats(roles=[roles.OUTPUT], **kw),
+    "stochastic_depth": lambda **kw: managers.StochasticDepth(
+        0.5, **({"roles": [roles.OUTPUT]} | kw)),  # any output: whole examples dropped
+    "label_smoothing": lambda **kw: managers.LabelSmoothing(
+        0.1, **({"roles": [roles.INPUT]} | kw)),  # the rows of x as probabilities
     "mixup": lambda **kw: managers.Mixup(0.4, **({"bricks": [gm.Brick]} | kw)),
     "fake_quant": lambda **kw: managers.FakeQuant(4, roles=[roles.WEIGHT, roles.OUTPUT], **kw),
 }
@@ -54,6 +58,7 @@ UNTRACED = {"remat", "l2", "weight_decay", "activation_stats"}
 NOT_DERIVATIVES = {"fake_quant", "spectral_norm"}
 TOLERANCE = {"precision": {"rtol": 2e-2, "atol": 2e-3}}  # bf16 rounds eager and jit apart
 ANY_DTYPE = {"remat", "precision", "stop_gradient"}  # integer variables pass unchanged
+LABELS = {"label_smoothing"}  # integers are labels: one-hot rows, given num_classes
 
 
 
@@ -259,6 +264,11 @@ def test_an_integer_variable_selected_raises_naming_manager_variable_and_path(
     if case.name in ANY_DTYPE:  # casts and gradients leave integers alone
         variables = program.init(x)
         np.testing.assert_array_equal(program.train(variables, x, rng=key(0))[0], x + Ints().W)
+        return
+    if case.name in LABELS:
+        with pytest.raises(ValueError, match=r"'input_' of / holds integer labels; pass "
+                                             "num_classes="):
+            program.init(x)
         return
     with pytest.raises(TypeError, match=rf"{case.name!r} selected .* at /, of dtype int32"):
         program.init(x)

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 import graphmod as gm
 import managers
 from tests.managers.helpers import key, normal
+from tests.test_application_roles import Classifier  # a Linear(3, 4) and its cost
 
 
 class Joined(gm.Brick):
@@ -20,18 +20,6 @@ class Joined(gm.Brick):
     @gm.application(inputs=["x"], targets=["y"], outputs=["joined"])
     def apply(self, x: jax.Array, y: jax.Array) -> jax.Array:
         return jnp.concatenate([x, y], axis=-1)
-
-
-class Classifier(gm.Brick):
-    """A linear layer and its cost in one application that takes examples and labels."""
-
-    def __init__(self) -> None:
-        self.linear = gm.bricks.Linear(4, 3, rngs=nnx.Rngs(0))
-        self.cost = gm.bricks.SoftmaxCrossEntropy()
-
-    @gm.application(inputs=["x"], targets=["y"], outputs=["cost"], costs=["cost"])
-    def apply(self, x: jax.Array, y: jax.Array) -> jax.Array:
-        return self.cost(self.linear(x), y)
 
 
 def joined_program(alpha: float | gm.Dynamic = 0.4) -> gm.Program:
@@ -76,10 +64,10 @@ def test_the_mixing_weight_follows_beta_alpha_alpha() -> None:
 
 
 def test_a_classifier_with_integer_labels_trains_on_mixed_one_hot_targets() -> None:
-    labels = jnp.array([0, 1, 2, 0, 1, 2, 0, 1])
-    x = normal(2, 8, 4)
+    labels = jnp.array([0, 1, 2, 3, 0, 1, 2, 3])
+    x = normal(2, 8, 3)
     program = gm.compile(lambda m, x, y: m(x, y), Classifier(),
-                         managers=[managers.Mixup(0.2, num_classes=3, bricks=[Classifier])])
+                         managers=[managers.Mixup(0.2, num_classes=4, bricks=[Classifier])])
     step = gm.optimize(program, optax.sgd(0.5))
     state = step.init(program.init(x, labels), key(0))
     losses = []
@@ -87,7 +75,7 @@ def test_a_classifier_with_integer_labels_trains_on_mixed_one_hot_targets() -> N
         state, metrics = step(state, x, labels)
         losses.append(float(metrics["loss"]))
     assert np.isfinite(losses).all()
-    assert {r.shape_out for r in program.rewrites.train if r.name == "y"} == {(8, 3)}
+    assert {r.shape_out for r in program.rewrites.train if r.name == "y"} == {(8, 4)}
 
 
 def test_bad_configurations_name_the_fix() -> None:

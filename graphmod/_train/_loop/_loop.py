@@ -1,10 +1,9 @@
 """``Loop``: runs a train step over data; everything around the run happens in plugins.
 
 The class holds the run's counters, state and settings and drives epochs and steps; plugins
-and the delivery of events are :mod:`._dispatch`'s, reading batches ahead and fusing steps
-:mod:`._steps`', continuing from a checkpoint :mod:`._resume`'s, Ctrl-C
-:mod:`graphmod._train._interrupt`'s. The order of events and the speed rules are in
-:mod:`graphmod._train._loop`.
+and events are :mod:`._dispatch`'s, reading batches ahead and fusing steps :mod:`._steps`',
+resuming :mod:`._resume`'s, Ctrl-C :mod:`graphmod._train._interrupt`'s. The order of events
+and the speed rules are in :mod:`graphmod._train._loop`.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from graphmod._train._loop._dispatch import DispatchTrace, PluginTable
 from graphmod._train._loop._resume import data_changes, read_checkpoint
 from graphmod._train._loop._steps import (
     ReadAhead,
+    batch_placer,
     call_step,
     check_loop_settings,
     donated,
@@ -96,7 +96,7 @@ class Loop:
         self.position = 0  # batches done in the current epoch
         self.state: Any = None
         self._plugins = PluginTable()
-        self._prefetch = jax.default_backend() != "cpu"
+        self._put = batch_placer(step)
         self._clock: tuple[float, Time] | None = None
         self._metrics: Any = {}
         self._started = False
@@ -273,10 +273,9 @@ class Loop:
 
     def _check_state(self, state: Any) -> None:
         """Refuses a state the step cannot take, naming the argument and the fix."""
-        make = "state = step.init(program.init(*example_batch), jax.random.key(0))"
         if state is None:
-            raise TypeError(f"Loop.run(state): state is None; pass the train state to start "
-                            f"from, e.g. {make}")
+            raise TypeError("Loop.run(state): state is None; pass the train state to start from,"
+                            " e.g. state = step.init(program.init(*example_batch), key)")
         if isinstance(self.step, TrainStep) and not isinstance(state, TrainState):
             raise TypeError(f"Loop.run(state): a graphmod.optimize step takes a "
                             f"graphmod.TrainState, got {type(state).__name__}; make one with "
@@ -287,6 +286,8 @@ class Loop:
         done = self._plugins.setup(self)
         error: BaseException | None = None
         try:
+            if isinstance(self.step, TrainStep):  # a restored state, saved on any mesh
+                self.state = self.step.place(self.state)
             self._check_interrupt()
             self._run_events(step, multi)
         except BaseException as exc:
@@ -336,7 +337,7 @@ class Loop:
 
     def _run_epoch(self, step: Callable[..., Any], multi: Callable[..., Any] | None) -> None:
         batches = ReadAhead(epoch_batches(self.data, self.time.epoch, self.position),
-                            self.steps_per_call + 1, self._prefetch)
+                            self.steps_per_call + 1, self._put)
         while sizes := batches.fill():
             count = steps_to_fuse(self._plugins.templates, self.time, sizes,
                                   self.steps_per_call, self.max_steps)

@@ -48,18 +48,32 @@ def epoch_batches(data: Iterable[Any], epoch: int, position: int) -> Iterator[An
     return iterator
 
 
+def batch_placer(step: Any) -> Callable[[Any, bool], Any] | None:
+    """How the loop puts batches on the devices ahead of ``step``: split over the mesh of
+    a step whose program has one, on the default accelerator otherwise, not at all on the
+    CPU (there the device is the host: jit takes NumPy batches faster than a put)."""
+    placement = getattr(getattr(step, "program", None), "placement", None)
+    if placement is not None:
+        return lambda batch, stacked: placement.put_batch(batch, stacked=stacked)
+    if jax.default_backend() != "cpu":
+        return lambda batch, stacked: jax.device_put(batch)
+    return None
+
+
 class ReadAhead:
     """The batches of one epoch, read up to ``ahead`` beyond the step being run.
 
-    With ``prefetch`` (an accelerator) the batch after the one taken is put on the device
-    before the taken one's step is dispatched.
+    With ``put`` (an accelerator, or a program on a mesh: ``put(batch, stacked)`` places a
+    batch, or a stack of them) the batch after the one taken is put on the devices before
+    the taken one's step is dispatched.
     """
 
-    def __init__(self, batches: Iterator[Any], ahead: int, prefetch: bool) -> None:
+    def __init__(self, batches: Iterator[Any], ahead: int,
+                 put: Callable[[Any, bool], Any] | None) -> None:
         self.produced = False  # whether the epoch yielded any batch
         self._batches = batches
         self._ahead = ahead
-        self._prefetch = prefetch
+        self._put = put
         # [size, host batch, device batch or None] of each batch read.
         self._buffer: collections.deque[list[Any]] = collections.deque()
 
@@ -78,19 +92,16 @@ class ReadAhead:
         """The next ``count`` batches' number of examples and their batch (stacked along a
         new leading axis when ``count > 1``), ready for the step."""
         chunk = [self._buffer.popleft() for _ in range(count)]
+        put = self._put or (lambda batch, stacked: batch)
         if count == 1:
             size, host, device = chunk[0]
-            batch = device if device is not None else self._put(host)
+            batch = device if device is not None else put(host, False)
         else:
             size = sum(entry[0] for entry in chunk)
-            batch = self._put(jax.tree.map(lambda *xs: np.stack(xs), *[e[1] for e in chunk]))
-        if self._prefetch and self._buffer and self._buffer[0][2] is None:
-            self._buffer[0][2] = self._put(self._buffer[0][1])
+            batch = put(jax.tree.map(lambda *xs: np.stack(xs), *[e[1] for e in chunk]), True)
+        if self._put is not None and self._buffer and self._buffer[0][2] is None:
+            self._buffer[0][2] = self._put(self._buffer[0][1], False)
         return size, batch
-
-    def _put(self, batch: Any) -> Any:
-        # On the CPU the device is the host: jit takes NumPy batches faster than a put.
-        return jax.device_put(batch) if self._prefetch else batch
 
 
 def steps_to_fuse(templates: list[Template], now: Time, sizes: list[int], per_call: int,

@@ -1,0 +1,72 @@
+"""A program's variables by role: ``roles``, ``split``, ``merge`` and ``update_model``.
+
+Read from the layout and the roles ``init`` gave the managers' variables: no trace runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+
+from graphmod import roles as _roles
+from graphmod._core import _owned_layout as owned_layout
+from graphmod._core._program_record import Shared
+from graphmod._core._role_tree import is_one_of, merge, role_tree, select
+
+__all__ = ["VariablesByRole"]
+
+
+class VariablesByRole:
+    """What a program does with variables by their roles (a base of ``ProgramCore``).
+
+    Examples:
+        >>> import jax.numpy as jnp, graphmod as gm
+        >>> from flax import nnx
+        >>> program = gm.compile(lambda m, x: m(x), gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0)))
+        >>> weights, rest = program.split(program.init(jnp.ones((1, 2))), gm.roles.WEIGHT)
+        >>> list(weights["model"]), list(rest["model"])
+        (['W'], ['b'])
+    """
+
+    _shared: Shared
+    _unpack: Callable[[Any], tuple[dict, dict, dict]]  # ProgramCore's: checked, then split
+
+    def update_model(self, variables: dict) -> None:
+        """Writes ``variables["model"]`` (copies) into the model's NNX variables.
+
+        Checks every path, shape and dtype first; nothing is written if one does not fit.
+        """
+        values, _, _ = self._unpack(variables)
+        layout = self._shared.layout
+        for identity, value in values.items():
+            layout.objects[identity].set_raw_value(jnp.array(value, copy=True))
+
+    def roles(self, variables: dict) -> dict:
+        """The tree of roles of ``variables`` (same nesting, a Role per leaf).
+
+        Read from the layout, and for manager-owned variables from the ``init`` of any
+        program over it: no trace runs.
+        """
+        owned = self._shared.owned_roles
+        if owned is None and owned_layout.decode(variables["managers"])[0]:
+            raise RuntimeError(
+                "this program has not been initialised: call program.init(*example_args) "
+                "(or init a program it was derived from) first"
+            )
+        return role_tree(variables, self._shared.layout, owned or {})
+
+    def split(self, variables: dict, *roles: _roles.Role) -> tuple[dict, dict]:
+        """``(selected, rest)``: leaves whose role is one of ``roles`` (or a sub-role), and
+        the others, each in the original nesting (empty branches dropped)."""
+        wanted = _roles.as_roles(roles, argument="program.split(variables, *roles)")
+        tree = self.roles(variables)
+        test = is_one_of(wanted)
+        return select(variables, tree, test, True), select(variables, tree, test, False)
+
+    @staticmethod
+    def merge(selected: dict, rest: dict) -> dict:
+        """The inverse of :meth:`split`: one nested dict from two disjoint ones."""
+        return merge(selected, rest)
+

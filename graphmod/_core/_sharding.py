@@ -1,0 +1,204 @@
+"""Where a program's arrays live on a device mesh: JAX's SPMD sharding, chosen by rules.
+
+``compile(..., mesh=, rules=[(VariableFilter, PartitionSpec), ...], batch_axis=)`` makes a
+:class:`Placement`. ``init`` puts each model variable with the ``PartitionSpec`` of the
+first rule whose filter selects it (replicated when none does); ``train``, ``infer`` and
+``optimize``'s step put their batch arguments split along ``batch_axis`` and constrain the
+variables they return to the same placement, so a step's outputs are its next inputs and
+nothing retraces. The mesh's axes are used as ``Auto`` axes (whatever ``jax.make_mesh``
+made them): XLA's SPMD partitioner propagates the shardings through the model code, so the
+program is the one-device program run on the mesh (the same losses, gradients and random
+masks, to float rounding).
+
+Sharp edges
+    A manager's variable owned per parameter (LoRA's ``a`` and ``b``, WeightNorm's ``g``)
+    follows its parameter: each of its dimensions, matched from the right, takes the
+    parameter's mesh axis where the two sizes agree, and is whole elsewhere. Variables owned
+    per application call (BatchNorm's statistics) and hyperparameters are replicated.
+    A batch leaf whose leading size the batch axis does not divide (a last, smaller
+    evaluation batch) is replicated, not refused: the result is the same, only slower.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from graphmod._core._filter import VariableFilter
+from graphmod._core._layout import Layout
+from graphmod._core._owned_layout import map_leaves
+from graphmod._core._selection import stored_tag
+
+__all__ = ["Placement"]
+
+Rule = tuple[VariableFilter, PartitionSpec]
+_RULES = "compile(rules=[(VariableFilter(...), PartitionSpec(...)), ...])"
+
+
+class Placement:
+    """A mesh, rules that place variables on it, and the axis batches are split along.
+
+    Examples:
+        >>> import jax, graphmod as gm
+        >>> from flax import nnx
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from graphmod._core._sharding import Placement
+        >>> mesh = jax.make_mesh((1,), ("data",))
+        >>> program = gm.compile(lambda m, x: m(x), gm.bricks.Linear(2, 4, rngs=nnx.Rngs(0)))
+        >>> placement = Placement(mesh, [(gm.VariableFilter(roles=[gm.roles.WEIGHT]),
+        ...                               P(None, "data"))], "data", layout=program.layout)
+        >>> placement.variables(program.init(jax.numpy.ones((1, 2))), program.layout)[
+        ...     "model"]["W"].spec
+        P(None, 'data')
+    """
+
+    def __init__(self, mesh: Any, rules: Sequence[Any], batch_axis: Any, *,
+                 layout: Layout | None = None) -> None:
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"compile(mesh=...): expected a jax.sharding.Mesh (e.g. "
+                            f"jax.make_mesh((8,), ('data',))), got {type(mesh).__name__}")
+        # XLA's sharding propagation (axes of type Auto) runs unmodified model code; explicit
+        # axes (jax.make_mesh's default) would ask it to name the sharding of some results.
+        self.mesh = Mesh(mesh.devices, mesh.axis_names,
+                         axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+        self.rules: tuple[Rule, ...] = tuple(
+            _checked_rule(mesh, index, rule) for index, rule in enumerate(rules))
+        for axis in _axis_names(batch_axis):
+            if axis not in mesh.axis_names:
+                raise ValueError(f"compile(batch_axis={batch_axis!r}): the mesh has no axis "
+                                 f"{axis!r}; its axes are {tuple(mesh.axis_names)}")
+        self.batch_axis = batch_axis
+        if layout is not None:
+            for index, (rule_filter, _) in enumerate(self.rules):
+                layout.resolve(rule_filter.brick_instances(), f"compile(rules[{index}])")
+
+    def __repr__(self) -> str:
+        rules = ", ".join(f"({f!r}, {spec})" for f, spec in self.rules)
+        return (f"Placement(mesh={dict(self.mesh.shape)}, rules=[{rules}], "
+                f"batch_axis={self.batch_axis!r})")
+
+    # -- variables -----------------------------------------------------------------------
+    def variables(self, variables: Mapping, layout: Layout) -> dict:
+        """A ``NamedSharding`` for every leaf of ``variables``, in its nesting.
+
+        Raises ``ValueError`` naming the variable, its shape and the rule when a rule's
+        spec does not fit the variable (more dimensions, or a size the axes do not divide).
+        """
+        specs: dict[str, tuple[PartitionSpec, tuple[int, ...]]] = {}
+
+        def model(node: Any, key: tuple) -> Any:
+            if isinstance(node, Mapping):
+                return {k: model(v, (*key, k)) for k, v in node.items()}
+            spec = self._model_spec(layout, key, tuple(jax.typeof(node).shape))
+            specs[layout.by_key[key].path] = (spec, tuple(jax.typeof(node).shape))
+            return NamedSharding(self.mesh, spec)
+
+        placed = {"model": model(variables["model"], ())}
+
+        def owned(key: tuple, value: Any) -> NamedSharding:
+            followed = specs.get(f"{key[1]}.{key[2]}") if len(key) == 5 else None
+            if followed is None:
+                return NamedSharding(self.mesh, PartitionSpec())
+            return NamedSharding(self.mesh, _follow(*followed, tuple(jax.typeof(value).shape)))
+
+        placed["managers"] = map_leaves(variables["managers"], owned)
+        return placed
+
+    def _model_spec(self, layout: Layout, key: tuple, shape: tuple[int, ...]) -> PartitionSpec:
+        tag = stored_tag(layout, key)
+        for index, (rule_filter, spec) in enumerate(self.rules):
+            if rule_filter.matches(tag, layout.instance_paths):
+                self._check_fits(index, spec, tag.path, shape)
+                return spec
+        return PartitionSpec()
+
+    def _check_fits(self, index: int, spec: PartitionSpec, path: str,
+                    shape: tuple[int, ...]) -> None:
+        rule = f"rules[{index}] ({self.rules[index][0]!r}, {spec})"
+        if len(spec) > len(shape):
+            raise ValueError(f"{rule} does not fit variable {path} of shape {shape}: the "
+                             f"spec names {len(spec)} dimensions, the variable has "
+                             f"{len(shape)}; narrow the rule's filter (e.g. roles=[WEIGHT]) "
+                             "or shorten the spec")
+        for dim, entry in enumerate(spec):
+            size = math.prod(self.mesh.shape[axis] for axis in _axis_names(entry))
+            if shape[dim] % size:
+                raise ValueError(f"{rule} does not fit variable {path} of shape {shape}: "
+                                 f"dimension {dim} ({shape[dim]}) is not divisible by mesh "
+                                 f"axes {entry!r} of size {size}; choose a size they divide "
+                                 "or leave that dimension whole (None)")
+
+    def constrain(self, variables: Mapping, layout: Layout) -> Any:
+        """``variables`` (traced) constrained to their placement: a step's outputs are
+        placed as its inputs, so the next call neither moves nor retraces anything."""
+        return jax.lax.with_sharding_constraint(variables, self.variables(variables, layout))
+
+    # -- batches -------------------------------------------------------------------------
+    def batch(self, tree: Any, *, stacked: bool = False) -> Any:
+        """A ``NamedSharding`` per leaf of ``tree``: split along the batch axis where its
+        size divides the batch dimension (the leading one; the second for ``stacked``
+        batches of a fused run), replicated otherwise (scalars, small last batches)."""
+        dim = int(stacked)
+        split = NamedSharding(self.mesh, PartitionSpec(*[None] * dim, self.batch_axis))
+        whole = NamedSharding(self.mesh, PartitionSpec())
+        size = math.prod(self.mesh.shape[a] for a in _axis_names(self.batch_axis))
+
+        def one(leaf: Any) -> NamedSharding:
+            shape = getattr(leaf, "shape", ())
+            if self.batch_axis is None or len(shape) <= dim or shape[dim] % size:
+                return whole
+            return split
+
+        return jax.tree.map(one, tree)
+
+    def put_batch(self, tree: Any, *, stacked: bool = False) -> Any:
+        """``tree``'s arrays put on the mesh, split along the batch axis."""
+        return jax.device_put(tree, self.batch(tree, stacked=stacked))
+
+    def replicated(self) -> NamedSharding:
+        """The placement of a leaf no rule names (the step count, the key, the optimizer's
+        counters)."""
+        return NamedSharding(self.mesh, PartitionSpec())
+
+
+def _axis_names(entry: Any) -> tuple[str, ...]:
+    """The mesh axes a spec entry (None, a name or a tuple of names) splits over."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _checked_rule(mesh: Mesh, index: int, rule: Any) -> Rule:
+    if not (isinstance(rule, tuple | list) and len(rule) == 2
+            and isinstance(rule[0], VariableFilter) and isinstance(rule[1], PartitionSpec)):
+        raise TypeError(f"{_RULES}: rules[{index}] must be a (VariableFilter, PartitionSpec) "
+                        f"pair, got {rule!r}")
+    rule_filter, spec = rule
+    if rule_filter.applications is not None or rule_filter.call_id is not None:
+        raise TypeError(f"{_RULES}: rules[{index}] {rule_filter!r} selects application "
+                        "calls; a stored variable belongs to no call: use bricks=, roles=, "
+                        "name=, name_regex= or path=")
+    for entry in spec:
+        for axis in _axis_names(entry):
+            if axis not in mesh.axis_names:
+                raise ValueError(f"{_RULES}: rules[{index}] ({rule_filter!r}, {spec}) names "
+                                 f"mesh axis {axis!r}; the mesh's axes are "
+                                 f"{tuple(mesh.axis_names)}")
+    return rule_filter, spec
+
+
+def _follow(spec: PartitionSpec, parameter: tuple[int, ...], shape: tuple[int, ...]
+            ) -> PartitionSpec:
+    """The spec of a variable owned for a parameter: dimension by dimension from the right,
+    the parameter's axis where the sizes agree, whole elsewhere."""
+    entries = tuple(spec) + (None,) * (len(parameter) - len(spec))
+    out = []
+    for offset in range(1, len(shape) + 1):
+        dim = len(parameter) - offset
+        same = dim >= 0 and parameter[dim] == shape[-offset]
+        out.append(entries[dim] if same else None)
+    return PartitionSpec(*reversed(out))

@@ -1,0 +1,78 @@
+"""How programs, variables and train states show in a terminal and in a notebook."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import graphmod as gm
+import managers
+from graphmod import roles
+
+
+def regularized_program() -> tuple[gm.Program, gm.bricks.MLP]:
+    mlp = gm.bricks.MLP([3, 64, 64, 2], activation=jax.nn.relu, rngs=nnx.Rngs(0))
+    program = gm.compile(
+        lambda m, x: jnp.mean(m(x) ** 2), mlp,
+        managers=[managers.Dropout(0.2, bricks=mlp.linear_layers, roles=[roles.INPUT]),
+                  managers.BatchNorm(bricks=mlp.linear_layers[:-1], roles=[roles.OUTPUT])])
+    return program, mlp
+
+
+def assert_fits(text: str) -> None:
+    assert all(len(line) <= 100 for line in text.splitlines()), text
+
+
+def test_a_program_shows_its_model_managers_in_order_and_traces() -> None:
+    program, _ = regularized_program()
+    before = repr(program)
+    assert "nothing yet" in before and "at 0x" not in before  # bricks by path, not id
+    assert before.index("0. dropout: Dropout") < before.index("1. batch_norm: BatchNorm")
+    assert "/linear_layers/0" in before
+    program.init(jnp.ones((4, 3)))
+    after = repr(program)
+    assert "traced: init (example x: (4, 3) float32)" in after
+    assert_fits(after)
+    page = program._repr_html_()
+    assert page.count("<table>") == 2
+    for expected in ("WEIGHT", "BIAS", "(64, 64)", "batch_norm", "Dropout", "/linear_layers/2"):
+        assert expected in page
+
+
+def test_variables_show_roles_shapes_and_sizes_never_values() -> None:
+    program, _ = regularized_program()
+    variables = program.init(jnp.full((4, 3), 0.123456))
+    table = program.variables_table(variables)
+    rows = {row["path"]: row for row in table.rows}
+    assert rows["model/linear_layers/1/W"] == {
+        "path": "model/linear_layers/1/W", "role": "WEIGHT", "shape": (64, 64),
+        "dtype": "float32", "size": 4096, "bytes": 16384}
+    assert {row["role"] for row in table.rows} == {"WEIGHT", "BIAS", "PARAMETER", "STATE"}
+    assert table.size == sum(leaf.size for leaf in jax.tree.leaves(variables))
+    text, page = repr(table), table._repr_html_()
+    assert_fits(text)
+    assert "0.12" not in text + page and "managers/batch_norm" in page
+    assert text.splitlines()[-1] == table.totals
+
+
+def test_a_train_state_shows_sizes_in_a_line_and_tables_in_a_notebook() -> None:
+    program, _ = regularized_program()
+    variables = program.init(jnp.ones((4, 3)))
+    step = gm.optimize(program, optax.adam(1e-3))
+    state, _ = step(step.init(variables, jax.random.key(0)), jnp.ones((4, 3)))
+    line = repr(state)
+    assert line.startswith("TrainState(step=1, skipped=0, variables: 14 arrays")
+    assert_fits(line)
+    assert "opt_state" in state._repr_html_() and "<td>(64, 64)</td>" in state._repr_html_()
+    shown = []
+    jax.jit(lambda s: shown.append(repr(s)) or s.step)(state)  # inside a trace: no read
+    assert shown[0].startswith("TrainState(step=traced, skipped=traced")
+
+
+def test_a_filter_names_brick_instances_briefly() -> None:
+    lin = gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0))
+    text = repr(gm.VariableFilter(bricks=[lin], roles=[roles.WEIGHT]))
+    assert text.startswith("VariableFilter(roles=(WEIGHT,), bricks=(<Linear at 0x")
+    assert "Weight" not in text  # not the module's own (long) repr

@@ -1,0 +1,250 @@
+"""Programs on a mesh of 8 virtual CPU devices (``tests/conftest.py`` asks XLA for them):
+variables placed by rules, the one-device results, no retrace, bad rules refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import graphmod as gm
+import managers
+from graphmod import On, at
+from graphmod import roles as R
+from graphmod.plugins import Checkpoint
+
+X = np.random.RandomState(0).randn(32, 8).astype(np.float32)
+Y = np.random.RandomState(1).randn(32, 4).astype(np.float32)
+TOKENS = np.random.RandomState(2).randn(16, 5, 16).astype(np.float32)
+
+
+def squared_error(model: Any, x: jax.Array, y: jax.Array | None = None) -> jax.Array:
+    out = model(x)
+    return jnp.mean((out - (0.0 if y is None else y)) ** 2)
+
+
+def regularizers() -> list[gm.Manager]:
+    linear = [gm.bricks.Linear]
+    return [managers.Dropout(0.2, roles=[R.INPUT], bricks=linear),
+            managers.WeightNoise(0.01, roles=[R.WEIGHT]),
+            managers.BatchNorm(roles=[R.OUTPUT], bricks=linear)]
+
+
+def mlp() -> gm.bricks.MLP:
+    return gm.bricks.MLP([8, 16, 8, 4], rngs=nnx.Rngs(0))
+
+
+def transformer() -> gm.bricks.TransformerBlock:
+    return gm.bricks.TransformerBlock(16, 4, 32, rngs=nnx.Rngs(0))
+
+
+MODELS = {"mlp": (mlp, (X, Y)), "transformer": (transformer, (TOKENS,))}
+PRESETS = {"data_parallel": ((8,), ("data",), gm.sharding.data_parallel()),
+           "fsdp": ((8,), ("data",), gm.sharding.fsdp()),
+           "tensor_parallel": ((2, 4), ("data", "model"), gm.sharding.tensor_parallel())}
+
+
+def train(program: gm.Program, batch: tuple, steps: int = 4) -> tuple[gm.TrainState, list]:
+    step = gm.optimize(program, optax.sgd(0.1), grad_norms=True)
+    state = step.init(program.init(*(b[:8] for b in batch)), jax.random.key(1))
+    metrics = []
+    for _ in range(steps):
+        state, m = step(state, *batch)
+        metrics.append(jax.device_get(m))
+    return state, metrics
+
+
+def placed(leaf: jax.Array) -> tuple:
+    """The mesh axes of each dimension of ``leaf`` (trailing whole dimensions dropped, as
+    JAX writes the spec of a step's output)."""
+    spec = tuple(leaf.sharding.spec)
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return spec
+
+
+def test_eight_devices() -> None:
+    assert jax.device_count() == 8  # the mesh tests below need them
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_a_mesh_runs_the_one_device_program(preset: str, model: str) -> None:
+    make, batch = MODELS[model]
+    shape, axes, rules = PRESETS[preset]
+    one, one_metrics = train(gm.compile(squared_error, make(), managers=regularizers()), batch)
+    mesh = jax.make_mesh(shape, axes)
+    program = gm.compile(squared_error, make(), managers=regularizers(), mesh=mesh, **rules)
+    state, metrics = train(program, batch)
+    for name in one_metrics[0]:  # the loss and every parameter's gradient norm
+        np.testing.assert_allclose([m[name] for m in metrics], [m[name] for m in one_metrics],
+                                   rtol=2e-5, atol=1e-6, err_msg=name)
+    chex.assert_trees_all_close(jax.device_get(state.variables),
+                                jax.device_get(one.variables), rtol=1e-4, atol=1e-6)
+    assert {d for leaf in jax.tree.leaves(state) for d in leaf.sharding.device_set} == set(
+        mesh.devices.flat)
+
+
+def test_variables_and_optimizer_state_are_placed_as_the_rules_say() -> None:
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    lora = managers.LoRA(rank=4, roles=[R.WEIGHT])
+    program = gm.compile(squared_error, mlp(), managers=[lora], mesh=mesh,
+                         **gm.sharding.tensor_parallel())
+    step = gm.optimize(program, optax.adam(1e-3))
+    state = step.init(program.init(X[:8], Y[:8]), jax.random.key(0))
+    state, _ = step(state, X, Y)
+    layers = state.variables["model"]["linear_layers"]
+    expected = {(0, "W"): (None, "model"), (0, "b"): ("model",), (1, "W"): ("model",),
+                (1, "b"): (), (2, "W"): (None, "model"), (2, "b"): ("model",)}
+    for (layer, name), spec in expected.items():
+        assert placed(layers[layer][name]) == spec, (layer, name)
+    adapters = state.variables["managers"]["lora"]
+    # a (in, rank) and b (rank, out) take W's axis where their sizes agree with W's
+    assert placed(adapters["/linear_layers/0"]["W"]["a"]) == ()
+    assert placed(adapters["/linear_layers/0"]["W"]["b"]) == (None, "model")
+    assert placed(adapters["/linear_layers/1"]["W"]["a"]) == ("model",)
+    # Adam's moments are placed as the parameters they follow
+    params = step._parameters(state.variables)[0]
+    for moments in (state.opt_state[0].mu, state.opt_state[0].nu):
+        assert jax.tree.map(placed, moments) == jax.tree.map(placed, params)
+    assert placed(state.step) == () and placed(state.rng) == ()
+
+
+def test_no_rule_means_replicated() -> None:
+    mesh = jax.make_mesh((8,), ("data",))
+    program = gm.compile(squared_error, mlp(), mesh=mesh, batch_axis="data")
+    variables = program.init(X[:8], Y[:8])
+    assert all(placed(leaf) == () and len(leaf.sharding.device_set) == 8
+               for leaf in jax.tree.leaves(variables))
+
+
+def test_steps_neither_retrace_nor_wait_for_the_host() -> None:
+    traces = []
+
+    def counted(model: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        traces.append(1)
+        return squared_error(model, x, y)
+
+    mesh = jax.make_mesh((8,), ("data",))
+    program = gm.compile(counted, mlp(), managers=regularizers(), mesh=mesh,
+                         **gm.sharding.fsdp())
+    step = gm.optimize(program, optax.adam(1e-3))
+    state = step.init(program.init(X[:8], Y[:8]), jax.random.key(0))
+    batch = program.placement.put_batch((X, Y))
+    state, _ = step(state, *batch)
+    after_first = len(traces)
+    with jax.transfer_guard("disallow"):
+        for _ in range(3):
+            state, metrics = step(state, *batch)
+    assert len(traces) == after_first
+    assert metrics["loss"].sharding.device_set == set(mesh.devices.flat)
+
+
+def test_the_loop_trains_on_sharded_batches_as_on_one_device() -> None:
+    source = lambda: gm.data.ArraySource((X, Y), batch_size=16, shuffle=True, seed=0)
+
+    def run(**placement: Any) -> dict:
+        program = gm.compile(squared_error, mlp(), managers=regularizers(), **placement)
+        step = gm.optimize(program, optax.sgd(0.1))
+        state = step.init(program.init(X[:8], Y[:8]), jax.random.key(0))
+        return jax.device_get(gm.Loop(step, source(), epochs=2, steps_per_call=2)
+                              .run(state).variables)
+
+    mesh = jax.make_mesh((8,), ("data",))
+    chex.assert_trees_all_close(run(mesh=mesh, **gm.sharding.data_parallel()), run(),
+                                rtol=1e-4, atol=1e-6)
+
+
+def test_the_sharding_manager_constrains_activations() -> None:
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    # attention weights (batch, heads, query, key): split by example and by head
+    heads = managers.Sharding(("data", "model"), roles=[R.OUTPUT], variable_name="weights",
+                              bricks=[gm.bricks.MultiHeadAttention])
+    program = gm.compile(squared_error, transformer(), managers=[heads], mesh=mesh,
+                         batch_axis="data")
+    variables = program.init(TOKENS[:8])
+    jaxpr = jax.make_jaxpr(lambda v: program.train(v, TOKENS, rng=jax.random.key(0)))(
+        variables)
+    assert "sharding_constraint" in str(jaxpr)
+    plain = gm.compile(squared_error, transformer())
+    np.testing.assert_allclose(program.infer(variables, TOKENS),
+                               plain.infer(plain.init(TOKENS[:8]), TOKENS), rtol=1e-5)
+    assert [r.manager for r in program.rewrites["train"] if r.manager == "sharding"]
+
+
+def test_the_sharding_manager_refuses_what_does_not_fit() -> None:
+    alone = gm.compile(squared_error, mlp(), managers=[managers.Sharding(("data",),
+                                                                         roles=[R.OUTPUT])])
+    with pytest.raises(ValueError, match=r"Sharding 'sharding'.*has none: compile it with mesh="):
+        alone.init(X[:8], Y[:8])
+    mesh = jax.make_mesh((8,), ("data",))
+    wide = gm.compile(squared_error, mlp(), mesh=mesh, managers=[
+        managers.Sharding(("data", None, None), roles=[R.OUTPUT])])
+    with pytest.raises(ValueError, match=r"spec \('data', None, None\) does not fit.*\(8, 16\)"):
+        wide.init(X[:8], Y[:8])
+    with pytest.raises(TypeError, match="Sharding\\(spec='data'\\)"):
+        managers.Sharding("data")
+
+
+def test_bad_rules_are_refused_before_anything_runs() -> None:
+    mesh = jax.make_mesh((8,), ("data",))
+    weights = gm.VariableFilter(roles=[R.WEIGHT])
+    with pytest.raises(ValueError, match=r"rules\[0\].*names mesh axis 'model'.*\('data',\)"):
+        gm.compile(squared_error, mlp(), mesh=mesh, rules=[(weights, P(None, "model"))])
+    with pytest.raises(ValueError, match=r"batch_axis='batch'.*no axis 'batch'"):
+        gm.compile(squared_error, mlp(), mesh=mesh, batch_axis="batch")
+    with pytest.raises(ValueError, match="pass mesh= too"):
+        gm.compile(squared_error, mlp(), rules=[(weights, P("data"))])
+    with pytest.raises(TypeError, match=r"rules\[0\] must be a \(VariableFilter, PartitionSpec"):
+        gm.compile(squared_error, mlp(), mesh=mesh, rules=[(weights, ("data",))])
+    with pytest.raises(TypeError, match=r"expected a jax\.sharding\.Mesh"):
+        gm.compile(squared_error, mlp(), mesh=jax.devices())
+    # (8, 6): the 8-way axis does not divide dimension 1
+    narrow = gm.compile(squared_error, gm.bricks.MLP([8, 6, 4], rngs=nnx.Rngs(0)), mesh=mesh,
+                        rules=[(weights, P(None, "data"))])
+    with pytest.raises(ValueError, match=r"rules\[0\].*/linear_layers/0\.W of shape \(8, 6\): "
+                                         r"dimension 1 \(6\) is not divisible.*size 8"):
+        narrow.init(X[:8], Y[:8])
+    assert narrow.record.examples is None  # the failed init kept nothing
+    with pytest.raises(ValueError, match=r"names 3 dimensions, the variable has 2"):
+        gm.compile(squared_error, mlp(), mesh=mesh,
+                   rules=[(weights, P(None, None, "data"))]).init(X[:8], Y[:8])
+
+
+def test_a_checkpoint_saved_on_eight_devices_resumes_on_eight_four_and_one(tmp_path) -> None:
+    source = lambda: gm.data.ArraySource((X, Y), batch_size=16, shuffle=True, seed=0)
+
+    def step_on(devices: int) -> gm.TrainStep:
+        placement = {} if devices == 1 else dict(
+            mesh=jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices]),
+            **gm.sharding.fsdp())
+        program = gm.compile(squared_error, mlp(), managers=regularizers(), **placement)
+        program.init(X[:8], Y[:8])
+        return gm.optimize(program, optax.sgd(0.1))
+
+    def start(step: gm.TrainStep) -> gm.TrainState:
+        return step.init(step.program.init(X[:8], Y[:8]), jax.random.key(0))
+
+    eight = step_on(8)
+    whole = jax.device_get(gm.Loop(eight, source(), epochs=4).run(start(eight)))
+    loop = gm.Loop(eight, source(), epochs=4, plugins=[Checkpoint(tmp_path / "run")])
+    loop.on(On("epoch_end", epoch=at(2)), lambda e: e.loop.terminate())
+    loop.run(start(eight))
+    for devices in (8, 4, 1):
+        step = step_on(devices)
+        resumed = gm.Loop.resume(str(tmp_path / "run"), step, source())
+        assert int(resumed.step) == 8
+        assert {d for leaf in jax.tree.leaves(resumed) for d in leaf.sharding.device_set} \
+            == set(jax.devices()[:devices])
+        if devices == 8:  # the same mesh continues the run bit for bit
+            jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), whole)
+        else:  # another mesh: the same run, up to the order of float sums
+            chex.assert_trees_all_close(jax.device_get(resumed.variables), whole.variables,
+                                        rtol=1e-4, atol=1e-5)
