@@ -350,9 +350,11 @@ def first_call(variant: Variant, batch: Batch) -> None:
 
 
 def interleave(variants: Sequence[Variant], batches: Sequence[Batch], repeats: int,
-               block: int) -> None:
+               block: int, settle: bool = False) -> None:
     """Round-robin: each repetition times ``block`` calls of every variant in turn (the
-    first one rotating, so none always runs right after another)."""
+    first one rotating, so none always runs right after another). With ``settle``, one
+    untimed call (waited for) precedes each timed block: a variant run after one on other
+    devices is not charged for the switch (their threads waking, caches refilling)."""
     for variant in variants:
         if not variant.compile_s:
             first_call(variant, batches[0])
@@ -361,6 +363,8 @@ def interleave(variants: Sequence[Variant], batches: Sequence[Batch], repeats: i
     for repeat in range(repeats):
         shift = repeat % len(variants)
         for variant in [*variants[shift:], *variants[:shift]]:
+            if settle:
+                jax.block_until_ready(variant.call(batches[-1]))
             start = time.perf_counter()
             out = None
             for i in range(block):

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from graphmod import (
         bricks,
         data,
+        distributed,
         errors,
         metrics,
         plugins,
@@ -124,6 +125,7 @@ __all__ = [
     "bricks",
     "compile",
     "data",
+    "distributed",
     "dynamic",
     "each",
     "errors",

@@ -1,6 +1,7 @@
 """The graphmod command: run a training script, resume a run, inspect a run directory.
 
-``graphmod run SCRIPT [ARGS...]`` runs a script as ``python SCRIPT ARGS...`` would.
+``graphmod run SCRIPT [ARGS...]`` runs a script as ``python SCRIPT ARGS...`` would;
+``--processes N`` starts N of them as one multi-process run (:mod:`graphmod.distributed`).
 ``graphmod resume DIR`` runs the script recorded in DIR's latest checkpoint again, with its
 ``Checkpoint(DIR)`` plugins continuing from that checkpoint: it prints the command, then
 replaces itself with it (signals and the exit status are the script's own). It re-runs only
@@ -24,10 +25,14 @@ import os
 import pathlib
 import runpy
 import shlex
+import socket
+import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
+from graphmod import distributed
 from graphmod._train._command import (
     RESUME_VARIABLE,
     ResumeRefusedError,
@@ -41,7 +46,9 @@ _COMMANDS = {  # name: (summary, description), in plain words for --help
     "run": ("run a training script",
             "Run SCRIPT with ARGS as 'python SCRIPT ARGS...' would. A run started this way "
             "records SCRIPT and ARGS in its checkpoints, so 'graphmod resume DIR' can start "
-            "it again."),
+            "it again. With --processes N, start N copies on this machine as one "
+            "multi-process JAX run: the script calls graphmod.distributed.initialize() "
+            "first."),
     "resume": ("continue the run saved in a directory",
                "Run the script recorded in DIR's latest checkpoint again, with the same "
                "arguments and working directory; its Checkpoint(DIR) plugins continue from "
@@ -55,6 +62,9 @@ _COMMANDS = {  # name: (summary, description), in plain words for --help
 }
 
 
+_DEVICE_COUNT = "--xla_force_host_platform_device_count"
+
+
 class _Failure(Exception):
     """A command that cannot go on; its message is printed to standard error (status 2)."""
 
@@ -63,11 +73,44 @@ def _run(args: argparse.Namespace) -> int:
     script = pathlib.Path(args.script)
     if not script.is_file():
         raise _Failure(f"no script file at {script} (check the path)")
+    if args.processes > 1:
+        return _run_processes(args)
     path = os.path.abspath(script)
     sys.argv = [args.script, *args.args]
     sys.path.insert(0, os.path.dirname(path))  # as python does: the script's folder first
     runpy.run_path(path, run_name="__main__")
     return 0
+
+
+def _run_processes(args: argparse.Namespace) -> int:
+    """Runs ``args.processes`` copies of the script, each told its place in the run (see
+    :mod:`graphmod.distributed`); the first failure stops the others and is the status."""
+    with socket.socket() as probe:  # a free loopback port for JAX's coordinator
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = {**os.environ, distributed.NUM_PROCESSES: str(args.processes),
+            distributed.COORDINATOR: f"127.0.0.1:{port}"}
+    if args.devices_per_process:  # replaces a device count set for this process
+        flags = [f for f in base.get("XLA_FLAGS", "").split()
+                 if not f.startswith(_DEVICE_COUNT)]
+        base["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT}={args.devices_per_process}"])
+    children: list[subprocess.Popen] = []
+    try:
+        for i in range(args.processes):
+            children.append(subprocess.Popen(
+                [sys.executable, "-m", "graphmod._cli", "run", args.script, *args.args],
+                env={**base, distributed.PROCESS_ID: str(i)}))
+        # poll(): None while running, else the status; a failure ends the wait
+        while any(c.poll() is None for c in children) and not any(c.poll() for c in children):
+            time.sleep(0.1)
+        failed = next((c.returncode for c in children if c.poll()), 0)
+    finally:
+        for child in children:  # a failed process leaves the others waiting for it
+            if child.poll() is None:
+                child.terminate()
+        for child in children:
+            child.wait()
+    return failed
 
 
 def _reader(directory: str) -> Any:
@@ -205,6 +248,13 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    """An argument that must be a whole number >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     """The command line's parser: one sub-command each for run, resume and inspect."""
     parser = argparse.ArgumentParser(
@@ -217,6 +267,12 @@ def _parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=summary, description=description)
         sub.set_defaults(handler=handlers[name], parser=sub)
         if name == "run":
+            sub.add_argument("--processes", type=_positive, default=1, metavar="N",
+                             help="start N processes of SCRIPT on this machine, joined into "
+                                  "one run by graphmod.distributed.initialize() (default 1)")
+            sub.add_argument("--devices-per-process", type=_positive, metavar="D",
+                             help="with --processes on CPU: give each process D virtual "
+                                  "devices")
             sub.add_argument("script", nargs="?", metavar="SCRIPT",
                              help="the Python script to run")
             sub.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",

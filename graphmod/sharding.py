@@ -19,14 +19,17 @@ Examples:
 
 from __future__ import annotations
 
+import glob
+from collections.abc import Mapping
 from typing import Any
 
 from jax.sharding import PartitionSpec
 
 from graphmod import roles
 from graphmod._core._filter import VariableFilter
+from graphmod._core._layout import Layout
 
-__all__ = ["data_parallel", "fsdp", "tensor_parallel"]
+__all__ = ["annotated", "data_parallel", "fsdp", "tensor_parallel"]
 
 
 def data_parallel(axis: str = "data") -> dict[str, Any]:
@@ -78,4 +81,37 @@ def tensor_parallel(axis: str = "model", batch_axis: str | None = "data") -> dic
               (VariableFilter(path="*/linear_layers/*[02468].W"), columns),
               (VariableFilter(path="*/linear_layers/*[02468].b"), PartitionSpec(axis)),
               (VariableFilter(path="*/linear_layers/*[13579].W"), rows)]
+    return {"rules": rules, "batch_axis": batch_axis}
+
+
+def annotated(model: Any, axis_rules: Mapping[str, str | None] | None = None,
+              batch_axis: str | None = "data") -> dict[str, Any]:
+    """Rules from a Flax model's own sharding annotations (``nnx.with_partitioning``, the
+    ``out_sharding`` metadata of its variables), as Flax's SPMD guide and its lm1b example
+    annotate them: each annotated variable is placed by its names, each name mapped through
+    ``axis_rules`` (logical name to mesh axis or None; a name not in it is a mesh axis).
+
+    Build the model without a mesh under ``nnx.use_eager_sharding(False)``; graphmod places
+    its variables when ``init`` runs.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> from flax import nnx
+        >>> init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+        >>> with nnx.use_eager_sharding(False):
+        ...     layer = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))
+        >>> gm.sharding.annotated(layer, {"embed": None, "mlp": "model"})["rules"]
+        [(VariableFilter(path='/.kernel'), P(None, 'model'))]
+    """
+    names = dict(axis_rules or {})
+    layout = Layout(model)
+    rules = []
+    for info in layout.variables:
+        annotation = layout.objects[info.identity].get_metadata().get("out_sharding")
+        if annotation is None:
+            continue
+        spec = PartitionSpec(*(names.get(name, name) if name is not None else None
+                               for name in annotation))
+        if any(entry is not None for entry in spec):
+            rules.append((VariableFilter(path=glob.escape(info.path)), spec))
     return {"rules": rules, "batch_axis": batch_axis}

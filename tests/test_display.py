@@ -48,7 +48,9 @@ def test_variables_show_roles_shapes_and_sizes_never_values() -> None:
     rows = {row["path"]: row for row in table.rows}
     assert rows["model/linear_layers/1/W"] == {
         "path": "model/linear_layers/1/W", "role": "WEIGHT", "shape": (64, 64),
-        "dtype": "float32", "size": 4096, "bytes": 16384}
+        "dtype": "float32", "size": 4096, "bytes": 16384, "devices": 1,
+        "placement": "one device", "per device": 16384}
+    assert not table.placement and "placement" not in repr(table)  # one device: no column
     assert {row["role"] for row in table.rows} == {"WEIGHT", "BIAS", "PARAMETER", "STATE"}
     assert table.size == sum(leaf.size for leaf in jax.tree.leaves(variables))
     text, page = repr(table), table._repr_html_()

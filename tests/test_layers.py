@@ -16,11 +16,12 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "graphmod"
 
 # Lowest first; a module may import its own layer and those below it, nothing above.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("core", ("graphmod.roles", "graphmod.errors", "graphmod.typing", "graphmod._core")),
+    ("core", ("graphmod.roles", "graphmod.errors", "graphmod.typing", "graphmod._core",
+              "graphmod.sharding")),
     ("bricks", ("graphmod.bricks",)),
     ("records", ("graphmod._records",)),
     ("training", ("graphmod._train", "graphmod.plugins", "graphmod.metrics",
-                  "graphmod.data")),
+                  "graphmod.data", "graphmod.distributed")),
     ("provenance", ("graphmod.provenance",)),
     ("cli", ("graphmod._cli",)),
     ("package", ("graphmod",)),

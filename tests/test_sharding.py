@@ -16,8 +16,10 @@ from jax.sharding import PartitionSpec as P
 
 import graphmod as gm
 import managers
+from examples.flax_nnx import lm1b
 from graphmod import On, at
 from graphmod import roles as R
+from graphmod._train._loop._steps import bounded, steps_in_flight
 from graphmod.plugins import Checkpoint
 
 X = np.random.RandomState(0).randn(32, 8).astype(np.float32)
@@ -97,7 +99,7 @@ def test_variables_and_optimizer_state_are_placed_as_the_rules_say() -> None:
     lora = managers.LoRA(rank=4, roles=[R.WEIGHT])
     program = gm.compile(squared_error, mlp(), managers=[lora], mesh=mesh,
                          **gm.sharding.tensor_parallel())
-    step = gm.optimize(program, optax.adam(1e-3))
+    step = gm.optimize(program, optax.adam(1e-3), trainable=[lora])
     state = step.init(program.init(X[:8], Y[:8]), jax.random.key(0))
     state, _ = step(state, X, Y)
     layers = state.variables["model"]["linear_layers"]
@@ -110,11 +112,19 @@ def test_variables_and_optimizer_state_are_placed_as_the_rules_say() -> None:
     assert placed(adapters["/linear_layers/0"]["W"]["a"]) == ()
     assert placed(adapters["/linear_layers/0"]["W"]["b"]) == (None, "model")
     assert placed(adapters["/linear_layers/1"]["W"]["a"]) == ("model",)
-    # Adam's moments are placed as the parameters they follow
-    params = step._parameters(state.variables)[0]
+    # Adam's moments (of the adapters alone: trainable=[lora]) are placed as the adapters
+    trained = step._parameters(state.variables)[0]
+    assert len(jax.tree.leaves(trained)) == 6 and not jax.tree.leaves(trained["model"])
     for moments in (state.opt_state[0].mu, state.opt_state[0].nu):
-        assert jax.tree.map(placed, moments) == jax.tree.map(placed, params)
+        assert jax.tree.map(placed, moments) == jax.tree.map(placed, trained)
     assert placed(state.step) == () and placed(state.rng) == ()
+    table = program.sharding(state.variables)
+    rows = {row["path"]: row for row in table.rows}
+    assert rows["model/linear_layers/0/W"]["placement"] == "P(None, 'model')"
+    assert rows["model/linear_layers/0/W"]["per device"] == 8 * 16 * 4 // 4  # a quarter
+    assert rows["model/linear_layers/1/b"]["placement"] == "replicated"
+    assert "per device" in repr(table).splitlines()[0] and "per device" in table._repr_html_()
+    assert gm.VariablesTable(state.variables).placement  # several devices: shown unasked
 
 
 def test_no_rule_means_replicated() -> None:
@@ -236,9 +246,12 @@ def test_a_checkpoint_saved_on_eight_devices_resumes_on_eight_four_and_one(tmp_p
     whole = jax.device_get(gm.Loop(eight, source(), epochs=4).run(start(eight)))
     loop = gm.Loop(eight, source(), epochs=4, plugins=[Checkpoint(tmp_path / "run")])
     loop.on(On("epoch_end", epoch=at(2)), lambda e: e.loop.terminate())
-    loop.run(start(eight))
+    saved = jax.device_get(loop.run(start(eight)))
     for devices in (8, 4, 1):
         step = step_on(devices)
+        # restored as saved, bit for bit, onto this mesh (a loop with nothing left to run)
+        restored = gm.Loop.resume(str(tmp_path / "run"), step, source(), epochs=2)
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), saved)
         resumed = gm.Loop.resume(str(tmp_path / "run"), step, source())
         assert int(resumed.step) == 8
         assert {d for leaf in jax.tree.leaves(resumed) for d in leaf.sharding.device_set} \
@@ -248,3 +261,63 @@ def test_a_checkpoint_saved_on_eight_devices_resumes_on_eight_four_and_one(tmp_p
         else:  # another mesh: the same run, up to the order of float sums
             chex.assert_trees_all_close(jax.device_get(resumed.variables), whole.variables,
                                         rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.filterwarnings(r"ignore:'\.value' (access|setter) is now deprecated")
+def test_a_flax_models_own_annotations_place_it_unmodified() -> None:
+    tokens = np.random.RandomState(3).randint(0, 32, (8, 8))
+    names = lm1b.MeshRules(embed="embed", mlp="mlp", kv="kv", vocab="vocab")
+
+    def flax_lm() -> lm1b.TransformerLM:  # Flax's lm1b model, logical names annotated
+        config = lm1b.TransformerConfig(
+            vocab_size=32, output_vocab_size=32, logits_via_embedding=True, emb_dim=16,
+            num_heads=2, num_layers=1, qkv_dim=16, mlp_dim=32, max_len=16, axis_rules=names)
+        with nnx.use_eager_sharding(False):
+            model = lm1b.TransformerLM(config, rngs=nnx.Rngs(0))
+        model.set_attributes(deterministic=True, decode=False)
+        return model
+
+    def cost(model: Any, tokens: jax.Array) -> jax.Array:
+        return optax.softmax_cross_entropy_with_integer_labels(model(tokens), tokens).mean()
+
+    def run(model: Any, **placement: Any) -> tuple[gm.TrainState, list]:
+        dropout = managers.Dropout(0.1, roles=[R.INPUT], bricks=[nnx.Linear])
+        program = gm.compile(cost, model, managers=[dropout], **placement)
+        return train(program, (tokens,), steps=3)
+
+    model = flax_lm()
+    rules = gm.sharding.annotated(model, {"embed": None, "mlp": "model", "kv": "model",
+                                          "vocab": None})
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    state, metrics = run(model, mesh=mesh, **rules)
+    alone, alone_metrics = run(flax_lm())
+    np.testing.assert_allclose([m["loss"] for m in metrics],
+                               [m["loss"] for m in alone_metrics], rtol=2e-5)
+    chex.assert_trees_all_close(jax.device_get(state.variables),
+                                jax.device_get(alone.variables), rtol=1e-4, atol=1e-6)
+    mlp_in = state.variables["model"]["decoder"]["encoderdecoderblock_0"]["mlp"]["linear1"]
+    assert placed(mlp_in["kernel"]) == (None, "model") and placed(mlp_in["bias"]) == ("model",)
+
+
+def test_a_long_epoch_on_eight_cpu_devices_never_has_too_many_steps_in_flight() -> None:
+    # XLA's CPU all-reduce deadlocks with about 50 steps in flight on 8 devices (and aborts
+    # the process): the loop waits for every 16th step of a multi-device CPU mesh.
+    x = np.random.RandomState(4).randn(8 * 300, 8).astype(np.float32)
+    program = gm.compile(squared_error, gm.bricks.MLP([8, 16, 4], rngs=nnx.Rngs(0)),
+                         mesh=jax.make_mesh((8,), ("data",)), **gm.sharding.data_parallel())
+    step = gm.optimize(program, optax.sgd(0.1))
+    assert steps_in_flight(step) == 16
+    assert steps_in_flight(gm.optimize(gm.compile(squared_error, mlp()), optax.sgd(0.1))) \
+        is None
+    loop = gm.Loop(step, gm.data.ArraySource((x, x[:, :4]), batch_size=8), epochs=1)
+    state = loop.run(step.init(program.init(x[:8], x[:8, :4]), jax.random.key(0)))
+    assert int(state.step) == 300
+
+
+def test_bounded_calls_wait_for_every_nth_result(monkeypatch) -> None:
+    waited = []
+    monkeypatch.setattr(jax, "block_until_ready", waited.append)
+    calls = bounded(lambda value: value, 3)
+    assert [calls(i) for i in range(7)] == list(range(7))
+    assert waited == [2, 5]
+    assert bounded(len, None) is len

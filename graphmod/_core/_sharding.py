@@ -72,6 +72,11 @@ class Placement:
                 raise ValueError(f"compile(batch_axis={batch_axis!r}): the mesh has no axis "
                                  f"{axis!r}; its axes are {tuple(mesh.axis_names)}")
         self.batch_axis = batch_axis
+        # Made once: batches are placed at every call.
+        self._whole = NamedSharding(self.mesh, PartitionSpec())
+        self._split = [NamedSharding(self.mesh, PartitionSpec(*[None] * dim, batch_axis))
+                       for dim in (0, 1)]  # a batch; a stack of batches (fused steps)
+        self._batch_size = math.prod(self.mesh.shape[a] for a in _axis_names(batch_axis))
         if layout is not None:
             for index, (rule_filter, _) in enumerate(self.rules):
                 layout.resolve(rule_filter.brick_instances(), f"compile(rules[{index}])")
@@ -142,27 +147,30 @@ class Placement:
         """A ``NamedSharding`` per leaf of ``tree``: split along the batch axis where its
         size divides the batch dimension (the leading one; the second for ``stacked``
         batches of a fused run), replicated otherwise (scalars, small last batches)."""
-        dim = int(stacked)
-        split = NamedSharding(self.mesh, PartitionSpec(*[None] * dim, self.batch_axis))
-        whole = NamedSharding(self.mesh, PartitionSpec())
-        size = math.prod(self.mesh.shape[a] for a in _axis_names(self.batch_axis))
+        return jax.tree.map(lambda leaf: self._batch_leaf(leaf, int(stacked)), tree)
 
-        def one(leaf: Any) -> NamedSharding:
-            shape = getattr(leaf, "shape", ())
-            if self.batch_axis is None or len(shape) <= dim or shape[dim] % size:
-                return whole
-            return split
-
-        return jax.tree.map(one, tree)
+    def _batch_leaf(self, leaf: Any, dim: int) -> NamedSharding:
+        shape = getattr(leaf, "shape", ())
+        if self.batch_axis is None or len(shape) <= dim or shape[dim] % self._batch_size:
+            return self._whole
+        return self._split[dim]
 
     def put_batch(self, tree: Any, *, stacked: bool = False) -> Any:
-        """``tree``'s arrays put on the mesh, split along the batch axis."""
-        return jax.device_put(tree, self.batch(tree, stacked=stacked))
+        """``tree``'s arrays put on the mesh, split along the batch axis; a batch already
+        placed so (the loop's, put ahead) is returned as it is, at the cost of a look."""
+        def put(leaf: Any) -> Any:
+            sharding = self._batch_leaf(leaf, int(stacked))
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) \
+                    and leaf.sharding == sharding:
+                return leaf
+            return jax.device_put(leaf, sharding)
+
+        return jax.tree.map(put, tree)
 
     def replicated(self) -> NamedSharding:
         """The placement of a leaf no rule names (the step count, the key, the optimizer's
         counters)."""
-        return NamedSharding(self.mesh, PartitionSpec())
+        return self._whole
 
 
 def _axis_names(entry: Any) -> tuple[str, ...]:

@@ -79,18 +79,30 @@ class VariablesTable:
         2 arrays, 9 values, 36 B
     """
 
-    def __init__(self, tree: Any, roles: Any = None, *, title: str = "variables") -> None:
+    def __init__(self, tree: Any, roles: Any = None, *, title: str = "variables",
+                 placement: bool | None = None) -> None:
         self.title = title
         self.rows: list[dict[str, Any]] = []
         for path, leaf, role in _leaves(tree, roles):
             shape = tuple(getattr(leaf, "shape", ()))
             dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
             size = int(np.prod(shape, dtype=np.int64))
+            itemsize = getattr(dtype, "itemsize", 0)
+            sharding = getattr(leaf, "sharding", None)
+            spec = getattr(sharding, "spec", None)
+            shard = sharding.shard_shape(shape) if sharding is not None else shape
             self.rows.append({"path": "/".join(path), "role": role,
                               "shape": shape, "dtype": str(dtype), "size": size,
-                              "bytes": size * getattr(dtype, "itemsize", 0)})
+                              "bytes": size * itemsize,
+                              "devices": len(sharding.device_set) if sharding else 1,
+                              "placement": ("one device" if spec is None else
+                                            "replicated" if not any(spec) else str(spec)),
+                              "per device": int(np.prod(shard, dtype=np.int64)) * itemsize})
         self.size = sum(r["size"] for r in self.rows)
         self.nbytes = sum(r["bytes"] for r in self.rows)
+        # Where the arrays live, shown when asked or when any spans several devices.
+        self.placement = any(r["devices"] > 1 for r in self.rows) if placement is None \
+            else placement
 
     @property
     def totals(self) -> str:
@@ -102,6 +114,10 @@ class VariablesTable:
         headers = ["path", "role", "shape", "dtype", "size", "bytes"]
         cells = [[r["path"], r["role"], r["shape"], r["dtype"], r["size"],
                   size_text(r["bytes"], "B")] for r in self.rows]
+        if self.placement:
+            headers += ["placement", "per device"]
+            for row, cell in zip(self.rows, cells, strict=True):
+                cell += [row["placement"], size_text(row["per device"], "B")]
         if not any(r["role"] for r in self.rows):
             headers, cells = headers[:1] + headers[2:], [c[:1] + c[2:] for c in cells]
         return headers, cells

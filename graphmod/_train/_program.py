@@ -138,6 +138,27 @@ class Program(ProgramCore):
         """
         return VariablesTable(variables, self.roles(variables))
 
+    def sharding(self, variables: dict) -> VariablesTable:
+        """Where ``variables`` live: the :meth:`variables_table` with each array's
+        placement (its ``PartitionSpec``, "replicated" or "one device") and bytes per
+        device.
+
+        Examples:
+            >>> import jax, jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> program = gm.compile(lambda m, x: m(x), gm.bricks.Linear(2, 4,
+            ...                      rngs=nnx.Rngs(0)), mesh=jax.make_mesh((1,), ("data",)),
+            ...                      **gm.sharding.fsdp())
+            >>> print(program.sharding(program.init(jnp.ones((1, 2)))))
+            path     role    shape   dtype    size  bytes  placement   per device
+            -------  ------  ------  -------  ----  -----  ----------  ----------
+            model/W  WEIGHT  (2, 4)  float32  8     32 B   P('data',)  32 B
+            model/b  BIAS    (4,)    float32  4     16 B   replicated  16 B
+            2 arrays, 12 values, 48 B
+        """
+        return VariablesTable(variables, self.roles(variables), title="placement",
+                              placement=True)
+
     def __repr__(self) -> str:
         return "\n".join(program_lines(self))
 

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from graphmod._core._arguments import is_key
 from graphmod._train._checkpoint._errors import CheckpointError
@@ -54,10 +55,14 @@ def leaf_specs(state: Any) -> dict[str, list[Any]]:
 
 
 def storable(state: Any) -> list[np.ndarray]:
-    """The state's leaves as host NumPy arrays (keys as key data), safe to write later."""
+    """The state's leaves as whole host NumPy arrays (keys as key data), safe to write
+    later. An array split over several processes is gathered from all of them: in a
+    multi-process run every process must call this, at the same step."""
     def host(leaf: Any) -> np.ndarray:
         if is_key(leaf):
             leaf = jax.random.key_data(leaf)
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
         return np.array(leaf)  # a copy: the loop donates the state's buffers next step
 
     return [host(leaf) for leaf in jax.tree.leaves(state)]

@@ -65,7 +65,15 @@ class CheckpointReader:
         quiet_orbax()
         self.directory = os.path.abspath(os.fspath(directory))
         self._ocp = ocp
-        self._orbax = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+        # Each process reads alone, and in a multi-process run only process 0 writes (see
+        # Checkpointer): no orbax call waits for another process.
+        alone = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(),
+                                                   active_processes={jax.process_index()})
+        handler = ocp.CompositeCheckpointHandler(
+            meta=ocp.JsonCheckpointHandler(multiprocessing_options=alone),
+            state=ocp.StandardCheckpointHandler(multiprocessing_options=alone),
+            composite_options=ocp.CompositeOptions(multiprocessing_options=alone))
+        self._orbax = ocp.Checkpointer(handler, multiprocessing_options=alone)
         self._lock = threading.Lock()  # one orbax call at a time (writer thread vs reads)
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from graphmod._train._checkpoint._errors import (
@@ -28,7 +29,8 @@ class Checkpointer(CheckpointReader):
     a background thread (``asynchronous=False``: before ``save`` returns). Reading is
     :class:`CheckpointReader`'s. ``keep`` prunes only the checkpoints of this writer's
     ``run_id`` (set it before the first save to continue a run). A directory is created only
-    by a save.
+    by a save. In a multi-process run every process saves (the state's parts are gathered)
+    and process 0 alone writes.
 
     Examples:
         >>> import tempfile, jax, jax.numpy as jnp
@@ -60,9 +62,17 @@ class Checkpointer(CheckpointReader):
         """The steps this writer's run did not write (unreadable ones included)."""
         return [s for s in self.steps() if self.run_of(s) != self.run_id]
 
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes: in a multi-process run (:mod:`graphmod.distributed`)
+        only process 0 does; the others take part in gathering the state."""
+        return jax.process_index() == 0
+
     def discard(self, steps: list[int]) -> None:
         """Deletes ``steps``' checkpoints and every leftover (see :meth:`leftovers`)."""
         self.wait()
+        if not self.writes:
+            return
         for name in [str(s) for s in steps] + list(self.leftovers()):
             shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
         self._own = None
@@ -73,7 +83,9 @@ class Checkpointer(CheckpointReader):
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step={step!r}: a checkpoint's step must be an int >= 0")
         tree = leaf_specs(state)
-        arrays = storable(state)
+        arrays = storable(state)  # in every process: a split state is gathered from all
+        if not self.writes:
+            return
         self.wait()
         record = {**meta, "format": FORMAT, "run_id": self.run_id, "step": step, "tree": tree}
         if not self.asynchronous:

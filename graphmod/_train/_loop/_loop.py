@@ -28,14 +28,17 @@ from graphmod._train._loop._resume import data_changes, read_checkpoint
 from graphmod._train._loop._steps import (
     ReadAhead,
     batch_placer,
+    bounded,
     call_step,
     check_loop_settings,
+    check_start_state,
     donated,
     epoch_batches,
     fused_steps,
+    steps_in_flight,
     steps_to_fuse,
 )
-from graphmod._train._optimize import TrainState, TrainStep
+from graphmod._train._optimize import TrainStep
 
 
 class Loop:
@@ -256,11 +259,13 @@ class Loop:
         """
         check_event_types([(e.name, e.template) for e in self._plugins.entries
                            if e.template is not None], self.plugins)
-        self._check_state(state)
+        check_start_state(self.step, state)
         self.state = state
         self._plugins.terminated = False
         step = self._plugins.wrap(self.step)
         multi = fused_steps(step, self.step) if self.steps_per_call > 1 else None
+        limit = steps_in_flight(self.step)
+        step, multi = bounded(step, limit), multi and bounded(multi, limit)
         with SigintGuard(stop_notice(self._plugins.saves_on_interrupt())) as guard:
             self._guard = guard
             try:
@@ -270,16 +275,6 @@ class Loop:
         if guard.requested:  # Ctrl-C during the last teardowns: the run itself completed
             raise KeyboardInterrupt(f"interrupted after the run ended at step {self.time.step}")
         return self.state
-
-    def _check_state(self, state: Any) -> None:
-        """Refuses a state the step cannot take, naming the argument and the fix."""
-        if state is None:
-            raise TypeError("Loop.run(state): state is None; pass the train state to start from,"
-                            " e.g. state = step.init(program.init(*example_batch), key)")
-        if isinstance(self.step, TrainStep) and not isinstance(state, TrainState):
-            raise TypeError(f"Loop.run(state): a graphmod.optimize step takes a "
-                            f"graphmod.TrainState, got {type(state).__name__}; make one with "
-                            "state = step.init(variables, jax.random.key(0))")
 
     def _run_plugins(self, step: Callable[..., Any], multi: Callable[..., Any] | None) -> None:
         """Sets the plugins up, runs, and tears them down (also on an error or Ctrl-C)."""

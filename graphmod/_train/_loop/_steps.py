@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
+from graphmod._core._sharding import Placement
 from graphmod._train._batch import step_arguments
 from graphmod._train._events import On, Template, Time
+from graphmod._train._optimize import TrainState, TrainStep
 
 _PLANNABLE = ("step", "epoch", "examples")
 
@@ -48,16 +51,45 @@ def epoch_batches(data: Iterable[Any], epoch: int, position: int) -> Iterator[An
     return iterator
 
 
+def _placement(step: Any) -> Placement | None:
+    """The mesh placement of a ``graphmod.optimize`` step's program (None: one device)."""
+    return step.program.placement if isinstance(step, TrainStep) else None
+
+
 def batch_placer(step: Any) -> Callable[[Any, bool], Any] | None:
     """How the loop puts batches on the devices ahead of ``step``: split over the mesh of
     a step whose program has one, on the default accelerator otherwise, not at all on the
     CPU (there the device is the host: jit takes NumPy batches faster than a put)."""
-    placement = getattr(getattr(step, "program", None), "placement", None)
+    placement = _placement(step)
     if placement is not None:
         return lambda batch, stacked: placement.put_batch(batch, stacked=stacked)
     if jax.default_backend() != "cpu":
         return lambda batch, stacked: jax.device_put(batch)
     return None
+
+
+def steps_in_flight(step: Any) -> int | None:
+    """How many calls the loop may dispatch before it waits for one: unbounded (None),
+    except for a step on a mesh of several CPU devices, where XLA's CPU all-reduce
+    deadlocks with about 50 steps in flight on 8 devices (pure JAX too; jax 0.10)."""
+    placement = _placement(step)
+    devices = [] if placement is None else list(placement.mesh.devices.flat)
+    return 16 if len(devices) > 1 and devices[0].platform == "cpu" else None
+
+
+def bounded(call: Callable[..., Any], limit: int | None) -> Callable[..., Any]:
+    """``call``, waiting for its result every ``limit`` calls (``call`` itself for None)."""
+    if limit is None:
+        return call
+    calls = itertools.count(1)
+
+    def waiting(*args: Any) -> Any:
+        out = call(*args)
+        if next(calls) % limit == 0:
+            jax.block_until_ready(out)
+        return out
+
+    return waiting
 
 
 class ReadAhead:
@@ -164,3 +196,14 @@ def check_loop_settings(step: Any, data: Any, **counts: int | None) -> None:
     for label, value in counts.items():
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"Loop({label}={value!r}): must be a positive int")
+
+
+def check_start_state(step: Any, state: Any) -> None:
+    """Refuses a state the step cannot take, naming the argument and the fix."""
+    if state is None:
+        raise TypeError("Loop.run(state): state is None; pass the train state to start from,"
+                        " e.g. state = step.init(program.init(*example_batch), key)")
+    if isinstance(step, TrainStep) and not isinstance(state, TrainState):
+        raise TypeError(f"Loop.run(state): a graphmod.optimize step takes a "
+                        f"graphmod.TrainState, got {type(state).__name__}; make one with "
+                        "state = step.init(variables, jax.random.key(0))")

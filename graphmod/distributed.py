@@ -1,0 +1,67 @@
+"""Several processes, one program: ``jax.distributed`` for runs started with
+``graphmod run --processes N SCRIPT``.
+
+``graphmod run --processes N [--devices-per-process D] SCRIPT ARGS...`` starts N copies of
+SCRIPT on this machine, each told its place in the run through the environment
+(``GRAPHMOD_PROCESS_ID``, ``GRAPHMOD_NUM_PROCESSES`` and JAX's ``JAX_COORDINATOR_ADDRESS``,
+a loopback port). The script calls :func:`initialize` before it uses JAX; each process then
+holds its own devices of one global mesh (``jax.make_mesh`` over ``jax.devices()``), and a
+program compiled with ``mesh=`` runs on all of them: every process runs the same code on
+the same batches (each puts its own shard on its devices), and the results are those of
+one process holding every device.
+
+Examples:
+    >>> import graphmod as gm
+    >>> gm.distributed.initialize()  # started alone (python SCRIPT): nothing to join
+    False
+
+Sharp edges
+    :func:`initialize` must run before anything touches a device (JAX starts its backend
+    once). On CPU the processes exchange data through Gloo. A ``Checkpoint`` saves in
+    every process (each gives its part of the state, gathered whole) and process 0
+    writes; so every process must save at the same step: schedule saves on the ``step``
+    or ``epoch`` timelines, not on wall-clock ``seconds``, and stop a run with Ctrl-C in
+    its terminal (which signals every process), not by signalling one. Every process
+    reads a checkpoint to resume, onto any mesh. ``graphmod resume DIR`` restarts one
+    process: resume a multi-process run with ``graphmod run --processes N`` and
+    ``Checkpoint(DIR, resume=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["initialize"]
+
+PROCESS_ID = "GRAPHMOD_PROCESS_ID"
+NUM_PROCESSES = "GRAPHMOD_NUM_PROCESSES"
+COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+
+
+def initialize() -> bool:
+    """Joins the multi-process run this process was started in by ``graphmod run
+    --processes N``; does nothing in a process started alone. Returns whether it joined.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> gm.distributed.initialize()  # started alone: one process, nothing to join
+        False
+    """
+    count = os.environ.get(NUM_PROCESSES)
+    if count is None:
+        return False
+    try:
+        process_id, count_value = int(os.environ[PROCESS_ID]), int(count)
+        coordinator = os.environ[COORDINATOR]
+    except (KeyError, ValueError) as error:
+        raise RuntimeError(f"graphmod.distributed.initialize: {NUM_PROCESSES}={count!r} is "
+                           f"set but {PROCESS_ID} or {COORDINATOR} is missing or not a "
+                           f"number ({error}); start the script with 'graphmod run "
+                           "--processes N SCRIPT', which sets all three") from None
+    import jax  # here: the graphmod command reads this module's names and starts no JAX
+
+    # Collectives between CPU processes (GPUs and TPUs bring their own).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=count_value,
+                               process_id=process_id)
+    return True

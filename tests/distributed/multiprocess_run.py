@@ -1,0 +1,57 @@
+"""A small data-parallel run for ``graphmod run --processes``: the MLP of
+``tests/test_sharding.py`` trained by ``graphmod.Loop`` on a mesh over every device of every
+process; process 0 writes the final variables to the ``.npz`` file named by the first
+argument. With a second argument (a directory) the run checkpoints there every epoch and
+resumes from it; with a third (an epoch) it stops after that epoch.
+
+``tests/distributed/test_distributed.py`` runs it as 2 processes x 4 devices and compares
+with :func:`train` in one process holding 8.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import graphmod as gm
+
+if __name__ == "__main__":
+    gm.distributed.initialize()  # before anything touches a device
+
+import jax
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+
+from graphmod import On, at
+from graphmod.data import ArraySource
+from graphmod.plugins import Checkpoint
+from tests.test_sharding import X, Y, mlp, regularizers, squared_error
+
+
+def train(directory: str | None = None, stop_after: int | None = None) -> dict:
+    """The final variables of 4 epochs of FSDP training on a mesh over every device, whole
+    on the host (checkpointed in ``directory`` and resumed from it, when given)."""
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    program = gm.compile(squared_error, mlp(), managers=regularizers(), mesh=mesh,
+                         **gm.sharding.fsdp())
+    step = gm.optimize(program, optax.sgd(0.1))
+    plugins = [] if directory is None else [Checkpoint(directory, resume=True)]
+    loop = gm.Loop(step, ArraySource((X, Y), batch_size=16, shuffle=True, seed=0), epochs=4,
+                   plugins=plugins)
+    if stop_after is not None:
+        loop.on(On("epoch_end", epoch=at(stop_after)), lambda event: event.loop.terminate())
+    state = loop.run(step.init(program.init(X[:8], Y[:8]), jax.random.key(0)))
+    return multihost_utils.process_allgather(state.variables, tiled=True)
+
+
+def flat(variables: dict) -> dict[str, np.ndarray]:
+    """``variables`` as ``{key path: array}``, as the run's ``.npz`` file holds them."""
+    leaves = jax.tree_util.tree_flatten_with_path(variables)[0]
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
+
+
+if __name__ == "__main__":
+    out, *rest = sys.argv[1:]
+    variables = train(rest[0] if rest else None, int(rest[1]) if len(rest) > 1 else None)
+    if jax.process_index() == 0:
+        np.savez(out, **flat(variables))

@@ -1,0 +1,84 @@
+"""Several processes as one run: ``graphmod run --processes N`` and
+``graphmod.distributed.initialize`` (CPU processes on this machine, a loopback coordinator)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+import graphmod as gm
+from graphmod import distributed
+from graphmod._train._checkpoint import Checkpointer
+from tests.distributed import multiprocess_run
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def graphmod_command(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``graphmod ARGS`` in its own process group, killed whole if it runs past
+    ``timeout`` (its processes would otherwise outlive the test)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with subprocess.Popen([sys.executable, "-m", "graphmod._cli", *args], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as command:
+        try:
+            out, err = command.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(command.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(command.args, command.returncode, out, err)
+
+
+def test_two_processes_of_four_devices_train_as_one_process_of_eight(tmp_path) -> None:
+    def run(*args: str) -> dict:
+        done = graphmod_command("run", "--processes", "2", "--devices-per-process", "4",
+                                "tests/distributed/multiprocess_run.py", *args)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return dict(np.load(args[0])) if pathlib.Path(args[0]).exists() else {}
+
+    whole = run(str(tmp_path / "whole.npz"))
+    here = multiprocess_run.flat(multiprocess_run.train())  # 8 devices (tests/conftest.py)
+    assert sorted(whole) == sorted(here)
+    chex.assert_trees_all_close(whole, here, rtol=1e-5, atol=1e-6)
+    # Checkpointed by every process (process 0 writes), stopped after epoch 2, resumed.
+    run_dir = str(tmp_path / "run")
+    run(str(tmp_path / "first.npz"), run_dir, "2")
+    assert Checkpointer(run_dir, keep=None).steps() == [2, 4]
+    resumed = run(str(tmp_path / "resumed.npz"), run_dir)
+    jax.tree.map(np.testing.assert_array_equal, resumed, whole)  # bit for bit
+    # ... and the checkpoint of two processes resumes in one process of eight devices
+    chex.assert_trees_all_close(multiprocess_run.flat(multiprocess_run.train(run_dir)), here,
+                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_failing_process_stops_the_run_with_its_status(tmp_path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['GRAPHMOD_PROCESS_ID'] == '1':\n    sys.exit(3)\n"
+                      "time.sleep(60)\n")
+    done = graphmod_command("run", "--processes", "2", str(script), timeout=50)
+    assert done.returncode == 3
+
+
+def test_bad_process_counts_are_usage_errors() -> None:
+    done = graphmod_command("run", "--processes", "0", "tests/distributed/multiprocess_run.py")
+    assert done.returncode == 2
+    assert "--processes: expected a whole number >= 1, got '0'" in done.stderr
+
+
+def test_initialize_alone_joins_nothing_and_names_a_half_set_environment(monkeypatch) -> None:
+    monkeypatch.delenv(distributed.NUM_PROCESSES, raising=False)
+    assert gm.distributed.initialize() is False
+    monkeypatch.setenv(distributed.NUM_PROCESSES, "2")
+    monkeypatch.delenv(distributed.PROCESS_ID, raising=False)
+    with pytest.raises(RuntimeError, match=r"GRAPHMOD_PROCESS_ID or JAX_COORDINATOR_ADDRESS "
+                                           r"is missing.*graphmod run --processes N"):
+        gm.distributed.initialize()
