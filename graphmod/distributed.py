@@ -8,7 +8,7 @@ a loopback port). The script calls :func:`initialize` before it uses JAX; each p
 holds its own devices of one global mesh (``jax.make_mesh`` over ``jax.devices()``), and a
 program compiled with ``mesh=`` runs on all of them: every process runs the same code on
 the same batches (each puts its own shard on its devices), and the results are those of
-one process holding every device.
+one process holding every device, to float rounding (the collectives differ).
 
 Examples:
     >>> import graphmod as gm

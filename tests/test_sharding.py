@@ -3,6 +3,7 @@ variables placed by rules, the one-device results, no retrace, bad rules refused
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import chex
@@ -321,3 +322,19 @@ def test_bounded_calls_wait_for_every_nth_result(monkeypatch) -> None:
     assert [calls(i) for i in range(7)] == list(range(7))
     assert waited == [2, 5]
     assert bounded(len, None) is len
+
+
+def test_the_provenance_record_says_where_a_program_ran() -> None:
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    program = gm.compile(squared_error, mlp(), mesh=mesh, **gm.sharding.tensor_parallel())
+    program.init(X[:8], Y[:8])
+    placement = program.provenance.inputs["placement"]
+    assert placement["mesh"] == {"data": 2, "model": 4} and placement["batch_axis"] == "data"
+    first = placement["rules"][0]
+    assert dict(first[0]) == {"path": "*/query.W"} and list(first[1]) == [None, "model"]
+    stored = json.loads(json.dumps(program.provenance.to_dict()))["inputs"]["placement"]
+    assert stored["rules"][0] == [{"path": "*/query.W"}, [None, "model"]]
+    assert len(stored["rules"]) == len(gm.sharding.tensor_parallel()["rules"])
+    alone = gm.compile(squared_error, mlp())
+    alone.init(X[:8], Y[:8])
+    assert "placement" not in alone.provenance.inputs

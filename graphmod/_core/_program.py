@@ -145,7 +145,7 @@ class ProgramCore(VariablesByRole):
         return ProgramRecord(self.fn, self._shared.layout, self._managers, self._monitor,
                              self._axis_name, self._created, examples, positional,
                              self._abstract_variables, self._init_rng, self._inits,
-                             self._training_jaxpr)
+                             self._training_jaxpr, self._shared.placement)
 
     @property
     def origin(self) -> ProgramCore | None:

@@ -50,6 +50,7 @@ class ProgramRecord:
     init_key: Any
     inits: int
     training_jaxpr: Callable[[], Any] = dataclasses.field(repr=False, compare=False)
+    placement: Placement | None = None  # compile(mesh=, rules=, batch_axis=)
 
 
 class Shared:

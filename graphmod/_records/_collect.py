@@ -186,7 +186,20 @@ def program_provenance(program: Any) -> Provenance:
         "versions": versions(),
         "platform": platform_record(),
     }
+    if record.placement is not None:  # where it ran; the results are one device's
+        inputs["placement"] = placement_record(record.placement, layout)
     return Provenance("program", inputs, derived)
+
+
+def placement_record(placement: Any, layout: Layout) -> dict[str, Any]:
+    """A mesh placement as plain data: the mesh's axes and sizes, the rules (filters as
+    program records write them, specs as lists) and the batch axis."""
+    def spec(entries: Any) -> list[Any]:
+        return [list(e) if isinstance(e, tuple) else e for e in entries]
+
+    return {"mesh": {str(axis): int(size) for axis, size in placement.mesh.shape.items()},
+            "rules": [[filter_record(f, layout), spec(s)] for f, s in placement.rules],
+            "batch_axis": spec([placement.batch_axis])[0]}
 
 
 def data_record(data: Any) -> dict[str, Any]:
