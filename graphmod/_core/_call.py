@@ -129,6 +129,11 @@ class ApplicationCall:
         reads the parameter in a step (tied weights: an embedding's ``apply`` and
         ``attend``; a layer called twice) sees one draw, as Blocks' one noisy copy of a
         shared variable per graph. ``per_call=True`` keys it by the call instead.
+
+        On a mesh (``compile(mesh=...)``, ``jax.jit`` with shardings) the key holds no
+        device index: every device draws its slice of the one-device draw, so masks equal
+        the one-device program's. Inside ``shard_map`` or ``pmap`` a function sees one
+        device's shard: compile with ``axis_name=`` there, so each device draws its own.
         """
         frame = self._frame
         if frame is None or self.path is None:
