@@ -142,8 +142,11 @@ CASES = [
 
 
 # -- the two steps ----------------------------------------------------------------------------
-def graphmod_variant(case: Case, seed: int, batch: tuple) -> tuple[Variant, list]:
-    mlp = graphmod.bricks.MLP(list(DIMS), activation=jax.nn.relu, rngs=nnx.Rngs(seed))
+def graphmod_variant(case: Case, seed: int, batch: tuple, dims: Sequence[int] = DIMS
+                     ) -> tuple[Variant, list]:
+    """graphmod's step of the MLP ``dims`` with ``case``'s managers, and its initial
+    ``(W, b)`` per layer (the hand-written step starts from them)."""
+    mlp = graphmod.bricks.MLP(list(dims), activation=jax.nn.relu, rngs=nnx.Rngs(seed))
     program = graphmod.compile(lambda m, x, y: cross_entropy(m(x), y), mlp,
                                managers=case.make(mlp))
     chosen = program.managers
@@ -173,6 +176,7 @@ def hand_forward(case: Case, params: dict, stats: list, x: jax.Array, key: jax.A
 
 
 def hand_variant(case: Case, weights: list, seed: int) -> Variant:
+    """The same step written in JAX over plain dicts, from ``weights``."""
     widths = [w.shape[1] for w, _ in weights[:-1]]
     linear = [{"W": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in weights]
     params = {"linear": linear, "hidden": [case.hidden_params(n) for n in widths],

@@ -46,12 +46,15 @@ Writes ``benchmarks/sharding_results.md`` and ``.json`` (``--out``, ``--no-write
 from __future__ import annotations
 
 import os
+import sys
 
-# Before JAX is imported: eight CPU devices to build meshes from, and no accelerator.
-os.environ["JAX_PLATFORMS"] = "cpu"
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
+# Before JAX is imported: eight CPU devices to build meshes from, and no accelerator; with
+# --gpu, the machine's GPUs (meshes of 1, 2, 4, 8 of them, as many as there are).
+if "--gpu" not in sys.argv[1:]:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_force_host_platform_device_count=8").strip()
 
 import platform
 import re
@@ -88,6 +91,7 @@ from train_step import (
 import graphmod
 
 DEVICES = (1, 2, 4, 8)
+ON_GPU = "--gpu" in sys.argv[1:]
 SAFE_BLOCK = 40  # steps in flight on 8 CPU devices that ran without deadlocking
 Batch = tuple[jax.Array, jax.Array]
 
@@ -145,15 +149,16 @@ def hand_variant(mesh: Any, weights: list, seed: int, batches: Sequence[Batch]) 
                    lambda value: value)
 
 
-def build_variants(seed: int, batches: Sequence[Batch]
+def build_variants(seed: int, batches: Sequence[Batch], sizes: Sequence[int]
                    ) -> tuple[list[tuple[int | None, Variant]], dict[int, Any]]:
     """``(devices, variant)`` pairs: the no-mesh pair, then a graphmod and a hand-written
-    step on each mesh (devices ``None``: no mesh); and graphmod's placement per mesh."""
+    step on a mesh of each of ``sizes`` (devices ``None``: no mesh); and graphmod's
+    placement per mesh."""
     reference, weights, _ = graphmod_variant(None, seed, batches)
     pairs: list[tuple[int | None, Variant]] = [
         (None, reference), (None, hand_variant(None, weights, seed, batches))]
     placements = {}
-    for n in DEVICES:
+    for n in sizes:
         mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
         ours, _, placements[n] = graphmod_variant(mesh, seed, batches)
         pairs += [(n, ours), (n, hand_variant(placements[n].mesh, weights, seed, batches))]
@@ -260,16 +265,19 @@ def report(env: dict[str, Any], quick: bool, repeats: int, block: int, rows: lis
            put_us: dict[int, float], difference: float, seconds: float) -> str:
     """The Markdown report."""
     puts = ", ".join(f"{us:.0f} µs on {n}" for n, us in put_us.items())
+    where = f"{env['device']} GPUs" if ON_GPU else "virtual CPU devices"
     return "\n".join([
-        "# Sharding benchmark: data-parallel train step on virtual CPU devices", "",
+        f"# Sharding benchmark: data-parallel train step on {where}", "",
         f"{env['date']} · JAX {env['jax']} · graphmod {env['graphmod']} · {env['cpu']} · "
-        f"{jax.device_count()} virtual CPU devices on a {env['cpu_count']}-core machine"
+        f"{jax.device_count()} {where} on a {env['cpu_count']}-core machine"
         + (" · **--quick: not meaningful**" if quick else ""), "",
         f"Digits MLP {'-'.join(map(str, DIMS))}, ReLU, batch {BATCH}, Adam {LR}, softmax "
         f"cross-entropy, no managers; data parallel (`graphmod.sharding.data_parallel`). "
-        f"Medians of {repeats} interleaved blocks of {block} steps. The devices share the "
-        "cores, so a larger mesh is overhead, not speed-up; *graphmod / hand* compares each "
-        "graphmod step with the hand-written step under the same shardings.", "",
+        f"Medians of {repeats} interleaved blocks of {block} steps. "
+        + ("" if ON_GPU else "The devices share the cores, so a larger mesh is overhead, "
+           "not speed-up; ")
+        + "*graphmod / hand* compares each graphmod step with the hand-written step under "
+        "the same shardings.", "",
         table(rows), "",
         f"`program.placement.put_batch` of a batch already placed (graphmod's step calls it "
         f"on every call; part of its time above), idle: {puts} device(s).", "",
@@ -281,10 +289,14 @@ def report(env: dict[str, Any], quick: bool, repeats: int, block: int, rows: lis
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the benchmark, prints the Markdown report, writes it; returns the results."""
-    args = arguments(__doc__, "sharding_results").parse_args(argv)
+    parser = arguments(__doc__, "sharding_results")
+    parser.add_argument("--gpu", action="store_true",
+                        help="the machine's GPUs instead of 8 virtual CPU devices")
+    args = parser.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 100)
     block = args.block or (3 if args.quick else 20)
-    if jax.device_count() < max(DEVICES):
+    sizes = [n for n in DEVICES if n <= jax.device_count()] if ON_GPU else DEVICES
+    if jax.device_count() < max(sizes):
         raise RuntimeError(f"needs {max(DEVICES)} CPU devices, JAX sees {jax.devices()}: "
                            "XLA_FLAGS was set before this script could ask for them")
     if block > SAFE_BLOCK:
@@ -294,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 jnp.asarray(data.integers(0, DIMS[-1], BATCH, dtype=np.int32)))
                for _ in range(4)]
     started = time.perf_counter()
-    pairs, placements = build_variants(args.seed, batches)
+    pairs, placements = build_variants(args.seed, batches, sizes)
     variants = [variant for _, variant in pairs]
     difference = check_same_math(variants)
     interleave(variants, list(range(len(batches))), repeats, block, settle=True)

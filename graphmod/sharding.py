@@ -28,8 +28,9 @@ from jax.sharding import PartitionSpec
 from graphmod import roles
 from graphmod._core._filter import VariableFilter
 from graphmod._core._layout import Layout
+from graphmod._core._sharding import misfit
 
-__all__ = ["annotated", "data_parallel", "fsdp", "tensor_parallel"]
+__all__ = ["annotated", "data_parallel", "fsdp", "misfit", "tensor_parallel"]
 
 
 def data_parallel(axis: str = "data") -> dict[str, Any]:

@@ -10,7 +10,6 @@ Sharp edges
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,18 +57,11 @@ class Sharding(gm.Manager):
             raise ValueError(f"Sharding {self.name!r} constrains {name!r} of "
                              f"{call.path}.{call.application} on a device mesh, and this "
                              "program has none: compile it with mesh=jax.make_mesh(...)")
-        axes = [() if entry is None else entry if isinstance(entry, tuple) else (entry,)
-                for entry in self.spec]
         shape = jax.numpy.shape(value)
-        fits = len(self.spec) <= len(shape) and all(
-            all(a in mesh.axis_names for a in names)
-            and shape[dim] % math.prod(mesh.shape[a] for a in names) == 0
-            for dim, names in enumerate(axes))
-        if not fits:
+        why = gm.sharding.misfit(self.spec, shape, mesh)
+        if why is not None:
             raise ValueError(f"Sharding {self.name!r}: spec {self.spec} does not fit {name!r} "
-                             f"of {call.path}.{call.application}, of shape {shape}, on a "
-                             f"mesh {dict(mesh.shape)} (more dimensions than the value, an "
-                             "axis the mesh lacks, or a size its axes do not divide); "
+                             f"of {call.path}.{call.application}, of shape {shape}: {why}; "
                              "narrow the filter or fix the spec")
         return jax.lax.with_sharding_constraint(value,
                                                 NamedSharding(mesh, PartitionSpec(*self.spec)))

@@ -158,6 +158,23 @@ def test_steps_neither_retrace_nor_wait_for_the_host() -> None:
     assert metrics["loss"].sharding.device_set == set(mesh.devices.flat)
 
 
+def test_put_batch_splits_what_divides_and_leaves_placed_batches_alone() -> None:
+    mesh = jax.make_mesh((8,), ("data",))
+    program = gm.compile(squared_error, mlp(), mesh=mesh, **gm.sharding.data_parallel())
+    placement = program.placement
+    batch = placement.put_batch((X, Y, np.float32(0.5), np.ones(6, np.float32)))
+    assert [placed(leaf) for leaf in batch] == [("data",), ("data",), (), ()]
+    split = batch[:2]
+    assert placement.put_batch(split) is split  # every leaf split by this placement
+    again = placement.put_batch(batch)  # whole leaves too: each leaf is looked at
+    assert all(a is b for a, b in zip(again, batch, strict=True))
+    whole = jax.device_put(X, placement.replicated())  # on the mesh, but not split
+    assert placed(placement.put_batch((whole,))[0]) == ("data",)
+    stacked = placement.put_batch((np.stack([X, X]),), stacked=True)
+    assert placed(stacked[0]) == (None, "data")
+    assert placement.put_batch(stacked, stacked=True) is stacked
+
+
 def test_the_loop_trains_on_sharded_batches_as_on_one_device() -> None:
     source = lambda: gm.data.ArraySource((X, Y), batch_size=16, shuffle=True, seed=0)
 
@@ -198,8 +215,13 @@ def test_the_sharding_manager_refuses_what_does_not_fit() -> None:
     mesh = jax.make_mesh((8,), ("data",))
     wide = gm.compile(squared_error, mlp(), mesh=mesh, managers=[
         managers.Sharding(("data", None, None), roles=[R.OUTPUT])])
-    with pytest.raises(ValueError, match=r"spec \('data', None, None\) does not fit.*\(8, 16\)"):
+    with pytest.raises(ValueError, match=r"spec \('data', None, None\) does not fit.*"
+                                         r"\(8, 16\): the spec names 3 dimensions"):
         wide.init(X[:8], Y[:8])
+    elsewhere = gm.compile(squared_error, mlp(), mesh=mesh, managers=[
+        managers.Sharding(("model",), roles=[R.OUTPUT])])
+    with pytest.raises(ValueError, match=r"of shape \(8, 16\): the mesh has no axis 'model'"):
+        elsewhere.init(X[:8], Y[:8])
     with pytest.raises(TypeError, match="Sharding\\(spec='data'\\)"):
         managers.Sharding("data")
 
@@ -224,7 +246,7 @@ def test_bad_rules_are_refused_before_anything_runs() -> None:
                                          r"dimension 1 \(6\) is not divisible.*size 8"):
         narrow.init(X[:8], Y[:8])
     assert narrow.record.examples is None  # the failed init kept nothing
-    with pytest.raises(ValueError, match=r"names 3 dimensions, the variable has 2"):
+    with pytest.raises(ValueError, match=r"names 3 dimensions, the array has 2"):
         gm.compile(squared_error, mlp(), mesh=mesh,
                    rules=[(weights, P(None, None, "data"))]).init(X[:8], Y[:8])
 

@@ -123,19 +123,12 @@ class Placement:
 
     def _check_fits(self, index: int, spec: PartitionSpec, path: str,
                     shape: tuple[int, ...]) -> None:
-        rule = f"rules[{index}] ({self.rules[index][0]!r}, {spec})"
-        if len(spec) > len(shape):
-            raise ValueError(f"{rule} does not fit variable {path} of shape {shape}: the "
-                             f"spec names {len(spec)} dimensions, the variable has "
-                             f"{len(shape)}; narrow the rule's filter (e.g. roles=[WEIGHT]) "
-                             "or shorten the spec")
-        for dim, entry in enumerate(spec):
-            size = math.prod(self.mesh.shape[axis] for axis in _axis_names(entry))
-            if shape[dim] % size:
-                raise ValueError(f"{rule} does not fit variable {path} of shape {shape}: "
-                                 f"dimension {dim} ({shape[dim]}) is not divisible by mesh "
-                                 f"axes {entry!r} of size {size}; choose a size they divide "
-                                 "or leave that dimension whole (None)")
+        why = misfit(spec, shape, self.mesh)
+        if why is not None:
+            raise ValueError(f"rules[{index}] ({self.rules[index][0]!r}, {spec}) does not fit "
+                             f"variable {path} of shape {shape}: {why}; narrow the rule's "
+                             "filter (e.g. roles=[WEIGHT]) or change the spec (None leaves a "
+                             "dimension whole)")
 
     def constrain(self, variables: Mapping, layout: Layout) -> Any:
         """``variables`` (traced) constrained to their placement: a step's outputs are
@@ -158,6 +151,12 @@ class Placement:
     def put_batch(self, tree: Any, *, stacked: bool = False) -> Any:
         """``tree``'s arrays put on the mesh, split along the batch axis; a batch already
         placed so (the loop's, put ahead) is returned as it is, at the cost of a look."""
+        split = self._split[int(stacked)]
+        # Split by this placement already (device_put keeps the sharding object): the look
+        # a step makes on every call costs 1 µs instead of 4-6.
+        if all(getattr(leaf, "sharding", None) is split for leaf in jax.tree.leaves(tree)):
+            return tree
+
         def put(leaf: Any) -> Any:
             sharding = self._batch_leaf(leaf, int(stacked))
             if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) \
@@ -171,6 +170,32 @@ class Placement:
         """The placement of a leaf no rule names (the step count, the key, the optimizer's
         counters)."""
         return self._whole
+
+
+def misfit(spec: Sequence[Any], shape: Sequence[int], mesh: Mesh) -> str | None:
+    """Why ``spec`` cannot split an array of ``shape`` on ``mesh`` (more dimensions than
+    the array, an axis the mesh lacks, a size its axes do not divide), or None if it can.
+
+    Examples:
+        >>> import jax
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((1,), ("data",))
+        >>> misfit(P("data", None), (8, 3), mesh) is None
+        True
+        >>> misfit(P(None, "model"), (8, 3), mesh)
+        "the mesh has no axis 'model' (its axes: ('data',))"
+    """
+    if len(spec) > len(shape):
+        return f"the spec names {len(spec)} dimensions, the array has {len(shape)}"
+    for dim, entry in enumerate(spec):
+        missing = [axis for axis in _axis_names(entry) if axis not in mesh.axis_names]
+        if missing:
+            return f"the mesh has no axis {missing[0]!r} (its axes: {tuple(mesh.axis_names)})"
+        size = math.prod(mesh.shape[axis] for axis in _axis_names(entry))
+        if shape[dim] % size:
+            return (f"dimension {dim} ({shape[dim]}) is not divisible by mesh axes "
+                    f"{entry!r} of size {size}")
+    return None
 
 
 def _axis_names(entry: Any) -> tuple[str, ...]:
