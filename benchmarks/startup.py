@@ -9,7 +9,9 @@ work written by hand over plain dicts:
     at 10, 100 (and with ``--full`` 300) layers: graphmod without managers against the
     plain MLP, and with ``managers.BatchNorm`` (hidden outputs) and ``managers.Dropout``
     (inputs) against the MLP with batch norm and dropout written out. Every repetition
-    traces a fresh program (JAX's caches would replay a second trace).
+    traces a fresh program (JAX's caches would replay a second trace), after one round
+    whose times, which include the one-time costs of the process's first traces (JAX's
+    caches of jitted ``jnp`` functions, lazily imported modules), are reported apart.
 ``init``
     ``program.init`` (and bricks + ``compile`` + ``init``) against building the model as
     ``nnx.Linear`` layers and copying its arrays into a dict (plus the batch statistics by
@@ -256,12 +258,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     repeats = args.repeats or (2 if args.quick else 5)
     report, results = [], {"environment": environment(), "trace": {}, "init": {}}
     for layers in depths:
-        times = round_robin(trace_variants(layers), repeats)
+        variants = trace_variants(layers)
+        first = {name: seconds for name, [seconds] in round_robin(variants, 1).items()}
+        times = round_robin(variants, repeats)
         text, rows = table(f"trace, {layers} layers", times, 1, "s", [
             ("graphmod", "hand"),
             ("graphmod (BatchNorm + Dropout)", "hand (batch norm + dropout)")])
-        report.append(text)
-        results["trace"][layers] = rows
+        report.append(text + "\n\nThe first round, not in the medians: " + ", ".join(
+            f"{name} {seconds * 1e3:.0f} ms" for name, seconds in first.items()))
+        results["trace"][layers] = {"rows": rows, "first_round_s": first}
         times = round_robin(init_variants(layers), repeats)
         text, rows = table(f"init, {layers} layers", times, 1, "s", [
             ("graphmod: init", "hand: nnx model + copy"),

@@ -2,10 +2,11 @@
 
 ``graphmod run SCRIPT [ARGS...]`` runs a script as ``python SCRIPT ARGS...`` would;
 ``--processes N`` starts N of them as one multi-process run (:mod:`graphmod.distributed`).
-``graphmod resume DIR`` runs the script recorded in DIR's latest checkpoint again, with its
-``Checkpoint(DIR)`` plugins continuing from that checkpoint: it prints the command, then
-replaces itself with it (signals and the exit status are the script's own). It re-runs only
-a recorded script file and refuses every other record (see :mod:`graphmod._train._command`).
+``graphmod resume DIR`` runs the script recorded in DIR's latest checkpoint again (in as
+many processes as the run had), with its ``Checkpoint(DIR)`` plugins continuing from that
+checkpoint: it prints the command, then replaces itself with it (signals and the exit status
+are the script's own). It re-runs only a recorded script file and refuses every other
+record (see :mod:`graphmod._train._command`).
 ``graphmod inspect DIR`` prints what a run directory holds. Errors go to standard error with
 exit status 2; an interrupted command exits with status 130.
 
@@ -34,6 +35,7 @@ from typing import Any
 
 from graphmod import distributed
 from graphmod._train._command import (
+    CLI,
     RESUME_VARIABLE,
     ResumeRefusedError,
     command_text,
@@ -51,8 +53,9 @@ _COMMANDS = {  # name: (summary, description), in plain words for --help
             "first."),
     "resume": ("continue the run saved in a directory",
                "Run the script recorded in DIR's latest checkpoint again, with the same "
-               "arguments and working directory; its Checkpoint(DIR) plugins continue from "
-               "that checkpoint. The command is printed before it runs. Only a script file "
+               "arguments, working directory and number of processes; its Checkpoint(DIR) "
+               "plugins continue from that checkpoint. The command is printed before it "
+               "runs. Only a script file "
                "is re-run: a run started with 'python -c', 'python -m', in Jupyter or in an "
                "interactive shell is refused; continue it from Python with "
                "graphmod.Loop.resume(...)."),
@@ -60,9 +63,6 @@ _COMMANDS = {  # name: (summary, description), in plain words for --help
                 "Print DIR's checkpoints, loop counters, plugin states, the command that "
                 "started the run, its provenance summary and the latest metrics."),
 }
-
-
-_DEVICE_COUNT = "--xla_force_host_platform_device_count"
 
 
 class _Failure(Exception):
@@ -91,14 +91,14 @@ def _run_processes(args: argparse.Namespace) -> int:
     base = {**os.environ, distributed.NUM_PROCESSES: str(args.processes),
             distributed.COORDINATOR: f"127.0.0.1:{port}"}
     if args.devices_per_process:  # replaces a device count set for this process
-        flags = [f for f in base.get("XLA_FLAGS", "").split()
-                 if not f.startswith(_DEVICE_COUNT)]
-        base["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT}={args.devices_per_process}"])
+        flag = distributed.DEVICE_COUNT_FLAG
+        flags = [f for f in base.get("XLA_FLAGS", "").split() if not f.startswith(flag)]
+        base["XLA_FLAGS"] = " ".join([*flags, f"{flag}={args.devices_per_process}"])
     children: list[subprocess.Popen] = []
     try:
         for i in range(args.processes):
             children.append(subprocess.Popen(
-                [sys.executable, "-m", "graphmod._cli", "run", args.script, *args.args],
+                [*CLI, "run", args.script, *args.args],
                 env={**base, distributed.PROCESS_ID: str(i)}))
         # poll(): None while running, else the status; a failure ends the wait
         while any(c.poll() is None for c in children) and not any(c.poll() for c in children):

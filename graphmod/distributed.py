@@ -22,9 +22,8 @@ Sharp edges
     writes; so every process must save at the same step: schedule saves on the ``step``
     or ``epoch`` timelines, not on wall-clock ``seconds``, and stop a run with Ctrl-C in
     its terminal (which signals every process), not by signalling one. Every process
-    reads a checkpoint to resume, onto any mesh. ``graphmod resume DIR`` restarts one
-    process: resume a multi-process run with ``graphmod run --processes N`` and
-    ``Checkpoint(DIR, resume=True)``.
+    reads a checkpoint to resume, onto any mesh. ``graphmod resume DIR`` starts the run's
+    processes again (as many, with as many devices each, as its checkpoint records).
 """
 
 from __future__ import annotations
@@ -36,6 +35,8 @@ __all__ = ["initialize"]
 PROCESS_ID = "GRAPHMOD_PROCESS_ID"
 NUM_PROCESSES = "GRAPHMOD_NUM_PROCESSES"
 COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+# XLA's flag giving a CPU process its virtual devices (graphmod run --devices-per-process).
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def initialize() -> bool:

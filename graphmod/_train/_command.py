@@ -29,6 +29,8 @@ import sysconfig
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from graphmod import distributed
+
 
 def _cwd() -> str | None:
     """The working directory, or None where it was deleted."""
@@ -46,6 +48,14 @@ _START_CWD = _cwd()
 RESUME_VARIABLE = "GRAPHMOD_RESUME"
 
 KINDS = ("script", "code", "module", "stdin", "jupyter", "interactive", "unknown")
+
+# The graphmod command as a child process: -P keeps the working directory (a recorded one,
+# when resuming) off sys.path, so no graphmod package planted there is imported.
+CLI = (sys.executable, "-P", "-m", "graphmod._cli")
+
+# A crafted record must not start a machine's worth of processes: local multi-process runs
+# hold a process per accelerator or a few on a CPU.
+MAX_PROCESSES, MAX_DEVICES_PER_PROCESS = 64, 1024
 
 _HOW = {"code": "with python -c", "stdin": "from code read by python -",
         "jupyter": "in a Jupyter kernel", "interactive": "in an interactive Python shell",
@@ -72,7 +82,9 @@ def recorded_command() -> dict[str, Any]:
     ``module`` (``python -m``, with ``module``), ``code`` (``python -c``), ``stdin``,
     ``jupyter``, ``interactive`` or ``unknown``. ``argv`` (``sys.argv``, for display) and
     ``cwd`` (the working directory at start) come with every kind. A run started by
-    ``graphmod run SCRIPT`` records ``SCRIPT``.
+    ``graphmod run SCRIPT`` records ``SCRIPT``; one started by ``graphmod run --processes N
+    [--devices-per-process D] SCRIPT`` also records ``processes`` (and
+    ``devices_per_process``).
 
     Examples:
         >>> from graphmod._train._command import KINDS, recorded_command
@@ -96,6 +108,24 @@ def recorded_command() -> dict[str, Any]:
         script = _main_script(getattr(main, "__file__", None), argv[0])
         if script is not None:
             record.update(kind="script", script=script, args=argv[1:])
+    return {**record, **_processes()}
+
+
+def _processes() -> dict[str, int]:
+    """``{"processes": N, "devices_per_process": D}`` in a process of a run started by
+    ``graphmod run --processes N [--devices-per-process D]`` (D when its XLA flags set it);
+    ``{}`` in a process started alone."""
+    try:
+        count = int(os.environ.get(distributed.NUM_PROCESSES, "1"))
+    except ValueError:
+        return {}
+    if count <= 1:
+        return {}
+    record = {"processes": count}
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = flag.partition("=")
+        if name == distributed.DEVICE_COUNT_FLAG and value.isdigit():
+            record["devices_per_process"] = int(value)
     return record
 
 
@@ -163,7 +193,11 @@ def command_text(record: Any) -> str:
     cwd = record.get("cwd")
     if record.get("kind") == "script":
         words = [str(record.get("script")), *map(str, record.get("args") or [])]
-        return f"script {' '.join(words)} (in {cwd})"
+        processes = record.get("processes")
+        devices = record.get("devices_per_process")
+        many = "" if processes is None else f"; {processes} processes" + (
+            "" if devices is None else f" of {devices} devices")
+        return f"script {' '.join(words)} (in {cwd}{many})"
     if record.get("kind") == "module":
         return f"started with python -m {record.get('module')} (argv {record.get('argv')!r})"
     if "kind" not in record:
@@ -181,7 +215,9 @@ def resume_command(record: Any, directory: str | os.PathLike) -> tuple[list[str]
         directory: the run directory being resumed (a script inside it is refused).
 
     Returns:
-        ``([sys.executable, "--", script, *args], cwd)``, to run without a shell.
+        ``([sys.executable, "--", script, *args], cwd)``, to run without a shell; for a run
+        of several processes ``[*CLI, "run", "--processes", N, ("--devices-per-process",
+        D,) script, *args]``.
 
     Raises:
         ResumeRefusedError: the record names no existing script file outside the Python
@@ -208,7 +244,26 @@ def resume_command(record: Any, directory: str | os.PathLike) -> tuple[list[str]
     if not isinstance(cwd, str) or not os.path.isdir(cwd):
         _refuse(f"{directory} recorded the working directory {cwd!r}, which does not exist",
                 directory)
+    launch = _launch(record, directory)
+    if launch:
+        return [*CLI, "run", *launch, path, *args], cwd
     return [sys.executable, "--", path, *args], cwd
+
+
+def _launch(record: Any, directory: str) -> list[str]:
+    """``graphmod run``'s options that start a multi-process run again (``[]`` for a run
+    of one process); refuses counts that are not whole numbers within bounds."""
+    if not isinstance(record, dict) or "processes" not in record:
+        return []
+    count, devices = record["processes"], record.get("devices_per_process")
+    whole = lambda n, most: type(n) is int and 1 <= n <= most  # a bool is no count
+    if not whole(count, MAX_PROCESSES) or not (devices is None
+                                               or whole(devices, MAX_DEVICES_PER_PROCESS)):
+        _refuse(f"{directory} recorded {count!r} processes of {devices!r} devices each, not "
+                f"whole numbers from 1 to {MAX_PROCESSES} and {MAX_DEVICES_PER_PROCESS}",
+                directory)
+    options = ["--processes", str(count)]
+    return options if devices is None else [*options, "--devices-per-process", str(devices)]
 
 
 def _checked_script(script: Any, directory: str) -> str:

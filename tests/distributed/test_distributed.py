@@ -48,11 +48,20 @@ def test_two_processes_of_four_devices_train_as_one_process_of_eight(tmp_path) -
     here = multiprocess_run.flat(multiprocess_run.train())  # 8 devices (tests/conftest.py)
     assert sorted(whole) == sorted(here)
     chex.assert_trees_all_close(whole, here, rtol=1e-5, atol=1e-6)
-    # Checkpointed by every process (process 0 writes), stopped after epoch 2, resumed.
+    # Checkpointed by every process (process 0 writes), stopped after epoch 2, resumed by
+    # `graphmod resume` in as many processes of as many devices.
     run_dir = str(tmp_path / "run")
-    run(str(tmp_path / "first.npz"), run_dir, "2")
-    assert Checkpointer(run_dir, keep=None).steps() == [2, 4]
-    resumed = run(str(tmp_path / "resumed.npz"), run_dir)
+    first = str(tmp_path / "first.npz")
+    run(first, run_dir, "2")
+    checkpoints = Checkpointer(run_dir, keep=None)
+    assert checkpoints.steps() == [2, 4]
+    command = checkpoints.meta(4)["command"]
+    assert (command["processes"], command["devices_per_process"]) == (2, 4)
+    done = graphmod_command("resume", run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "--processes 2 --devices-per-process 4" in done.stderr
+    assert Checkpointer(run_dir, keep=None).steps()[-1] == 8
+    resumed = dict(np.load(first))
     jax.tree.map(np.testing.assert_array_equal, resumed, whole)  # bit for bit
     # ... and the checkpoint of two processes resumes in one process of eight devices
     chex.assert_trees_all_close(multiprocess_run.flat(multiprocess_run.train(run_dir)), here,

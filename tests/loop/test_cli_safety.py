@@ -20,7 +20,7 @@ import pytest
 import graphmod as gm
 from graphmod._cli import main
 from graphmod._train._checkpoint import Checkpointer
-from graphmod._train._command import recorded_command
+from graphmod._train._command import command_text, recorded_command
 
 ROOT = pathlib.Path(__file__).parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
@@ -189,6 +189,67 @@ def test_resume_replaces_itself_with_the_script_and_keeps_its_exit_status(
                     "resume": str(run)}
     assert not (tmp_path / "pwned").exists()
     assert f"running in {tmp_path}: {sys.executable} -- {script}" in done.stderr
+
+
+def test_a_process_of_a_multi_process_run_records_the_processes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRAPHMOD_NUM_PROCESSES", "2")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x "
+                                    "--xla_force_host_platform_device_count=4")
+    record = recorded_command()
+    assert (record["processes"], record["devices_per_process"]) == (2, 4)
+    monkeypatch.delenv("GRAPHMOD_NUM_PROCESSES")
+    assert "processes" not in recorded_command()
+
+
+def test_resume_starts_a_multi_process_run_in_as_many_processes(
+        tmp_path: pathlib.Path, no_exec: list[tuple], capsys: pytest.CaptureFixture) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    record = {"kind": "script", "script": str(script), "args": ["--steps", "9"],
+              "argv": [str(script)], "cwd": str(tmp_path), "processes": 2,
+              "devices_per_process": 4}
+    run = _checkpoint(tmp_path / "run", record)
+    assert main(["resume", str(run)]) == 0
+    [(_, argv, env)] = no_exec
+    assert argv == [sys.executable, "-P", "-m", "graphmod._cli", "run", "--processes", "2",
+                    "--devices-per-process", "4", os.path.realpath(script), "--steps", "9"]
+    assert env["GRAPHMOD_RESUME"] == str(run)
+    assert command_text(record).endswith("; 2 processes of 4 devices)")
+
+
+def test_a_resumed_multi_process_run_imports_no_graphmod_planted_in_its_directory(
+        tmp_path: pathlib.Path) -> None:
+    work = tmp_path / "work"
+    (work / "graphmod").mkdir(parents=True)
+    for name in ("__init__.py", "_cli.py"):  # what `python -m graphmod._cli` would import
+        (work / "graphmod" / name).write_text(f"open({str(tmp_path / 'pwned')!r}, 'w')\n")
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r} + __import__('os').environ["
+                      "'GRAPHMOD_PROCESS_ID'], 'w')\n")
+    run = _checkpoint(tmp_path / "run", {"kind": "script", "script": str(script), "args": [],
+                                         "argv": [str(script)], "cwd": str(work),
+                                         "processes": 2})
+    done = _graphmod("resume", str(run))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "ran0").exists() and (tmp_path / "ran1").exists()
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("counts", [(0, None), (True, None), ("2", None), (10**6, None),
+                                    (2, 0), (2, 2.0)])
+def test_resume_refuses_process_counts_that_are_not_whole_numbers_in_bounds(
+        counts: tuple, tmp_path: pathlib.Path, no_exec: list[tuple],
+        capsys: pytest.CaptureFixture) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    processes, devices = counts
+    record = {"kind": "script", "script": str(script), "args": [], "cwd": str(tmp_path),
+              "processes": processes, "devices_per_process": devices}
+    run = _checkpoint(tmp_path / "run", record)
+    assert main(["resume", str(run)]) == 2
+    assert no_exec == []
+    assert f"recorded {processes!r} processes of {devices!r} devices" in capsys.readouterr().err
 
 
 # -- graphmod resume: what it refuses ----------------------------------------------------------
