@@ -23,6 +23,7 @@ import glob
 from collections.abc import Mapping
 from typing import Any
 
+from flax import nnx
 from jax.sharding import PartitionSpec
 
 from graphmod import roles
@@ -60,12 +61,16 @@ def fsdp(axis: str = "data") -> dict[str, Any]:
 
 
 def tensor_parallel(axis: str = "model", batch_axis: str | None = "data") -> dict[str, Any]:
-    """Megatron-style tensor parallelism for graphmod's bricks, over the mesh axis ``axis``.
+    """Megatron-style tensor parallelism for graphmod's bricks and Flax's attention, over
+    the mesh axis ``axis``.
 
-    ``MultiHeadAttention``: the query, key and value projections split by output feature
-    (heads), the output projection by input feature. ``MLP`` (and the MLP of a
-    ``TransformerBlock``): layers 0, 2, ... split by output feature, layers 1, 3, ... by
-    input feature, so each pair needs one reduction. Everything else is replicated;
+    ``MultiHeadAttention`` (graphmod's brick, and ``flax.nnx.MultiHeadAttention``, whose
+    projections are ``nnx.LinearGeneral`` kernels of shape (features, heads, head size)
+    and (heads, head size, features)): the query, key and value projections split by head,
+    the output projection by input head. ``MLP`` (and the MLP of a ``TransformerBlock``):
+    layers 0, 2, ... split by output feature, layers 1, 3, ... by input feature, so each
+    pair needs one reduction. Everything else is replicated (a Flax model's MLP layers
+    have no names to pair them by: split them with ``annotated`` or rules of your own);
     batches are split along ``batch_axis`` (None: replicated).
 
     Examples:
@@ -78,7 +83,14 @@ def tensor_parallel(axis: str = "model", batch_axis: str | None = "data") -> dic
     for projection in ("query", "key", "value"):
         rules += [(VariableFilter(path=f"*/{projection}.W"), columns),
                   (VariableFilter(path=f"*/{projection}.b"), PartitionSpec(axis))]
-    rules += [(VariableFilter(path="*/out.W"), rows),
+    flax = [nnx.LinearGeneral]
+    for projection in ("query", "key", "value"):
+        rules += [(VariableFilter(bricks=flax, path=f"*/{projection}.kernel"),
+                   PartitionSpec(None, axis, None)),
+                  (VariableFilter(bricks=flax, path=f"*/{projection}.bias"),
+                   PartitionSpec(axis, None))]
+    rules += [(VariableFilter(bricks=flax, path="*/out.kernel"), PartitionSpec(axis, None, None)),
+              (VariableFilter(path="*/out.W"), rows),
               (VariableFilter(path="*/linear_layers/*[02468].W"), columns),
               (VariableFilter(path="*/linear_layers/*[02468].b"), PartitionSpec(axis)),
               (VariableFilter(path="*/linear_layers/*[13579].W"), rows)]

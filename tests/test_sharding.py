@@ -286,40 +286,64 @@ def test_a_checkpoint_saved_on_eight_devices_resumes_on_eight_four_and_one(tmp_p
                                         rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.filterwarnings(r"ignore:'\.value' (access|setter) is now deprecated")
-def test_a_flax_models_own_annotations_place_it_unmodified() -> None:
-    tokens = np.random.RandomState(3).randint(0, 32, (8, 8))
-    names = lm1b.MeshRules(embed="embed", mlp="mlp", kv="kv", vocab="vocab")
+LM_TOKENS = np.random.RandomState(3).randint(0, 32, (8, 8))
 
-    def flax_lm() -> lm1b.TransformerLM:  # Flax's lm1b model, logical names annotated
-        config = lm1b.TransformerConfig(
-            vocab_size=32, output_vocab_size=32, logits_via_embedding=True, emb_dim=16,
-            num_heads=2, num_layers=1, qkv_dim=16, mlp_dim=32, max_len=16, axis_rules=names)
-        with nnx.use_eager_sharding(False):
-            model = lm1b.TransformerLM(config, rngs=nnx.Rngs(0))
-        model.set_attributes(deterministic=True, decode=False)
-        return model
 
+def flax_lm(names: lm1b.MeshRules | None = None) -> lm1b.TransformerLM:
+    """Flax's lm1b model, its logical axis names annotated with ``names`` (none: no
+    partitioning annotations)."""
+    config = lm1b.TransformerConfig(
+        vocab_size=32, output_vocab_size=32, logits_via_embedding=True, emb_dim=16,
+        num_heads=2, num_layers=1, qkv_dim=16, mlp_dim=32, max_len=16,
+        axis_rules=names or lm1b.MeshRules())
+    with nnx.use_eager_sharding(False):
+        model = lm1b.TransformerLM(config, rngs=nnx.Rngs(0))
+    model.set_attributes(deterministic=True, decode=False)
+    return model
+
+
+def train_lm(model: Any, **placement: Any) -> tuple[gm.TrainState, list]:
+    """Three steps of the lm1b model (next-token cross-entropy, Dropout on the inputs of
+    every ``nnx.Linear``)."""
     def cost(model: Any, tokens: jax.Array) -> jax.Array:
         return optax.softmax_cross_entropy_with_integer_labels(model(tokens), tokens).mean()
 
-    def run(model: Any, **placement: Any) -> tuple[gm.TrainState, list]:
-        dropout = managers.Dropout(0.1, roles=[R.INPUT], bricks=[nnx.Linear])
-        program = gm.compile(cost, model, managers=[dropout], **placement)
-        return train(program, (tokens,), steps=3)
+    dropout = managers.Dropout(0.1, roles=[R.INPUT], bricks=[nnx.Linear])
+    program = gm.compile(cost, model, managers=[dropout], **placement)
+    return train(program, (LM_TOKENS,), steps=3)
 
-    model = flax_lm()
+
+def assert_same_run(run: tuple[gm.TrainState, list], alone: tuple[gm.TrainState, list]
+                    ) -> None:
+    np.testing.assert_allclose([m["loss"] for m in run[1]], [m["loss"] for m in alone[1]],
+                               rtol=2e-5)
+    chex.assert_trees_all_close(jax.device_get(run[0].variables),
+                                jax.device_get(alone[0].variables), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.filterwarnings(r"ignore:'\.value' (access|setter) is now deprecated")
+def test_a_flax_models_own_annotations_place_it_unmodified() -> None:
+    names = lm1b.MeshRules(embed="embed", mlp="mlp", kv="kv", vocab="vocab")
+    model = flax_lm(names)
     rules = gm.sharding.annotated(model, {"embed": None, "mlp": "model", "kv": "model",
                                           "vocab": None})
     mesh = jax.make_mesh((4, 2), ("data", "model"))
-    state, metrics = run(model, mesh=mesh, **rules)
-    alone, alone_metrics = run(flax_lm())
-    np.testing.assert_allclose([m["loss"] for m in metrics],
-                               [m["loss"] for m in alone_metrics], rtol=2e-5)
-    chex.assert_trees_all_close(jax.device_get(state.variables),
-                                jax.device_get(alone.variables), rtol=1e-4, atol=1e-6)
+    state, metrics = train_lm(model, mesh=mesh, **rules)
+    assert_same_run((state, metrics), train_lm(flax_lm()))
     mlp_in = state.variables["model"]["decoder"]["encoderdecoderblock_0"]["mlp"]["linear1"]
     assert placed(mlp_in["kernel"]) == (None, "model") and placed(mlp_in["bias"]) == ("model",)
+
+
+@pytest.mark.filterwarnings(r"ignore:'\.value' (access|setter) is now deprecated")
+def test_the_tensor_parallel_preset_splits_flax_attention_by_heads() -> None:
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    state, metrics = train_lm(flax_lm(), mesh=mesh, **gm.sharding.tensor_parallel())
+    assert_same_run((state, metrics), train_lm(flax_lm()))
+    block = state.variables["model"]["decoder"]["encoderdecoderblock_0"]
+    for projection in ("query", "key", "value"):
+        assert placed(block["attention"][projection]["kernel"]) == (None, "model")
+    assert placed(block["attention"]["out"]["kernel"]) == ("model",)
+    assert placed(block["mlp"]["linear1"]["kernel"]) == ()  # no names to pair Flax's MLP by
 
 
 def test_a_long_epoch_on_eight_cpu_devices_never_has_too_many_steps_in_flight() -> None:
