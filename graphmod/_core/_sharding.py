@@ -136,13 +136,10 @@ class Placement:
         return jax.lax.with_sharding_constraint(variables, self.variables(variables, layout))
 
     # -- batches -------------------------------------------------------------------------
-    def batch(self, tree: Any, *, stacked: bool = False) -> Any:
-        """A ``NamedSharding`` per leaf of ``tree``: split along the batch axis where its
-        size divides the batch dimension (the leading one; the second for ``stacked``
-        batches of a fused run), replicated otherwise (scalars, small last batches)."""
-        return jax.tree.map(lambda leaf: self._batch_leaf(leaf, int(stacked)), tree)
-
     def _batch_leaf(self, leaf: Any, dim: int) -> NamedSharding:
+        """Split along the batch axis where the leaf's size divides the batch dimension
+        (the leading one; the second for the stacked batches of a fused run), replicated
+        otherwise (scalars, small last batches)."""
         shape = getattr(leaf, "shape", ())
         if self.batch_axis is None or len(shape) <= dim or shape[dim] % self._batch_size:
             return self._whole
