@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +44,7 @@ from graphmod._train._command import (
 )
 
 _log = logging.getLogger(__name__)
+STOP_GRACE_S = 10  # how long the other processes of a failed run get to end on SIGTERM
 
 _COMMANDS = {  # name: (summary, description), in plain words for --help
     "run": ("run a training script",
@@ -78,8 +80,30 @@ def _run(args: argparse.Namespace) -> int:
     path = os.path.abspath(script)
     sys.argv = [args.script, *args.args]
     sys.path.insert(0, os.path.dirname(path))  # as python does: the script's folder first
-    runpy.run_path(path, run_name="__main__")
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except (Exception, SystemExit) as error:
+        if distributed.PROCESS_ID not in os.environ or \
+                (isinstance(error, SystemExit) and not error.code):
+            raise
+        _end_failed_process(error)
     return 0
+
+
+def _end_failed_process(error: BaseException) -> None:
+    """Ends a failed process of a run of several now, with its status: exiting as usual
+    would wait in JAX's shutdown for the other processes, which wait for this one (in a
+    collective or a checkpoint), so ``graphmod run`` would never see it fail."""
+    if isinstance(error, SystemExit):
+        code = error.code if isinstance(error.code, int) else 1
+        if not isinstance(error.code, int):
+            print(error.code, file=sys.stderr)
+    else:
+        code = 1
+        traceback.print_exception(error)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run_processes(args: argparse.Namespace) -> int:
@@ -108,8 +132,13 @@ def _run_processes(args: argparse.Namespace) -> int:
         for child in children:  # a failed process leaves the others waiting for it
             if child.poll() is None:
                 child.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
         for child in children:
-            child.wait()
+            try:
+                child.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()  # JAX took SIGTERM as a preemption notice and goes on waiting
+                child.wait()
     return failed
 
 

@@ -18,12 +18,15 @@ Examples:
 Sharp edges
     :func:`initialize` must run before anything touches a device (JAX starts its backend
     once). On CPU the processes exchange data through Gloo. A ``Checkpoint`` saves in
-    every process (each gives its part of the state, gathered whole) and process 0
-    writes; so every process must save at the same step: schedule saves on the ``step``
-    or ``epoch`` timelines, not on wall-clock ``seconds``, and stop a run with Ctrl-C in
-    its terminal (which signals every process), not by signalling one. Every process
-    reads a checkpoint to resume, onto any mesh. ``graphmod resume DIR`` starts the run's
-    processes again (as many, with as many devices each, as its checkpoint records).
+    every process: each writes the pieces of the state its devices hold (nothing is
+    gathered), and process 0 puts the checkpoint together once every piece is written; so
+    every process must save at the same step: schedule saves on the ``step`` or ``epoch``
+    timelines, not on wall-clock ``seconds``, and stop a run with Ctrl-C in its terminal
+    (which signals every process), not by signalling one. A process stopped by an error
+    saves nothing (the others could not join) and ends at once; ``graphmod run`` then
+    stops the others. Every process reads a checkpoint to resume, onto any mesh (and any
+    number of processes). ``graphmod resume DIR`` starts the run's processes again (as
+    many, with as many devices each, as its checkpoint records).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ import shlex
 import sys
 from typing import Any
 
+import jax
+
 from graphmod._records._collect import training_inputs, training_provenance
 from graphmod._train._checkpoint import Checkpointer, CheckpointError
 from graphmod._train._command import RESUME_VARIABLE
@@ -36,7 +38,9 @@ class Checkpoint(Plugin):
     corrupted ones with a warning; ``graphmod resume DIR`` sets this too) or
     ``overwrite=True`` (delete every checkpoint in ``directory`` first, and any leftover of
     a cut-off write; other files stay). A run stopped by Ctrl-C or an error saves its last
-    finished step (``on_interrupt``) and prints one line saying how to continue.
+    finished step (``on_interrupt``) and prints one line saying how to continue (in a run
+    of several processes, where every process takes part in a save, Ctrl-C only: an error
+    stops one process).
 
     Examples:
         >>> import tempfile, graphmod as gm
@@ -114,9 +118,16 @@ class Checkpoint(Plugin):
         if not self.save_on_interrupt or loop.state is None or self._writer is None:
             return  # nothing to save, or not set up (its setup refused the directory)
         error = event.data.get("error")
-        cause = "interrupted" if error is None or isinstance(error, KeyboardInterrupt) \
-            else f"stopped by {type(error).__name__}"
+        interrupted = error is None or isinstance(error, KeyboardInterrupt)
+        cause = "interrupted" if interrupted else f"stopped by {type(error).__name__}"
         step, where = loop.time.step, shlex.quote(self.directory)
+        if not interrupted and jax.process_count() > 1:
+            # Every process takes part in a save; an error stopped this one alone.
+            print(f"graphmod: {cause} at step {step} in process {jax.process_index()}; not "
+                  "saved (a run of several processes saves at Ctrl-C, which stops them "
+                  f"all); continue from the last checkpoint with: graphmod resume {where}",
+                  file=sys.stderr)
+            return
         try:
             self.save(event)
             self.wait()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -48,15 +49,21 @@ def test_two_processes_of_four_devices_train_as_one_process_of_eight(tmp_path) -
     here = multiprocess_run.flat(multiprocess_run.train())  # 8 devices (tests/conftest.py)
     assert sorted(whole) == sorted(here)
     chex.assert_trees_all_close(whole, here, rtol=1e-5, atol=1e-6)
-    # Checkpointed by every process (process 0 writes), stopped after epoch 2, resumed by
-    # `graphmod resume` in as many processes of as many devices.
+    # Checkpointed by every process (each writes the pieces its devices hold), stopped after
+    # epoch 2, resumed by `graphmod resume` in as many processes of as many devices.
     run_dir = str(tmp_path / "run")
     first = str(tmp_path / "first.npz")
     run(first, run_dir, "2")
     checkpoints = Checkpointer(run_dir, keep=None)
-    assert checkpoints.steps() == [2, 4]
-    command = checkpoints.meta(4)["command"]
-    assert (command["processes"], command["devices_per_process"]) == (2, 4)
+    assert checkpoints.steps() == [2, 4] and not checkpoints.leftovers()
+    meta = checkpoints.meta(4)
+    assert (meta["command"]["processes"], meta["command"]["devices_per_process"]) == (2, 4)
+    assert (meta["format"], meta["parts"]) == (3, 2)
+    writers = {name: sorted({part for part, *_ in chunks})
+               for name, _, _, chunks in meta["arrays"]}
+    assert writers[".variables['model']['linear_layers'][0]['W']"] == [0, 1]  # FSDP halves
+    assert writers[".variables['model']['linear_layers'][0]['b']"] == [0]  # replicated
+    assert checkpoints.verify(4) is None
     done = graphmod_command("resume", run_dir)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "--processes 2 --devices-per-process 4" in done.stderr
@@ -66,6 +73,44 @@ def test_two_processes_of_four_devices_train_as_one_process_of_eight(tmp_path) -
     # ... and the checkpoint of two processes resumes in one process of eight devices
     chex.assert_trees_all_close(multiprocess_run.flat(multiprocess_run.train(run_dir)), here,
                                 rtol=1e-5, atol=1e-6)
+    # A part that is corrupted or missing is named; the checkpoint is not read.
+    part = pathlib.Path(run_dir) / "8" / "part-1.npz"
+    data = bytearray(part.read_bytes())
+    data[-400:-200] = bytes(200)  # inside the last chunk's bytes or the archive's index
+    part.write_bytes(bytes(data))
+    assert re.search(r"part-1\.npz\) cannot be read|written by process 1\) fails its checksum",
+                     checkpoints.verify(8) or "")
+    part.unlink()
+    assert checkpoints.verify(8) == "the part process 1 wrote (part-1.npz) is missing"
+
+
+def test_an_error_in_one_process_stops_the_run_without_a_save_that_would_wait(
+        tmp_path) -> None:
+    # Every process takes part in a save: one stopped by an error alone must not start one
+    # (the others would never join it); its checkpoints so far stay whole.
+    script = tmp_path / "fails_at_step_3.py"
+    script.write_text(
+        "import sys\nimport graphmod as gm\ngm.distributed.initialize()\n"
+        "import jax, optax\nfrom graphmod import On, at\n"
+        "from graphmod.data import ArraySource\nfrom graphmod.plugins import Checkpoint\n"
+        "from tests.test_sharding import X, Y, mlp, squared_error\n"
+        "mesh = jax.make_mesh((jax.device_count(),), ('data',))\n"
+        "program = gm.compile(squared_error, mlp(), mesh=mesh, **gm.sharding.fsdp())\n"
+        "step = gm.optimize(program, optax.sgd(0.1))\n"
+        "loop = gm.Loop(step, ArraySource((X, Y), batch_size=16), epochs=4,\n"
+        "               plugins=[Checkpoint(sys.argv[1])])\n"
+        "def fail(event):\n"
+        "    if jax.process_index() == 1:\n        raise RuntimeError('process 1 fails')\n"
+        "loop.on(On('step', step=at(3)), fail)\n"
+        "loop.run(step.init(program.init(X[:8], Y[:8]), jax.random.key(0)))\n")
+    run_dir = tmp_path / "run"
+    done = graphmod_command("run", "--processes", "2", "--devices-per-process", "4",
+                            str(script), str(run_dir), timeout=120)
+    assert done.returncode != 0
+    assert "RuntimeError: process 1 fails" in done.stderr
+    assert "at step 3 in process 1; not saved" in done.stderr
+    checkpoints = Checkpointer(run_dir, keep=None)
+    assert checkpoints.steps() == [2] and checkpoints.verify(2) is None
 
 
 def test_a_failing_process_stops_the_run_with_its_status(tmp_path) -> None:

@@ -2,8 +2,8 @@
 
 Modules: ``_format`` (what a checkpoint holds and what verifies it; no I/O), ``_reader``
 (listing, reading and verifying through orbax), ``_writer`` (asynchronous saves and
-pruning), ``_errors`` (``CheckpointError``, plain reasons, orbax's log kept out of the
-terminal).
+pruning), ``_parts`` (the file one process writes in a run of several), ``_errors``
+(``CheckpointError``, plain reasons, orbax's log kept out of the terminal).
 
 **Layout.** A checkpoint directory holds one sub-directory per saved step, ``<step>/``,
 written by orbax: ``state`` (the train state's leaves as a flat list of host arrays, PRNG
@@ -13,6 +13,18 @@ checksum, loop counters and timelines, data position, plugin states, and the pro
 record when there is one). Orbax writes into ``<step>.orbax-checkpoint-tmp`` and renames it
 when complete, so a save cut off half-way leaves the earlier checkpoints intact; such a
 leftover is an incomplete write, never read.
+
+**Several processes.** In a run of several processes (:mod:`graphmod.distributed`) no
+process gathers the state: each writes the chunks its devices hold (of each array split
+over processes, the shards whose first copy is on its devices; process 0 also what every
+process holds whole) as one file, ``<step>.graphmod-part-<run id>-<process>.npz``
+(``_parts``), and waits at a barrier of JAX's coordination service. Process 0 then reads
+the parts' chunk lists, writes ``meta`` (format 3: each array's chunks with the process
+that wrote each and its checksum) into ``<step>.graphmod-part-<run id>-whole``, moves the
+parts in as ``part-<process>.npz`` and renames the whole to ``<step>``: a checkpoint
+appears complete or not at all, and a part left by a cut-off run is a leftover. Reading
+puts every array together on the host, checking that the chunks tile it exactly and each
+chunk's checksum, so a checkpoint of any number of processes restores in any other.
 
 **Verification.** Every array's checksum (CRC-32; why, in ``_format``) is computed on the
 host copy a save makes anyway, off the training thread, and checked on restore along with

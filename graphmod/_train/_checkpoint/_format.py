@@ -5,6 +5,14 @@ A state is stored as the flat list of its leaves as host arrays (PRNG keys as th
 (:func:`leaf_specs`) and each array's ``[path, shape, dtype, checksum]`` entry
 (:func:`array_entries`). Nothing here touches orbax or the disk.
 
+In a run of several processes each process writes the pieces of the arrays it holds
+(:func:`owned_chunks`: of an array split over processes, the shards whose first copy is on
+its devices), and the meta record's entry of an array lists its chunks instead of one
+checksum: ``[path, shape, dtype, [[part, start, shape, checksum], ...]]`` (format 3, with
+``"parts"``: how many processes wrote). :func:`check_record` checks that the chunks of each
+array tile it exactly before anything is read; :func:`assemble` puts the chunks read back
+together, checking each one's checksum.
+
 The checksum is CRC-32 (``zlib.crc32``): it exists to detect accidental corruption (flipped
 or zeroed bytes, a truncated or swapped file), which it misses with probability 2**-32 per
 array and never for an error burst of up to 32 bits, at about 2 GB/s (sha256 runs at about
@@ -17,6 +25,7 @@ elsewhere: nothing graphmod loads executes code (no pickle).
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import os
 import zlib
 from collections.abc import Mapping
@@ -25,13 +34,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from graphmod._core._arguments import is_key
 from graphmod._train._checkpoint._errors import CheckpointError
 
 FORMAT = 2
+CHUNKED_FORMAT = 3  # a multi-process run's: each array in the chunks its processes held
 LEGACY_FORMAT = 1  # graphmod 0.1's: one pytree of arrays, no run id, no checksums
+Chunk = tuple[int, list[int], np.ndarray]  # (leaf index, start, the piece on the host)
 
 
 def leaf_specs(state: Any) -> dict[str, list[Any]]:
@@ -56,16 +66,43 @@ def leaf_specs(state: Any) -> dict[str, list[Any]]:
 
 def storable(state: Any) -> list[np.ndarray]:
     """The state's leaves as whole host NumPy arrays (keys as key data), safe to write
-    later. An array split over several processes is gathered from all of them: in a
-    multi-process run every process must call this, at the same step."""
-    def host(leaf: Any) -> np.ndarray:
-        if is_key(leaf):
-            leaf = jax.random.key_data(leaf)
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-        return np.array(leaf)  # a copy: the loop donates the state's buffers next step
+    later (one process: every array is whole on its devices)."""
+    # np.array copies: the loop donates the state's buffers at the next step
+    return [np.array(_data(leaf)) for leaf in jax.tree.leaves(state)]
 
-    return [host(leaf) for leaf in jax.tree.leaves(state)]
+
+def _data(leaf: Any) -> Any:
+    """A leaf as it is stored: a key as its key data, anything else as it is."""
+    return jax.random.key_data(leaf) if is_key(leaf) else leaf
+
+
+def shard_chunks(array: jax.Array) -> list[tuple[list[int], np.ndarray]]:
+    """``(start, host copy)`` of each shard of ``array`` on this process's devices that is
+    its first copy (``replica_id == 0``): over all processes, every element once.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from graphmod._train._checkpoint._format import shard_chunks
+        >>> [(start, piece.shape) for start, piece in shard_chunks(jnp.ones((2, 3)))]
+        [([0, 0], (2, 3))]
+    """
+    return [([cut.start or 0 for cut in shard.index], np.array(shard.data))
+            for shard in array.addressable_shards if shard.replica_id == 0]
+
+
+def owned_chunks(state: Any) -> list[Chunk]:
+    """The pieces of the state's leaves (keys as key data) this process writes in a run of
+    several processes: of an array split over processes, its :func:`shard_chunks`; what
+    is whole in every process (a Python number, an array on one process's devices) is
+    process 0's to write."""
+    out: list[Chunk] = []
+    for index, leaf in enumerate(jax.tree.leaves(state)):
+        leaf = _data(leaf)
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            out += [(index, start, piece) for start, piece in shard_chunks(leaf)]
+        elif jax.process_index() == 0:
+            out.append((index, [0] * np.ndim(leaf), np.array(leaf)))
+    return out
 
 
 def stored_specs(template: Any) -> list[tuple[list[int], str]]:
@@ -136,15 +173,27 @@ def check_record(path: str, record: Any, *, legacy: bool) -> None:
         raise CheckpointError(path, "the meta record is not a JSON object")
     if record.get("format") == LEGACY_FORMAT and legacy:
         return
-    if record.get("format") != FORMAT:
+    if record.get("format") not in (FORMAT, CHUNKED_FORMAT):
         old = record.get("format") == LEGACY_FORMAT
         raise CheckpointError(path, "written by graphmod 0.1 without checksums (format 1): "
                               "restorable, but it cannot be verified" if old else
                               f"checkpoint format {record.get('format')!r}, this graphmod "
-                              f"reads format {FORMAT}")
+                              f"reads formats {FORMAT} and {CHUNKED_FORMAT}")
     arrays = record.get("arrays")
     if not isinstance(arrays, list) or not all(_well_formed(a) for a in arrays):
         raise CheckpointError(path, "the meta record's array list is malformed")
+    if record["format"] == FORMAT:
+        if not all(isinstance(a[3], str) for a in arrays):
+            raise CheckpointError(path, "the meta record's array list is malformed")
+        return
+    parts = record.get("parts")
+    if not (isinstance(parts, int) and not isinstance(parts, bool) and parts >= 1):
+        raise CheckpointError(path, f"the meta record's part count {parts!r} is not a whole "
+                              "number >= 1")
+    for name, shape, _, chunks in arrays:
+        why = _tiling_error(shape, chunks, parts)
+        if why:
+            raise CheckpointError(path, f"the chunks of array {name} {why}")
 
 
 def check_arrays(path: str, entries: list[list[Any]], arrays: list[np.ndarray]) -> None:
@@ -160,10 +209,67 @@ def check_arrays(path: str, entries: list[list[Any]], arrays: list[np.ndarray]) 
                                   f"recorded {crc}): the data is corrupted")
 
 
+def assemble(path: str, entries: list[list[Any]],
+             pieces: Mapping[int, list[np.ndarray]]) -> list[np.ndarray]:
+    """The whole arrays of a chunked record's ``entries`` (checked by :func:`check_record`)
+    from each part's chunks as raw bytes, in the order the entries list them; raises a
+    :class:`CheckpointError` naming the first chunk whose size or checksum differs from its
+    entry."""
+    read = {part: iter(got) for part, got in pieces.items()}
+    arrays = []
+    for name, shape, dtype, chunks in entries:
+        kind = jnp.dtype(dtype)
+        whole = np.zeros(shape, kind)
+        for part, start, size, crc in chunks:
+            piece = np.asarray(next(read[part]))
+            where = f"array {name}'s chunk at {start} (written by process {part})"
+            if piece.dtype != np.uint8 or piece.ndim != 1 or \
+                    piece.size != math.prod(size) * kind.itemsize:
+                raise CheckpointError(path, f"{where} holds {piece.nbytes} bytes, the meta "
+                                      f"record says {size} {dtype}")
+            if checksum(piece) != crc:
+                raise CheckpointError(path, f"{where} fails its checksum (crc32 "
+                                      f"{checksum(piece)}, recorded {crc}): the data is "
+                                      "corrupted")
+            whole[tuple(slice(a, a + n) for a, n in zip(start, size, strict=True))] = \
+                piece.view(kind).reshape(size)
+        arrays.append(whole)
+    return arrays
+
+
+def _tiling_error(shape: list[int], chunks: Any, parts: int) -> str | None:
+    """Why ``chunks`` (``[part, start, shape, checksum]`` each) do not tile an array of
+    ``shape`` exactly once with parts below ``parts``, or None."""
+    def counts(values: Any) -> bool:
+        return isinstance(values, list) and len(values) == len(shape) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+
+    if not isinstance(chunks, list):
+        return "are not a list"
+    for chunk in chunks:
+        if not (isinstance(chunk, list) and len(chunk) == 4 and isinstance(chunk[0], int)
+                and not isinstance(chunk[0], bool) and 0 <= chunk[0] < parts
+                and counts(chunk[1]) and counts(chunk[2]) and isinstance(chunk[3], str)):
+            return f"are malformed ({chunk!r:.80})"
+        if any(a + n > d for a, n, d in zip(chunk[1], chunk[2], shape, strict=True)):
+            return f"reach outside its shape {shape} (at {chunk[1]}, {chunk[2]})"
+    full = [(c[1], c[2]) for c in chunks if math.prod(c[2])]
+    if sum(math.prod(size) for _, size in full) != math.prod(shape):
+        return f"do not cover its shape {shape} exactly"
+    if len(full) > 1 and shape:  # chunks covering the size and disjoint tile the array
+        start = np.array([a for a, _ in full])
+        end = start + np.array([n for _, n in full])
+        meet = ((start[:, None] < end[None]) & (start[None] < end[:, None])).all(-1)
+        if np.triu(meet, 1).any():
+            return "overlap"
+    return None
+
+
 def _well_formed(entry: Any) -> bool:
-    """Whether a meta array entry is ``[path, shape, plain dtype name, checksum]``."""
+    """Whether a meta array entry is ``[path, shape, plain dtype name, checksum]`` (the
+    checksum a string, or a chunk list that :func:`_tiling_error` checks)."""
     if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
-            and isinstance(entry[3], str) and isinstance(entry[2], str)
+            and isinstance(entry[3], str | list) and isinstance(entry[2], str)
             and isinstance(entry[1], list)
             and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                     for d in entry[1])):

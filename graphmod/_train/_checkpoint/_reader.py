@@ -30,18 +30,23 @@ from graphmod._train._checkpoint._errors import (
     quiet_orbax,
 )
 from graphmod._train._checkpoint._format import (
+    CHUNKED_FORMAT,
     LEGACY_FORMAT,
+    assemble,
     check_arrays,
     check_compatible,
     check_record,
     restored,
     stored_specs,
 )
+from graphmod._train._checkpoint._parts import read_part
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
+PART_SUFFIX = ".graphmod-part"  # a part of a checkpoint of several processes, not assembled
 SET_ASIDE = ".unverified"
 _STEP = re.compile(r"[0-9]+")
-_LEFTOVER = re.compile(rf"[0-9]+({re.escape(TMP_SUFFIX)}|{re.escape(SET_ASIDE)}).*")
+_INCOMPLETE = re.compile(rf"[0-9]+({re.escape(TMP_SUFFIX)}|{re.escape(PART_SUFFIX)}).*")
+_SET_ASIDE = re.compile(rf"[0-9]+{re.escape(SET_ASIDE)}.*")
 
 
 class CheckpointReader:
@@ -65,8 +70,8 @@ class CheckpointReader:
         quiet_orbax()
         self.directory = os.path.abspath(os.fspath(directory))
         self._ocp = ocp
-        # Each process reads alone, and in a multi-process run only process 0 writes (see
-        # Checkpointer): no orbax call waits for another process.
+        # Each process reads and writes alone (in a multi-process run every process writes
+        # its own part, see Checkpointer): no orbax call waits for another process.
         alone = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(),
                                                    active_processes={jax.process_index()})
         handler = ocp.CompositeCheckpointHandler(
@@ -108,9 +113,9 @@ class CheckpointReader:
         temporary directories of writes cut off, and checkpoints set aside (see
         :mod:`graphmod._train._checkpoint`)."""
         return {n: "an incomplete write (cut off, or still in progress); never read"
-                if TMP_SUFFIX in n else "a checkpoint that failed verification, set aside when "
-                "its step was written again; never read"
-                for n in self._names() if _LEFTOVER.fullmatch(n)}
+                if _INCOMPLETE.fullmatch(n) else "a checkpoint that failed verification, set "
+                "aside when its step was written again; never read"
+                for n in self._names() if _INCOMPLETE.fullmatch(n) or _SET_ASIDE.fullmatch(n)}
 
     def run_of(self, step: int) -> str | None:
         """The run id recorded in ``step``'s meta, or None where it cannot be read."""
@@ -151,6 +156,8 @@ class CheckpointReader:
         """The arrays of ``step``, each checked against the meta's shape, dtype, checksum."""
         path = self._path(step)
         entries = record["arrays"]
+        if record["format"] == CHUNKED_FORMAT:
+            return self._read_chunked(path, entries)
         empty = [math.prod(shape) == 0 for _, shape, _, _ in entries]
         kept = [entry for entry, no in zip(entries, empty, strict=True) if not no]
         stored = iter(self._read_stored(path, kept) if kept else [])
@@ -158,6 +165,29 @@ class CheckpointReader:
                   for (_, shape, dtype, _), no in zip(entries, empty, strict=True)]
         check_arrays(path, entries, arrays)
         return arrays
+
+    def _read_chunked(self, path: str, entries: list[list[Any]]) -> list[np.ndarray]:
+        """The whole arrays of a checkpoint written by several processes: each process's
+        part (``part-<process>.npz``) read, the chunks put together and checked."""
+        counts: dict[int, int] = {}
+        for _, _, _, chunks in entries:
+            for part, *_ in chunks:
+                counts[part] = counts.get(part, 0) + 1
+        pieces = {}
+        for part, count in sorted(counts.items()):
+            name = f"part-{part}.npz"
+            where = os.path.join(path, name)
+            if not os.path.isfile(where):
+                raise CheckpointError(path, f"the part process {part} wrote ({name}) is missing")
+            try:
+                pieces[part] = read_part(where)[1]
+            except (OSError, ValueError) as error:
+                raise CheckpointError(path, f"the part process {part} wrote ({name}) cannot be "
+                                      f"read ({failure_reason(error)})") from None
+            if len(pieces[part]) != count:
+                raise CheckpointError(path, f"the part process {part} wrote ({name}) holds "
+                                      f"{len(pieces[part])} chunks, the meta record lists {count}")
+        return assemble(path, entries, pieces)
 
     def _orbax_restore(self, path: str, what: str, **items: Any) -> dict[str, Any]:
         """Orbax's read of ``items`` from ``path``; a failure is a CheckpointError saying

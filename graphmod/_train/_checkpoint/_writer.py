@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from graphmod._train._checkpoint._errors import (
     CheckpointError,
@@ -18,8 +20,27 @@ from graphmod._train._checkpoint._errors import (
     log,
     settle_orbax_threads,
 )
-from graphmod._train._checkpoint._format import FORMAT, array_entries, leaf_specs, storable
-from graphmod._train._checkpoint._reader import SET_ASIDE, TMP_SUFFIX, CheckpointReader
+from graphmod._train._checkpoint._format import (
+    CHUNKED_FORMAT,
+    FORMAT,
+    Chunk,
+    array_entries,
+    checksums,
+    leaf_specs,
+    owned_chunks,
+    storable,
+    stored_specs,
+)
+from graphmod._train._checkpoint._parts import read_part, write_part
+from graphmod._train._checkpoint._reader import (
+    PART_SUFFIX,
+    SET_ASIDE,
+    TMP_SUFFIX,
+    CheckpointReader,
+)
+
+PART_TIMEOUT_S = 1800  # how long process 0 waits for the others' parts of a checkpoint
+RUN_ID_BYTES = 256  # the longest run id a run of several processes agrees on
 
 
 class Checkpointer(CheckpointReader):
@@ -29,8 +50,10 @@ class Checkpointer(CheckpointReader):
     a background thread (``asynchronous=False``: before ``save`` returns). Reading is
     :class:`CheckpointReader`'s. ``keep`` prunes only the checkpoints of this writer's
     ``run_id`` (set it before the first save to continue a run). A directory is created only
-    by a save. In a multi-process run every process saves (the state's parts are gathered)
-    and process 0 alone writes.
+    by a save. In a run of several processes every process saves at the same step and
+    writes the pieces of the state its devices hold (its part); process 0, once every part
+    is written, writes the meta record, puts the parts beside it and renames the whole to
+    ``<step>`` (see :mod:`graphmod._train._checkpoint`). No process gathers the state.
 
     Examples:
         >>> import tempfile, jax, jax.numpy as jnp
@@ -57,6 +80,7 @@ class Checkpointer(CheckpointReader):
         self._own: list[int] | None = None  # this run's steps, oldest write first
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
+        self._saves = 0  # saves started in a run of several processes: names their barrier
 
     def others(self) -> list[int]:
         """The steps this writer's run did not write (unreadable ones included)."""
@@ -64,8 +88,9 @@ class Checkpointer(CheckpointReader):
 
     @property
     def writes(self) -> bool:
-        """Whether this process writes: in a multi-process run (:mod:`graphmod.distributed`)
-        only process 0 does; the others take part in gathering the state."""
+        """Whether this process writes checkpoints whole and deletes them: in a run of
+        several processes (:mod:`graphmod.distributed`) only process 0 does; the others
+        write their parts of each checkpoint."""
         return jax.process_index() == 0
 
     def discard(self, steps: list[int]) -> None:
@@ -74,27 +99,42 @@ class Checkpointer(CheckpointReader):
         if not self.writes:
             return
         for name in [str(s) for s in steps] + list(self.leftovers()):
-            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            _delete(os.path.join(self.directory, name))
         self._own = None
 
     def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
         """Starts writing ``state`` and ``meta`` for ``step``: copies the arrays to the host
-        and returns (the previous write is waited for first, and its error raised)."""
+        and returns (the previous write is waited for first, and its error raised). In a
+        run of several processes every process must call it, at the same step."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step={step!r}: a checkpoint's step must be an int >= 0")
         tree = leaf_specs(state)
-        arrays = storable(state)  # in every process: a split state is gathered from all
-        if not self.writes:
-            return
-        self.wait()
+        self.wait()  # a failure raised here leaves the count of saves (below) unchanged
+        if jax.process_count() > 1 and not self._saves:
+            self.run_id = _agreed(self.run_id)  # process 0's: each process made its own
         record = {**meta, "format": FORMAT, "run_id": self.run_id, "step": step, "tree": tree}
+        if jax.process_count() > 1:
+            chunks = owned_chunks(state)  # this process's pieces, copied before it goes on
+            record.update(format=CHUNKED_FORMAT, parts=jax.process_count())
+            self._saves += 1  # the same count in every process: it names the barrier
+            self._start(step, functools.partial(
+                self._write_part, step, list(tree), stored_specs(state), chunks, record,
+                f"graphmod-checkpoint-{self.run_id}-{self._saves}"))
+            return
+        arrays = storable(state)
+        self._start(step, functools.partial(self._write, step, list(tree), arrays, record))
+
+    def _start(self, step: int, write: Callable[[], None]) -> None:
+        """Runs ``write`` after the previous write: in a thread when asynchronous (its
+        error raised by the next :meth:`wait`), else now."""
+        self.wait()
         if not self.asynchronous:
-            self._write(step, list(tree), arrays, record)
+            write()
             return
 
         def work() -> None:
             try:
-                self._write(step, list(tree), arrays, record)
+                write()
             except BaseException as error:  # raised by the next wait()
                 self._failure = error
 
@@ -110,32 +150,113 @@ class Checkpointer(CheckpointReader):
         target = self._path(step)
         if os.path.exists(target):
             self._make_room(step, own)
-        ocp = self._ocp
-        items = {"meta": ocp.args.JsonSave(record)}
-        stored = [a for a in arrays if a.size]  # orbax writes no empty array: meta has them
-        if stored:
-            items["state"] = ocp.args.StandardSave(stored)
         before = set(threading.enumerate())
         try:
-            os.makedirs(self.directory, exist_ok=True)
-            with self._lock:
-                self._orbax.save(target, args=ocp.args.Composite(**items))
+            self._orbax_save(target, record, arrays)
         except Exception as error:
             self._write_failed(step, own, before, error)
+        self._written(step, own)
+
+    def _orbax_save(self, path: str, record: dict[str, Any], arrays: list[np.ndarray]) -> None:
+        """Orbax's write of ``record`` as the ``meta`` item and the non-empty ``arrays`` as
+        the ``state`` item (orbax writes no empty array: the record has them)."""
+        ocp = self._ocp
+        items = {"meta": ocp.args.JsonSave(record)}
+        stored = [a for a in arrays if a.size]
+        if stored:
+            items["state"] = ocp.args.StandardSave(stored)
+        os.makedirs(self.directory, exist_ok=True)
+        with self._lock:
+            self._orbax.save(path, args=ocp.args.Composite(**items))
+
+    def _written(self, step: int, own: list[int]) -> None:
+        """Counts ``step`` as this run's newest checkpoint, and prunes beyond ``keep``."""
         own.append(step)
         while self.keep is not None and len(own) > self.keep:
             shutil.rmtree(self._path(own.pop(0)), ignore_errors=True)
 
+    # -- several processes: each writes its part, process 0 assembles the checkpoint -------
+    def _part_path(self, step: int, process: int | None = None) -> str:
+        """Where a part of ``step`` waits for the others (``process`` None: the checkpoint
+        being assembled); a leftover by its name if the run is cut off."""
+        name = f"{step}{PART_SUFFIX}-{self.run_id}"
+        return self._path(f"{name}-whole" if process is None else f"{name}-{process}.npz")
+
+    def _write_part(self, step: int, paths: list[str], specs: list[tuple[list[int], str]],
+                    chunks: list[Chunk], record: dict[str, Any], barrier: str) -> None:
+        """Writes this process's ``chunks`` of ``step`` as its part, waits until every
+        process has written its own, then (process 0) assembles the checkpoint."""
+        process, part = jax.process_index(), self._part_path(step, jax.process_index())
+        own = self._owned()
+        before = set(threading.enumerate())
+        failure = None
+        try:
+            pieces = [piece for _, _, piece in chunks]
+            listed = [[leaf, start, list(piece.shape), crc]
+                      for (leaf, start, piece), crc in zip(chunks, checksums(pieces),
+                                                             strict=True)]
+            os.makedirs(self.directory, exist_ok=True)
+            write_part(part, pieces, listed)  # replaces a cut-off attempt of this run
+        except Exception as error:
+            failure = error
+        try:  # also after a failure: process 0 waits for every process's word
+            self._barrier()(key=barrier, timeout_ms=PART_TIMEOUT_S * 1000)
+        except Exception as error:
+            raise CheckpointError(self._path(step), "the processes did not all finish their "
+                                  f"parts within {PART_TIMEOUT_S} s ({failure_reason(error)})",
+                                  "resume from the last checkpoint") from None
+        if failure is not None:  # process 0 clears every part: nothing will assemble them
+            self._write_failed(step, own, before, failure,
+                               os.path.basename(part) if process else None)
+        if process == 0:
+            try:
+                self._assemble(step, paths, specs, record)
+            except CheckpointError:
+                self._remove_leftovers(step)
+                raise
+            except Exception as error:
+                self._write_failed(step, own, before, error)
+            self._written(step, own)
+
+    def _assemble(self, step: int, paths: list[str], specs: list[tuple[list[int], str]],
+                  record: dict[str, Any]) -> None:
+        """Process 0, once every process's part of ``step`` is written: the meta record
+        listing every chunk, the parts moved beside it, all renamed to ``<step>`` at once."""
+        parts = [self._part_path(step, p) for p in range(record["parts"])]
+        missing = [str(p) for p, where in enumerate(parts) if not os.path.isfile(where)]
+        if missing:
+            raise CheckpointError(self._path(step), f"process {', '.join(missing)} wrote no "
+                                  f"part of step {step} (its own error says why)",
+                                  "resume from the last checkpoint")
+        chunks: list[list[Any]] = [[] for _ in paths]
+        for p, where in enumerate(parts):
+            for leaf, start, shape, crc in read_part(where, pieces=False)[0]:
+                chunks[leaf].append([p, start, shape, crc])
+        record["arrays"] = [[path, shape, dtype, listed] for path, (shape, dtype), listed
+                            in zip(paths, specs, chunks, strict=True)]
+        whole = self._part_path(step)
+        shutil.rmtree(whole, ignore_errors=True)
+        self._orbax_save(whole, record, [])
+        for p, where in enumerate(parts):
+            os.rename(where, os.path.join(whole, f"part-{p}.npz"))
+        if os.path.exists(self._path(step)):
+            self._make_room(step, self._owned())
+        os.rename(whole, self._path(step))
+
+    def _barrier(self) -> Callable[..., None]:
+        """Orbax's barrier over every process (JAX's coordination service, safe from a
+        thread)."""
+        return self._ocp.multihost.get_barrier_sync_fn()
+
     def _write_failed(self, step: int, own: list[int], before: set[threading.Thread],
-                      error: Exception) -> None:
-        """Cleans up after a failed write of ``step`` and raises a CheckpointError saying
-        why and which checkpoint of this run is intact."""
+                      error: Exception, leftover: str | None = None) -> None:
+        """Cleans up after a failed write of ``step`` (:meth:`_remove_leftovers` with
+        ``leftover``) and raises a CheckpointError saying why and which checkpoint of this
+        run is intact."""
         target = self._path(step)
         log.debug("writing %s failed", target, exc_info=error)
         settle_orbax_threads(before)  # orbax's threads of this write may still be writing
-        for name in self._names():
-            if name.startswith(f"{step}{TMP_SUFFIX}"):  # this write's own leftover
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        self._remove_leftovers(step, leftover)
         older = [s for s in own if s != step]
         intact = f"the checkpoint of step {older[-1]} is intact" if older else \
             "no earlier checkpoint of this run exists"
@@ -144,6 +265,14 @@ class Checkpointer(CheckpointReader):
             "see the 'graphmod.checkpoint' debug log for orbax's traceback"
         raise CheckpointError(target, f"could not write the checkpoint of step {step}: "
                               f"{reason}; {intact}", fix) from None
+
+    def _remove_leftovers(self, step: int, prefix: str | None = None) -> None:
+        """Deletes the temporary directories of ``step``'s write (those whose names start
+        with ``prefix``, by default all of them)."""
+        prefixes = (prefix,) if prefix else (f"{step}{TMP_SUFFIX}", f"{step}{PART_SUFFIX}")
+        for name in self._names():
+            if name.startswith(prefixes):
+                _delete(os.path.join(self.directory, name))
 
     def _make_room(self, step: int, own: list[int]) -> None:
         """Clears the way for a new write of ``step``: this run's own older write is
@@ -188,3 +317,22 @@ class Checkpointer(CheckpointReader):
             self.wait()
         finally:
             super().close()
+
+
+def _delete(path: str) -> None:
+    """Deletes a directory tree or a file (a part), if it is there."""
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _agreed(run_id: str) -> str:
+    """Process 0's ``run_id``, in every process of a run (each must call this together)."""
+    data = run_id.encode()
+    if len(data) > RUN_ID_BYTES:
+        raise ValueError(f"run_id={run_id!r}: at most {RUN_ID_BYTES} bytes in a run of "
+                         "several processes")
+    shared = multihost_utils.broadcast_one_to_all(
+        np.frombuffer(data.ljust(RUN_ID_BYTES, b"\0"), np.uint8))
+    return np.asarray(shared, np.uint8).tobytes().rstrip(b"\0").decode()

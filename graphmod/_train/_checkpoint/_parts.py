@@ -1,0 +1,59 @@
+"""The part of a checkpoint one process writes in a run of several processes: one file.
+
+A part is a NumPy ``.npz`` archive (read back with ``allow_pickle=False``: nothing in it can
+run code) of the process's chunks as raw bytes, ``c0``, ``c1``, ... (any dtype, bfloat16 and
+key data included; the meta record says what they are), and ``chunks``: the JSON list of
+``[leaf index, start, shape, checksum]`` process 0 collects into the meta record. It is
+written under a temporary name and renamed, so a part exists only whole.
+
+Orbax is not used for parts: its NumPy handler writes only in process 0, whatever the
+primary host it is given (orbax-checkpoint 0.12), so another process's host arrays would
+be silently dropped.
+
+Examples:
+    >>> import json, os, tempfile, numpy as np
+    >>> from graphmod._train._checkpoint._parts import read_part, write_part
+    >>> path = os.path.join(tempfile.mkdtemp(), "part-1.npz")
+    >>> write_part(path, [np.arange(3.0)], [[0, [0], [3], "crc"]])
+    >>> listed, pieces = read_part(path)
+    >>> listed, pieces[0].view(np.float64)
+    ([[0, [0], [3], 'crc']], array([0., 1., 2.]))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from typing import Any
+
+import numpy as np
+
+
+def write_part(path: str, pieces: list[np.ndarray], listed: list[list[Any]]) -> None:
+    """Writes ``pieces`` (as raw bytes) and their ``listed`` entries to ``path`` at once."""
+    members = {f"c{i}": np.ascontiguousarray(piece).reshape(-1).view(np.uint8)
+               for i, piece in enumerate(pieces)}
+    members["chunks"] = np.frombuffer(json.dumps(listed).encode(), np.uint8)
+    temporary = f"{path}.tmp"
+    with open(temporary, "wb") as file:
+        np.savez(file, **members)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def read_part(path: str, *, pieces: bool = True) -> tuple[list[Any], list[np.ndarray]]:
+    """The entries and raw pieces of the part at ``path`` (``pieces=False``: the entries
+    alone, nothing else read); ``OSError`` or ``ValueError`` (saying why) if it cannot be
+    read."""
+    if not zipfile.is_zipfile(path):  # np.load would take it for a pickle, and refuse it
+        raise ValueError("not a whole part (no zip archive)")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            listed = json.loads(archive["chunks"].tobytes())
+            if not isinstance(listed, list):
+                raise ValueError("its chunk list is not a list")
+            return listed, [archive[f"c{i}"] for i in range(len(listed) if pieces else 0)]
+    except (KeyError, zipfile.BadZipFile, EOFError, UnicodeDecodeError) as error:
+        raise ValueError(f"not a whole part ({type(error).__name__}: {error})") from None
