@@ -124,10 +124,17 @@ def _run_processes(args: argparse.Namespace) -> int:
             children.append(subprocess.Popen(
                 [*CLI, "run", args.script, *args.args],
                 env={**base, distributed.PROCESS_ID: str(i)}))
-        # poll(): None while running, else the status; a failure ends the wait
-        while any(c.poll() is None for c in children) and not any(c.poll() for c in children):
-            time.sleep(0.1)
+        try:  # poll(): None while running, else the status; a failure ends the wait
+            while any(c.poll() is None for c in children) and \
+                    not any(c.poll() for c in children):
+                time.sleep(0.1)
+        except KeyboardInterrupt:  # the terminal's Ctrl-C reached every process too
+            print("graphmod run: Ctrl-C: the processes stop at one step and save it; press "
+                  "Ctrl-C again to stop them at once", file=sys.stderr)
+            for child in children:
+                child.wait()
         failed = next((c.returncode for c in children if c.poll()), 0)
+        failed = 128 - failed if failed < 0 else failed  # ended by signal N: as a shell says
     finally:
         for child in children:  # a failed process leaves the others waiting for it
             if child.poll() is None:

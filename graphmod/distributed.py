@@ -21,12 +21,14 @@ Sharp edges
     every process: each writes the pieces of the state its devices hold (nothing is
     gathered), and process 0 puts the checkpoint together once every piece is written; so
     every process must save at the same step: schedule saves on the ``step`` or ``epoch``
-    timelines, not on wall-clock ``seconds``, and stop a run with Ctrl-C in its terminal
-    (which signals every process), not by signalling one. A process stopped by an error
-    saves nothing (the others could not join) and ends at once; ``graphmod run`` then
-    stops the others. Every process reads a checkpoint to resume, onto any mesh (and any
-    number of processes). ``graphmod resume DIR`` starts the run's processes again (as
-    many, with as many devices each, as its checkpoint records).
+    timelines, not on wall-clock ``seconds``. A Ctrl-C (or a SIGTERM, as a cluster
+    scheduler sends before preempting) to any process stops every process of a
+    ``graphmod.Loop`` at one step they agree on through JAX's preemption sync, and a
+    ``Checkpoint`` saves it. A process stopped by an error saves nothing (the others could
+    not join) and ends at once; ``graphmod run`` then stops the others. Every process
+    reads a checkpoint to resume, onto any mesh (and any number of processes).
+    ``graphmod resume DIR`` starts the run's processes again (as many, with as many
+    devices each, as its checkpoint records).
 """
 
 from __future__ import annotations

@@ -14,6 +14,13 @@ operating system's default, which ends the process even while it waits in a long
 finished write into place); in an interactive session (a REPL, IPython, Jupyter) it raises
 ``KeyboardInterrupt`` as usual, so the session survives. Outside the main thread, or when
 SIGINT was ignored or given another handler, nothing is changed.
+
+In a run of several processes (:mod:`graphmod.distributed`) the processes must stop at the
+same step, since every one takes part in a save. A Ctrl-C there becomes a preemption notice
+(the SIGTERM JAX's coordination service listens for, as a cluster scheduler sends it), and
+:class:`StopAgreement` asks JAX's preemption sync after each step whether this is the step
+all processes agreed on (``multihost_utils.reached_preemption_sync_point``: the furthest
+step any process had reached, plus one).
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ import signal
 import sys
 import threading
 from types import FrameType, TracebackType
+
+import jax
+from jax.experimental import multihost_utils
 
 
 def stop_notice(saves: bool) -> str:
@@ -76,6 +86,7 @@ class SigintGuard:
 
     def __init__(self, notice: str) -> None:
         self.requested = False
+        self.notify_peers = False  # a Ctrl-C becomes a preemption notice (StopAgreement)
         self._notice = notice
         self._previous: object = None
         self._installed = False
@@ -97,8 +108,16 @@ class SigintGuard:
             self._installed = True
         return self
 
+    @property
+    def outermost(self) -> bool:
+        """Whether the guard is installed and no other loop's guard is around it."""
+        return self._installed and _guard_of(self._previous) is None
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = True
+        if self.notify_peers:  # JAX's notifier takes it; StopAgreement stops the loop
+            signal.raise_signal(signal.SIGTERM)
+        else:
+            self.requested = True
         self._arm_abort()
         with contextlib.suppress(OSError):  # no usable stderr: the flag is what matters
             os.write(2, f"\n{self._notice}\n".encode())
@@ -118,3 +137,38 @@ class SigintGuard:
         if outer is not None and self.requested:
             outer.requested = True  # a loop running this one as a plugin stops too
             outer._arm_abort()
+
+
+class StopAgreement:
+    """The step at which every process of a run stops after a preemption notice (SIGTERM
+    to any of them, or a Ctrl-C: see :class:`SigintGuard`), through JAX's preemption sync;
+    :meth:`start` gives None where there is no such sync (one process, or the service off).
+
+    Examples:
+        >>> from graphmod._train._interrupt import StopAgreement
+        >>> StopAgreement.start(0) is None  # one process: nothing to agree on
+        True
+    """
+
+    def __init__(self, step: int) -> None:
+        self._last = step  # the last step id told to the sync: they must grow one by one
+
+    @classmethod
+    def start(cls, step: int) -> StopAgreement | None:
+        """An agreement from ``step`` (the step the run starts at, the same in every
+        process), or None."""
+        if jax.process_count() < 2:
+            return None
+        try:
+            multihost_utils.reached_preemption_sync_point(step)
+        except RuntimeError:  # jax_enable_preemption_service is off
+            return None
+        return cls(step)
+
+    def reached(self, step: int) -> bool:
+        """Whether every process stops at ``step`` (told each step id since the last)."""
+        while self._last < step:
+            self._last += 1
+            if multihost_utils.reached_preemption_sync_point(self._last):
+                return True
+        return False

@@ -135,9 +135,10 @@ class Checkpoint(Plugin):
             print(f"graphmod: {cause} at step {step}; the save failed: {failure}",
                   file=sys.stderr)
             raise
-        print(f"graphmod: {cause} - saved step {step} to {self.directory}; continue with: "
-              f"graphmod resume {where} (or graphmod.Loop.resume from Python)",
-              file=sys.stderr)
+        if jax.process_index() == 0:  # one line for a run of several processes
+            print(f"graphmod: {cause} - saved step {step} to {self.directory}; continue "
+                  f"with: graphmod resume {where} (or graphmod.Loop.resume from Python)",
+                  file=sys.stderr)
 
     def save(self, event: Event) -> None:
         """Saves the loop's current state now (once per step)."""

@@ -2,7 +2,8 @@
 ``tests/test_sharding.py`` trained by ``graphmod.Loop`` on a mesh over every device of every
 process; process 0 writes the final variables to the ``.npz`` file named by the first
 argument. With a second argument (a directory) the run checkpoints there every epoch and
-resumes from it; with a third (an epoch) it stops after that epoch.
+resumes from it; with a third (an epoch, or ``-``) it stops after that epoch; with a fourth
+(seconds) it pauses that long after each step, so that a test can interrupt it.
 
 ``tests/distributed/test_distributed.py`` runs it as 2 processes x 4 devices and compares
 with :func:`train` in one process holding 8.
@@ -11,6 +12,7 @@ with :func:`train` in one process holding 8.
 from __future__ import annotations
 
 import sys
+import time
 
 import graphmod as gm
 
@@ -28,7 +30,8 @@ from graphmod.plugins import Checkpoint
 from tests.test_sharding import X, Y, mlp, regularizers, squared_error
 
 
-def train(directory: str | None = None, stop_after: int | None = None) -> dict:
+def train(directory: str | None = None, stop_after: int | None = None,
+          pause: float = 0.0) -> dict:
     """The final variables of 4 epochs of FSDP training on a mesh over every device, whole
     on the host (checkpointed in ``directory`` and resumed from it, when given)."""
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
@@ -40,6 +43,8 @@ def train(directory: str | None = None, stop_after: int | None = None) -> dict:
                    plugins=plugins)
     if stop_after is not None:
         loop.on(On("epoch_end", epoch=at(stop_after)), lambda event: event.loop.terminate())
+    if pause:
+        loop.on(On("step"), lambda event: time.sleep(pause))
     state = loop.run(step.init(program.init(X[:8], Y[:8]), jax.random.key(0)))
     return multihost_utils.process_allgather(state.variables, tiled=True)
 
@@ -52,6 +57,8 @@ def flat(variables: dict) -> dict[str, np.ndarray]:
 
 if __name__ == "__main__":
     out, *rest = sys.argv[1:]
-    variables = train(rest[0] if rest else None, int(rest[1]) if len(rest) > 1 else None)
+    stop = rest[1] if len(rest) > 1 and rest[1] != "-" else None
+    variables = train(rest[0] if rest else None, stop and int(stop),
+                      float(rest[2]) if len(rest) > 2 else 0.0)
     if jax.process_index() == 0:
         np.savez(out, **flat(variables))

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import chex
 import jax
@@ -38,14 +39,24 @@ def graphmod_command(*args: str, timeout: int = 300) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(command.args, command.returncode, out, err)
 
 
-def test_two_processes_of_four_devices_train_as_one_process_of_eight(tmp_path) -> None:
-    def run(*args: str) -> dict:
-        done = graphmod_command("run", "--processes", "2", "--devices-per-process", "4",
-                                "tests/distributed/multiprocess_run.py", *args)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return dict(np.load(args[0])) if pathlib.Path(args[0]).exists() else {}
+TWO_BY_FOUR = ("run", "--processes", "2", "--devices-per-process", "4",
+              "tests/distributed/multiprocess_run.py")
 
-    whole = run(str(tmp_path / "whole.npz"))
+
+def run(*args: str) -> dict:
+    """The final variables of ``multiprocess_run.py ARGS`` in 2 processes of 4 devices."""
+    done = graphmod_command(*TWO_BY_FOUR, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(np.load(args[0])) if pathlib.Path(args[0]).exists() else {}
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The final variables of the run in 2 processes of 4 devices, uninterrupted."""
+    return run(str(tmp_path_factory.mktemp("whole") / "whole.npz"))
+
+
+def test_two_processes_of_four_devices_train_as_one_process_of_eight(tmp_path, whole) -> None:
     here = multiprocess_run.flat(multiprocess_run.train())  # 8 devices (tests/conftest.py)
     assert sorted(whole) == sorted(here)
     chex.assert_trees_all_close(whole, here, rtol=1e-5, atol=1e-6)
@@ -82,6 +93,51 @@ def test_two_processes_of_four_devices_train_as_one_process_of_eight(tmp_path) -
                      checkpoints.verify(8) or "")
     part.unlink()
     assert checkpoints.verify(8) == "the part process 1 wrote (part-1.npz) is missing"
+
+
+def _process(parent: int, index: int) -> int:
+    """The pid of process ``index`` among the children ``graphmod run`` (``parent``) made."""
+    for child in pathlib.Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+        environ = pathlib.Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if f"{distributed.PROCESS_ID}={index}".encode() in environ:
+            return int(child)
+    raise AssertionError(f"no process {index} under {parent}")
+
+
+@pytest.mark.parametrize("target", ["the terminal", "process 1 alone"])
+def test_ctrl_c_stops_every_process_at_one_step_saved_and_resumed_bit_for_bit(
+        tmp_path, whole, target: str) -> None:
+    # A Ctrl-C reaches every process (the terminal) or one: either way they agree on a step
+    # through JAX's preemption sync, save it together, and the run resumes from it.
+    run_dir, out = tmp_path / "run", str(tmp_path / "out.npz")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with subprocess.Popen([sys.executable, "-m", "graphmod._cli", *TWO_BY_FOUR, out,
+                           str(run_dir), "-", "0.5"], cwd=ROOT, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          start_new_session=True) as command:
+        try:
+            deadline = time.monotonic() + 200
+            while not (run_dir / "2").is_dir() and time.monotonic() < deadline:
+                time.sleep(0.05)  # the first checkpoint: the loops run
+            if target == "the terminal":
+                os.killpg(command.pid, signal.SIGINT)
+            else:
+                os.kill(_process(command.pid, 1), signal.SIGINT)
+            _, err = command.communicate(timeout=200)
+        finally:
+            if command.poll() is None:
+                os.killpg(command.pid, signal.SIGKILL)
+    assert command.returncode == 130, err[-3000:]
+    checkpoints = Checkpointer(run_dir, keep=None)
+    stopped = checkpoints.latest()
+    assert 2 < stopped < 8 and checkpoints.verify(stopped) is None
+    assert checkpoints.meta(stopped)["parts"] == 2 and not checkpoints.leftovers()
+    assert err.count(f"saved step {stopped} to {run_dir}") == 1  # said once, by process 0
+    if target == "the terminal":
+        assert "graphmod run: Ctrl-C: the processes stop at one step and save it" in err
+    done = graphmod_command("resume", str(run_dir))
+    assert done.returncode == 0, done.stderr[-3000:]
+    jax.tree.map(np.testing.assert_array_equal, dict(np.load(out)), whole)  # bit for bit
 
 
 def test_an_error_in_one_process_stops_the_run_without_a_save_that_would_wait(

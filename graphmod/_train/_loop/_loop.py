@@ -22,7 +22,12 @@ from graphmod._records._collect import training_provenance
 from graphmod._records._record import Provenance
 from graphmod._train._command import recorded_command
 from graphmod._train._events import Event, Template, Time, check_event_types
-from graphmod._train._interrupt import SigintGuard, report_unsaved, stop_notice
+from graphmod._train._interrupt import (
+    SigintGuard,
+    StopAgreement,
+    report_unsaved,
+    stop_notice,
+)
 from graphmod._train._loop._dispatch import DispatchTrace, PluginTable
 from graphmod._train._loop._resume import data_changes, read_checkpoint
 from graphmod._train._loop._steps import (
@@ -104,6 +109,7 @@ class Loop:
         self._metrics: Any = {}
         self._started = False
         self._guard: SigintGuard | None = None  # set while run() handles Ctrl-C
+        self._agreement: StopAgreement | None = None  # set while a run of processes runs
         self.started_at: str | None = None  # wall-clock start of the run (UTC, ISO 8601)
         self.ended_at: str | None = None
         for plugin in plugins:
@@ -253,7 +259,10 @@ class Loop:
 
         Ctrl-C (in the main thread) stops the run after the step or event in progress:
         plugins get an ``interrupt`` event holding that finished step's state, then
-        ``KeyboardInterrupt`` is raised; a second Ctrl-C aborts at once. A plugin's error in
+        ``KeyboardInterrupt`` is raised; a second Ctrl-C aborts at once. In a run of several
+        processes (:mod:`graphmod.distributed`) a Ctrl-C or a SIGTERM to any process stops
+        every process at one step they agree on, so that they can save it together (see
+        :mod:`graphmod.distributed`). A plugin's error in
         ``setup`` or ``teardown`` raises a :class:`PluginError` naming it and the phase;
         every plugin set up is torn down, also when another's teardown raises.
         """
@@ -283,6 +292,7 @@ class Loop:
         try:
             if isinstance(self.step, TrainStep):  # a restored state, saved on any mesh
                 self.state = self.step.place(self.state)
+            self._agree_on_stops()
             self._check_interrupt()
             self._run_events(step, multi)
         except BaseException as exc:
@@ -295,7 +305,17 @@ class Loop:
                 raise error from None  # a short traceback, not one through the loop
             raise
         finally:
+            self._agreement = None
             self._plugins.teardown(self, done, error)
+
+    def _agree_on_stops(self) -> None:
+        """In a run of several processes, stops (Ctrl-C, a preemption notice) are agreed
+        on by every process (:class:`StopAgreement`); by the outermost loop alone, whose
+        steps are the run's."""
+        guard = self._guard
+        if guard is not None and guard.outermost:
+            self._agreement = StopAgreement.start(self.time.step)
+            guard.notify_peers = self._agreement is not None
 
     def _run_events(self, step: Callable[..., Any], multi: Callable[..., Any] | None) -> None:
         """``begin`` (unless resumed), the epochs with their steps, ``end``."""
@@ -321,6 +341,9 @@ class Loop:
         """Stops the run here, a safe point (the state is a finished step), after Ctrl-C."""
         if self._guard is not None and self._guard.requested:
             raise KeyboardInterrupt
+        if self._agreement is not None and self._agreement.reached(self.time.step):
+            raise KeyboardInterrupt(f"interrupted at step {self.time.step} (every process "
+                                    "stops at this step)")
 
     def _finished_steps(self) -> bool:
         return self.max_steps is not None and self.time.step >= self.max_steps
