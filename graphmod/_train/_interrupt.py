@@ -87,6 +87,7 @@ class SigintGuard:
     def __init__(self, notice: str) -> None:
         self.requested = False
         self.notify_peers = False  # a Ctrl-C becomes a preemption notice (StopAgreement)
+        self._signalled = False
         self._notice = notice
         self._previous: object = None
         self._installed = False
@@ -106,6 +107,8 @@ class SigintGuard:
             self._previous = current
             signal.signal(signal.SIGINT, self._handle)
             self._installed = True
+            outer = _guard_of(current)  # a loop run as a plugin stops where its outer one does
+            self.notify_peers = outer is not None and outer.notify_peers
         return self
 
     @property
@@ -118,6 +121,7 @@ class SigintGuard:
             signal.raise_signal(signal.SIGTERM)
         else:
             self.requested = True
+        self._signalled = True
         self._arm_abort()
         with contextlib.suppress(OSError):  # no usable stderr: the flag is what matters
             os.write(2, f"\n{self._notice}\n".encode())
@@ -134,9 +138,9 @@ class SigintGuard:
         self._installed = False
         signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
         outer = _guard_of(self._previous)
-        if outer is not None and self.requested:
-            outer.requested = True  # a loop running this one as a plugin stops too
-            outer._arm_abort()
+        if outer is not None and self._signalled:
+            outer.requested |= self.requested  # a loop running this one as a plugin stops
+            outer._arm_abort()  # (or, notifying its peers, is stopped by its agreement)
 
 
 class StopAgreement:

@@ -229,3 +229,26 @@ def test_a_second_ctrl_c_aborts_at_once_leaving_earlier_checkpoints_intact(tmp_p
     assert int(resumed.step) == interrupted_run.STEPS
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, reference.variables),
                  jax.tree.map(np.asarray, resumed.variables))
+
+
+def test_in_a_run_of_processes_ctrl_c_becomes_a_notice_to_every_process(monkeypatch) -> None:
+    # Where a StopAgreement runs (several processes), a guard sends itself the SIGTERM JAX's
+    # preemption notifier listens for instead of stopping its loop alone; a loop run inside
+    # the loop (a plugin's) does the same, and the next Ctrl-C aborts. One process here:
+    # raise_signal is recorded, not sent.
+    from graphmod._train._interrupt import SigintGuard, StopAgreement
+
+    sent: list[int] = []
+    monkeypatch.setattr(signal, "raise_signal", sent.append)
+    assert StopAgreement.start(0) is None  # one process: nothing to agree on
+    with SigintGuard("outer") as outer:
+        outer.notify_peers = True  # as the outermost loop does when it agrees on stops
+        with SigintGuard("inner") as inner:
+            assert inner.notify_peers and not inner.outermost and outer.outermost
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # a Ctrl-C
+            assert sent == [signal.SIGTERM] and not inner.requested
+            assert signal.getsignal(signal.SIGINT) in (signal.SIG_DFL,
+                                                       signal.default_int_handler)
+        assert not outer.requested  # its agreement stops it, at the step all agree on
+        assert signal.getsignal(signal.SIGINT) in (signal.SIG_DFL, signal.default_int_handler)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
