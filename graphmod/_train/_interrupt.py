@@ -154,8 +154,9 @@ class StopAgreement:
         True
     """
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, due: bool = False) -> None:
         self._last = step  # the last step id told to the sync: they must grow one by one
+        self._due = due  # the notice came before the run, which stops where it starts
 
     @classmethod
     def start(cls, step: int) -> StopAgreement | None:
@@ -164,13 +165,15 @@ class StopAgreement:
         if jax.process_count() < 2:
             return None
         try:
-            multihost_utils.reached_preemption_sync_point(step)
+            due = multihost_utils.reached_preemption_sync_point(step)
         except RuntimeError:  # jax_enable_preemption_service is off
             return None
-        return cls(step)
+        return cls(step, due)
 
     def reached(self, step: int) -> bool:
         """Whether every process stops at ``step`` (told each step id since the last)."""
+        if self._due:
+            return True
         while self._last < step:
             self._last += 1
             if multihost_utils.reached_preemption_sync_point(self._last):

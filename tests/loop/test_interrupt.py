@@ -252,3 +252,30 @@ def test_in_a_run_of_processes_ctrl_c_becomes_a_notice_to_every_process(monkeypa
         assert not outer.requested  # its agreement stops it, at the step all agree on
         assert signal.getsignal(signal.SIGINT) in (signal.SIG_DFL, signal.default_int_handler)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_stop_agreement_tells_every_step_and_stops_where_the_processes_agreed(
+        monkeypatch) -> None:
+    # JAX's preemption sync (faked here: one process) must hear every step id in order; a
+    # fused call of several steps stops after the agreed step, and a notice that came
+    # before the run stops it where it starts.
+    from jax.experimental import multihost_utils
+
+    from graphmod._train._interrupt import StopAgreement
+
+    told: list[int] = []
+    agreed = {"step": 7}
+
+    def sync(step: int) -> bool:
+        told.append(step)
+        return step == agreed["step"]
+
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", sync)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    agreement = StopAgreement.start(3)
+    assert agreement is not None and told == [3]
+    assert not agreement.reached(3) and not agreement.reached(5)
+    assert agreement.reached(8)  # a call of 3 fused steps went past 7
+    assert told == [3, 4, 5, 6, 7]
+    agreed["step"] = 10
+    assert StopAgreement.start(10).reached(10)  # the notice came before the run
