@@ -188,7 +188,7 @@ def check_record(path: str, record: Any, *, legacy: bool) -> None:
             raise CheckpointError(path, "the meta record's array list is malformed")
         return
     parts = record.get("parts")
-    if not (isinstance(parts, int) and not isinstance(parts, bool) and parts >= 1):
+    if not _whole(parts, 1):
         raise CheckpointError(path, f"the meta record's part count {parts!r} is not a whole "
                               "number >= 1")
     for name, shape, _, chunks in arrays:
@@ -250,15 +250,14 @@ def _tiling_error(shape: list[int], chunks: Any, parts: int) -> str | None:
     not lie inside an array of ``shape`` and add up to its size, or None (whether they
     overlap, :func:`assemble` checks as it reads them)."""
     def counts(values: Any) -> bool:
-        return isinstance(values, list) and len(values) == len(shape) and all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+        return _whole_numbers(values) and len(values) == len(shape)
 
     if not isinstance(chunks, list):
         return "are not a list"
     for chunk in chunks:
-        if not (isinstance(chunk, list) and len(chunk) == 4 and isinstance(chunk[0], int)
-                and not isinstance(chunk[0], bool) and 0 <= chunk[0] < parts
-                and counts(chunk[1]) and counts(chunk[2]) and isinstance(chunk[3], str)):
+        if not (isinstance(chunk, list) and len(chunk) == 4 and _whole(chunk[0])
+                and chunk[0] < parts and counts(chunk[1]) and counts(chunk[2])
+                and isinstance(chunk[3], str)):
             return f"are malformed ({chunk!r:.80})"
         if any(a + n > d for a, n, d in zip(chunk[1], chunk[2], shape, strict=True)):
             return f"reach outside its shape {shape} (at {chunk[1]}, {chunk[2]})"
@@ -272,11 +271,19 @@ def _well_formed(entry: Any) -> bool:
     checksum a string, or a chunk list that :func:`_tiling_error` checks)."""
     if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
             and isinstance(entry[3], str | list) and isinstance(entry[2], str)
-            and isinstance(entry[1], list)
-            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                    for d in entry[1])):
+            and _whole_numbers(entry[1])):
         return False
     try:
         return jnp.dtype(entry[2]).kind in "biufcV" and not jnp.dtype(entry[2]).hasobject
     except TypeError:
         return False
+
+
+def _whole(value: Any, least: int = 0) -> bool:
+    """Whether a value read from JSON is an int (not a bool) of at least ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _whole_numbers(values: Any) -> bool:
+    """Whether a value read from JSON is a list of ints >= 0 (a shape, a start)."""
+    return isinstance(values, list) and all(_whole(v) for v in values)

@@ -210,7 +210,7 @@ class Checkpointer(CheckpointReader):
                                os.path.basename(part) if process else None)
         if process == 0:
             try:
-                self._assemble(step, paths, specs, record)
+                self._assemble(step, paths, specs, record, own)
             except CheckpointError:
                 self._remove_leftovers(step)
                 raise
@@ -219,7 +219,7 @@ class Checkpointer(CheckpointReader):
             self._written(step, own)
 
     def _assemble(self, step: int, paths: list[str], specs: list[tuple[list[int], str]],
-                  record: dict[str, Any]) -> None:
+                  record: dict[str, Any], own: list[int]) -> None:
         """Process 0, once every process's part of ``step`` is written: the meta record
         listing every chunk, the parts moved beside it, all renamed to ``<step>`` at once."""
         parts = [self._part_path(step, p) for p in range(record["parts"])]
@@ -240,7 +240,7 @@ class Checkpointer(CheckpointReader):
         for p, where in enumerate(parts):
             os.rename(where, os.path.join(whole, f"part-{p}.npz"))
         if os.path.exists(self._path(step)):
-            self._make_room(step, self._owned())
+            self._make_room(step, own)
         os.rename(whole, self._path(step))
 
     def _barrier(self) -> Callable[..., None]:
