@@ -270,6 +270,9 @@ class Variant:
     hlo_instructions: int | None = None
     flops: float | None = None
     times: list[float] = dataclasses.field(default_factory=list)
+    # Per block, the time until its last call returned (before the wait), per step: near
+    # ``times`` when the host's dispatch, not the device, bounds the step.
+    host_times: list[float] = dataclasses.field(default_factory=list)
 
 
 def functional(step: Callable[..., Any], state: Any) -> tuple[Callable[[Batch], Any], list]:
@@ -369,8 +372,10 @@ def interleave(variants: Sequence[Variant], batches: Sequence[Batch], repeats: i
             out = None
             for i in range(block):
                 out = variant.call(batches[i % len(batches)])
+            dispatched = time.perf_counter()
             jax.block_until_ready(out)
             variant.times.append((time.perf_counter() - start) / block)
+            variant.host_times.append((dispatched - start) / block)
 
 
 def check_same_math(seed: int, batch: Batch, steps: int = 3) -> float:

@@ -3,6 +3,7 @@ variables placed by rules, the one-device results, no retrace, bad rules refused
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
@@ -64,10 +65,10 @@ def train(program: gm.Program, batch: tuple, steps: int = 4) -> tuple[gm.TrainSt
     return state, metrics
 
 
-def placed(leaf: jax.Array) -> tuple:
-    """The mesh axes of each dimension of ``leaf`` (trailing whole dimensions dropped, as
-    JAX writes the spec of a step's output)."""
-    spec = tuple(leaf.sharding.spec)
+def placed(leaf: Any) -> tuple:
+    """The mesh axes of each dimension of ``leaf``, an array or its sharding (trailing whole
+    dimensions dropped, as JAX writes the spec of a step's output)."""
+    spec = tuple(getattr(leaf, "sharding", leaf).spec)
     while spec and spec[-1] is None:
         spec = spec[:-1]
     return spec
@@ -173,6 +174,41 @@ def test_put_batch_splits_what_divides_and_leaves_placed_batches_alone() -> None
     stacked = placement.put_batch((np.stack([X, X]),), stacked=True)
     assert placed(stacked[0]) == (None, "data")
     assert placement.put_batch(stacked, stacked=True) is stacked
+
+
+def test_a_train_step_splits_its_batch_inside_its_jitted_function(monkeypatch) -> None:
+    def scaled(model: Any, x: jax.Array, y: jax.Array, scale: float = 1.0) -> jax.Array:
+        return scale * squared_error(model, x, y)
+
+    mesh = jax.make_mesh((8,), ("data",))
+    program = gm.compile(scaled, mlp(), mesh=mesh, **gm.sharding.data_parallel())
+    step = gm.optimize(program, optax.sgd(0.1))
+    state = step.init(program.init(X[:8], Y[:8]), jax.random.key(0))
+    placed_batch = program.placement.put_batch((X, Y))
+    # NumPy, as it is passed: XLA splits it; the step looks at no batch in Python.
+    monkeypatch.setattr(type(program.placement), "put_batch", None)
+    args, kwargs = step._step.lower(state, X, Y, scale=np.float32(1.0)).compile().input_shardings
+    assert [placed(s) for s in (*args[1:], kwargs["scale"])] == [("data",), ("data",), ()]
+    from_numpy, metrics = step(jax.tree.map(jnp.copy, state), X, Y)
+    from_placed, placed_metrics = step(state, *placed_batch)
+    assert metrics["loss"] == placed_metrics["loss"]
+    chex.assert_trees_all_equal(from_numpy.variables, from_placed.variables)
+    stacked = np.stack([X, X]), np.stack([Y, Y])  # fused steps split the batch dimension
+    fused = step._steps.lower(from_placed, stacked).compile().input_shardings[0][1]
+    assert [placed(s) for s in jax.tree.leaves(fused)] == [(None, "data"), (None, "data")]
+    assert step.steps(from_placed, stacked)[1]["loss"].shape == (2,)
+    assert list(inspect.signature(step).parameters) == ["state", "batch", "kwargs"]
+    variables = program.init(X[:8], Y[:8])  # train and infer split a NumPy batch likewise
+    inferred = program.infer(variables, X, Y)
+    _, trained = program.train(variables, X, Y, rng=jax.random.key(0))
+    np.testing.assert_allclose(inferred, metrics["loss"], rtol=1e-6)
+    assert trained["model"]["linear_layers"][0]["W"].sharding.is_equivalent_to(
+        program.placement.replicated(), 2)
+    lowered = program._infer.lower(variables, X, Y).compile()
+    assert [placed(s) for s in lowered.input_shardings[0][1:]] == [("data",), ("data",)]
+    one_device = jax.device_put(X, jax.devices()[0])  # committed elsewhere: JAX refuses it
+    with pytest.raises(ValueError, match=r"incompatible devices.*batch"):
+        step(from_placed, one_device, Y)
 
 
 def test_the_loop_trains_on_sharded_batches_as_on_one_device() -> None:

@@ -216,8 +216,6 @@ class ProgramCore(VariablesByRole):
         """Runs ``fn`` in training mode: ``(out, variables)`` (``+ monitored`` with monitor=)."""
         if not hasattr(rng, "dtype"):  # e.g. rng=0: refused before jit sees it
             as_key(rng, _TRAIN)
-        if self._shared.placement is not None:
-            args, kwargs = self._shared.placement.put_batch((args, kwargs))
         return self._train(variables, rng, args, kwargs)
 
     def infer(self, variables: dict, *args: Any, mutable: bool = False, **kwargs: Any) -> Any:
@@ -242,8 +240,6 @@ class ProgramCore(VariablesByRole):
             >>> int(variables["model"]["calls"]), out.tolist()
             (1, [2.0, 2.0])
         """
-        if self._shared.placement is not None:
-            args, kwargs = self._shared.placement.put_batch((args, kwargs))
         if mutable is False:  # the common case first: this is on the dispatch path
             return self._infer(variables, *args, **kwargs)
         if mutable is not True:
@@ -286,10 +282,11 @@ class ProgramCore(VariablesByRole):
                args: tuple, kwargs: dict, record: bool = False, costs: bool = False
                ) -> Frame:
         # graph()'s traces (record=True) neither check against nor change the program.
+        placement = self._shared.placement
         if mode != "init" and not record:
             check_arguments(self._shared.examples, self._bind(args, kwargs, lambda x: x))
-
-        placement = self._shared.placement
+            if placement is not None:  # XLA splits a NumPy batch as it is passed
+                args, kwargs = placement.constrain_batch((args, kwargs))
 
         def fresh() -> Frame:
             return Frame(layout=self._shared.layout, mode=mode, values=values, owned=owned,
