@@ -18,6 +18,7 @@ from typing import Any
 from flax import nnx
 
 from graphmod import roles as _roles
+from graphmod._core._numbers import is_whole_number
 
 _EXAMPLES = {"name": "W", "name_regex": "W|b", "path": "/layers/*"}
 
@@ -219,7 +220,7 @@ class VariableFilter:
                                 f"(e.g. {field}={_EXAMPLES[field]!r})")
         call_ids = _as_tuple(self.call_id)
         for call_id in call_ids or ():
-            if isinstance(call_id, bool) or not isinstance(call_id, int) or call_id < 0:
+            if not is_whole_number(call_id, least=0):
                 raise TypeError(f"VariableFilter(call_id={self.call_id!r}): call ids are "
                                 "ints >= 0 (one, or several in a list)")
         set_("call_id", call_ids)

@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from graphmod._core._numbers import is_whole_number
 from graphmod._records._frozen import (
     FrozenDict,
     canonical_json,
@@ -74,7 +75,7 @@ class Provenance:
                  derived: Mapping[str, Any] | None = None, *, format: int = FORMAT) -> None:
         if kind not in KINDS:
             raise ValueError(f"Provenance(kind={kind!r}): must be one of {', '.join(KINDS)}")
-        if not isinstance(format, int) or isinstance(format, bool) or format > FORMAT:
+        if not is_whole_number(format) or format > FORMAT:
             raise ValueError(f"Provenance(format={format!r}): this graphmod reads formats up "
                              f"to {FORMAT}; upgrade graphmod to read this record")
         for label, value in (("inputs", inputs), ("derived", derived or {})):

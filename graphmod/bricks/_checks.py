@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from graphmod._core._numbers import is_whole_number
+
 
 def check_sizes(owner: str, **sizes: Any) -> None:
     """Raises naming ``owner(argument=value)`` unless every size is a positive int."""
     for argument, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_whole_number(value, least=1):
             raise ValueError(f"{owner}({argument}={value!r}): must be a positive int")

@@ -11,6 +11,7 @@ from flax import nnx
 
 from graphmod._core._application import application
 from graphmod._core._brick import Brick
+from graphmod._core._numbers import is_whole_number
 from graphmod._core._variables import Bias, Filter
 from graphmod.bricks._checks import check_sizes
 
@@ -44,15 +45,15 @@ def _canonical_padding(padding: Padding, rank: int) -> str | tuple[tuple[int, in
         if upper == "CAUSAL" and rank != 1:
             raise ValueError(f"Conv(padding='CAUSAL') needs a 1-D kernel, got {rank}-D")
         return upper
-    if isinstance(padding, int) and not isinstance(padding, bool):
+    if is_whole_number(padding):
         return ((padding, padding),) * rank
     pairs: list[tuple[int, int]] = []
     if isinstance(padding, _Sequence) and len(padding) == rank:
         for item in padding:
-            if isinstance(item, int) and not isinstance(item, bool):
+            if is_whole_number(item):
                 pairs.append((item, item))
             elif (isinstance(item, _Sequence) and len(item) == 2
-                  and all(isinstance(p, int) for p in item)):
+                  and all(is_whole_number(p) for p in item)):
                 pairs.append((item[0], item[1]))
     if len(pairs) != rank:
         raise ValueError(
@@ -111,7 +112,7 @@ class Conv(Brick):
     ) -> None:
         check_sizes("Conv", in_features=in_features, out_features=out_features,
                     feature_group_count=feature_group_count)
-        if isinstance(kernel_size, int) and not isinstance(kernel_size, bool):
+        if is_whole_number(kernel_size):
             kernel_size = (kernel_size,)
         if not isinstance(kernel_size, _Sequence) or not kernel_size:
             raise ValueError(f"Conv(kernel_size={kernel_size!r}): give an int or a non-empty "

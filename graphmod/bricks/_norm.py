@@ -10,6 +10,7 @@ from flax import nnx
 
 from graphmod._core._application import application
 from graphmod._core._brick import Brick
+from graphmod._core._numbers import is_real_number
 from graphmod._core._variables import Bias, Parameter
 from graphmod.bricks._checks import check_sizes
 
@@ -51,7 +52,7 @@ class LayerNorm(Brick):
         rngs: nnx.Rngs,
     ) -> None:
         check_sizes("LayerNorm", num_features=num_features)
-        if isinstance(epsilon, bool) or not isinstance(epsilon, int | float) or epsilon <= 0:
+        if not is_real_number(epsilon) or not epsilon > 0:
             raise ValueError(f"LayerNorm(epsilon={epsilon!r}): must be a float > 0")
         self.num_features = num_features
         self.epsilon = float(epsilon)

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 
+from graphmod._core._numbers import is_whole_number
 from graphmod._records._collect import training_inputs, training_provenance
 from graphmod._train._checkpoint import Checkpointer, CheckpointError
 from graphmod._train._command import RESUME_VARIABLE
@@ -56,8 +57,7 @@ class Checkpoint(Plugin):
                  name: str = "checkpoint") -> None:
         super().__init__(name=name, every=every if every is not None else On("epoch_end"))
         self.directory = os.path.abspath(os.fspath(directory))
-        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool)
-                                 or keep < 1):
+        if keep is not None and not is_whole_number(keep, least=1):
             raise ValueError(f"Checkpoint(keep={keep!r}): must be a positive int or None")
         if resume and overwrite:
             raise ValueError("Checkpoint(resume=True, overwrite=True): pick one; resume "

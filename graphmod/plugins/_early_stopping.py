@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from graphmod._core._numbers import is_real_number, is_whole_number
 from graphmod._train._events import AnyOf, Event, On, Template
 from graphmod._train._plugin import Plugin
 from graphmod.plugins._common import event_metrics, host_value, template_or
@@ -67,10 +68,9 @@ class EarlyStopping(Plugin):
             raise TypeError(f"EarlyStopping(metric={metric!r}): expected a metric name")
         if mode not in ("min", "max"):
             raise ValueError(f"EarlyStopping(mode={mode!r}): must be 'min' or 'max'")
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+        if not is_whole_number(patience, least=1):
             raise ValueError(f"EarlyStopping(patience={patience!r}): must be a positive int")
-        if isinstance(min_delta, bool) or not isinstance(min_delta, int | float) \
-                or not min_delta >= 0:
+        if not is_real_number(min_delta) or not min_delta >= 0:
             raise ValueError(f"EarlyStopping(min_delta={min_delta!r}): must be a number >= 0")
         self.due = template_or(every, On("validated"), "EarlyStopping")
         super().__init__(name=name, every=AnyOf((self.due, On("end"))))

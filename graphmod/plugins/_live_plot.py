@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from graphmod._core._numbers import is_real_number
 from graphmod._train._events import Event, On, Template
 from graphmod._train._plugin import Plugin
 from graphmod._train._schedule import each
@@ -65,8 +66,7 @@ class LivePlot(Plugin):
         super().__init__(name=name,
                          every=template_or(every, On("step", step=each(20)), "LivePlot"))
         self.metric_names = metric_names(metric_names_, "LivePlot(*metric_names)")
-        if isinstance(redraw_seconds, bool) or not isinstance(redraw_seconds, int | float) \
-                or redraw_seconds < 0:
+        if not is_real_number(redraw_seconds) or not redraw_seconds >= 0:
             raise ValueError(f"LivePlot(redraw_seconds={redraw_seconds!r}): must be a "
                              "number >= 0")
         self.path = None if path is None else os.path.abspath(os.fspath(path))

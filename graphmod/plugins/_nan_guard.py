@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from graphmod._core._numbers import is_whole_number
 from graphmod._train._events import Event, On, Template
 from graphmod._train._plugin import Plugin
 from graphmod._train._schedule import each
@@ -61,7 +62,7 @@ class NaNGuard(Plugin):
 
     def __init__(self, *, max_skipped: int = 0, every: Template | str | None = None,
                  name: str = "nan_guard") -> None:
-        if isinstance(max_skipped, bool) or not isinstance(max_skipped, int) or max_skipped < 0:
+        if not is_whole_number(max_skipped, least=0):
             raise ValueError(f"NaNGuard(max_skipped={max_skipped!r}): must be an int >= 0")
         super().__init__(name=name,
                          every=template_or(every, On("step", step=each(100)), "NaNGuard"))

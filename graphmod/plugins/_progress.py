@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from graphmod._core._numbers import is_whole_number
 from graphmod._train._events import Event, On, Template
 from graphmod._train._plugin import Plugin
 from graphmod.plugins._common import (
@@ -65,8 +66,7 @@ class ProgressBar(Plugin):
         # The bar sees every step event (a catch-all step template never blocks fusing
         # steps); ``every`` only decides when the metrics are read.
         super().__init__(name=name, every=On("step") | On("terminate"))
-        if total is not None and (isinstance(total, bool) or not isinstance(total, int)
-                                  or total < 1):
+        if total is not None and not is_whole_number(total, least=1):
             raise ValueError(f"ProgressBar(total={total!r}): must be a positive int or None")
         if isinstance(metrics, str):
             metrics = (metrics,)

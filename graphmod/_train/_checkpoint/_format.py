@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from graphmod._core._arguments import is_key
+from graphmod._core._numbers import is_whole_number
 from graphmod._train._checkpoint._errors import CheckpointError
 
 FORMAT = 2
@@ -188,7 +189,7 @@ def check_record(path: str, record: Any, *, legacy: bool) -> None:
             raise CheckpointError(path, "the meta record's array list is malformed")
         return
     parts = record.get("parts")
-    if not _whole(parts, 1):
+    if not is_whole_number(parts, least=1):
         raise CheckpointError(path, f"the meta record's part count {parts!r} is not a whole "
                               "number >= 1")
     for name, shape, _, chunks in arrays:
@@ -255,7 +256,7 @@ def _tiling_error(shape: list[int], chunks: Any, parts: int) -> str | None:
     if not isinstance(chunks, list):
         return "are not a list"
     for chunk in chunks:
-        if not (isinstance(chunk, list) and len(chunk) == 4 and _whole(chunk[0])
+        if not (isinstance(chunk, list) and len(chunk) == 4 and is_whole_number(chunk[0], least=0)
                 and chunk[0] < parts and counts(chunk[1]) and counts(chunk[2])
                 and isinstance(chunk[3], str)):
             return f"are malformed ({chunk!r:.80})"
@@ -279,11 +280,6 @@ def _well_formed(entry: Any) -> bool:
         return False
 
 
-def _whole(value: Any, least: int = 0) -> bool:
-    """Whether a value read from JSON is an int (not a bool) of at least ``least``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
 def _whole_numbers(values: Any) -> bool:
     """Whether a value read from JSON is a list of ints >= 0 (a shape, a start)."""
-    return isinstance(values, list) and all(_whole(v) for v in values)
+    return isinstance(values, list) and all(is_whole_number(v, least=0) for v in values)

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from graphmod._core._numbers import is_whole_number
 from graphmod._train._checkpoint._errors import (
     CheckpointError,
     failure_reason,
@@ -70,8 +71,7 @@ class Checkpointer(CheckpointReader):
 
     def __init__(self, directory: str | os.PathLike, *, keep: int | None = 3,
                  asynchronous: bool = True, run_id: str | None = None) -> None:
-        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool)
-                                 or keep < 1):
+        if keep is not None and not is_whole_number(keep, least=1):
             raise ValueError(f"keep={keep!r}: must be a positive int or None (keep all)")
         super().__init__(directory)
         self.keep = keep
@@ -106,7 +106,7 @@ class Checkpointer(CheckpointReader):
         """Starts writing ``state`` and ``meta`` for ``step``: copies the arrays to the host
         and returns (the previous write is waited for first, and its error raised). In a
         run of several processes every process must call it, at the same step."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        if not is_whole_number(step, least=0):
             raise ValueError(f"step={step!r}: a checkpoint's step must be an int >= 0")
         tree = leaf_specs(state)
         self.wait()  # a failure raised here leaves the count of saves (below) unchanged
