@@ -139,6 +139,8 @@ def test_train_gradients_match_flax() -> None:
     (dict(kernel_dilation=0), r"kernel_dilation=0"),
     (dict(padding="FULL"), r"padding='FULL'"),
     (dict(padding=[1, 2, 3]), r"padding=\[1, 2, 3\]"),
+    (dict(padding=True), r"padding=True"),
+    (dict(padding=[(True, False), 1]), r"padding=\[\(True, False\), 1\]"),
     (dict(padding="CAUSAL"), r"CAUSAL.*1-D"),
     (dict(feature_group_count=3), r"feature_group_count=3.*in_features=4"),
     (dict(input_dilation=2), r"input_dilation=2.*explicit padding"),
