@@ -125,9 +125,8 @@ class Checkpointer(CheckpointReader):
         self._start(step, functools.partial(self._write, step, list(tree), arrays, record))
 
     def _start(self, step: int, write: Callable[[], None]) -> None:
-        """Runs ``write`` after the previous write: in a thread when asynchronous (its
-        error raised by the next :meth:`wait`), else now."""
-        self.wait()
+        """Runs ``write`` (:meth:`save` waited for the previous write): in a thread when
+        asynchronous (its error raised by the next :meth:`wait`), else now."""
         if not self.asynchronous:
             write()
             return
