@@ -27,7 +27,9 @@ hand-written step's median, the time of the first call (trace + compile + one st
 tracing/lowering and XLA compile times of a fresh copy, and the instruction count of its
 optimized HLO. A second table measures per-call dispatch on a tiny model, where the Python
 and runtime overhead of a call dominates: ``graphmod.optimize``'s step and
-``program.infer`` against a bare ``jax.jit`` over plain dicts.
+``program.infer`` against a bare ``jax.jit`` over plain dicts, and over the same dicts
+nested as graphmod's variables are (``{"model": {"linear_layers": {0: ...}}, "managers":
+{}}``: JAX flattens every dict of the state at each call, so the layout alone costs).
 
 Run::
 
@@ -150,12 +152,25 @@ def hand_forward(params: dict, stats: dict, x: jax.Array, key: jax.Array | None,
     raise AssertionError("unreachable")
 
 
-def hand_step(weights: list[tuple[np.ndarray, np.ndarray]], rates: Rates | None, seed: int
-              ) -> tuple[Callable[..., Any], dict]:
-    """A jitted, donating ``step(state, x, y) -> (state, loss)`` over plain dicts."""
+def graphmod_layout(params: dict) -> dict:
+    """Plain ``{"linear": [layer, ...]}`` parameters nested as graphmod's variables are."""
+    return {"model": {"linear_layers": dict(enumerate(params["linear"]))}, "managers": {}}
+
+
+def plain_layout(variables: dict) -> dict:
+    """The inverse of :func:`graphmod_layout` (inside a traced function: free)."""
+    return {"linear": list(variables["model"]["linear_layers"].values())}
+
+
+def hand_step(weights: list[tuple[np.ndarray, np.ndarray]], rates: Rates | None, seed: int,
+              nested: bool = False) -> tuple[Callable[..., Any], dict]:
+    """A jitted, donating ``step(state, x, y) -> (state, loss)`` over plain dicts;
+    ``nested`` (without managers): its parameters nested as graphmod's variables."""
     hidden = [w.shape[1] for w, _ in weights[:-1]]
     params: dict[str, Any] = {"linear": [{"W": jnp.asarray(w), "b": jnp.asarray(b)}
                                          for w, b in weights]}
+    if nested:
+        params = graphmod_layout(params)
     stats: dict[str, Any] = {"bn": []}
     if rates is not None:
         params["bn"] = [{"scale": jnp.ones(n), "bias": jnp.zeros(n)} for n in hidden]
@@ -170,7 +185,8 @@ def hand_step(weights: list[tuple[np.ndarray, np.ndarray]], rates: Rates | None,
                if rates is not None else None)
 
         def loss(params: dict) -> tuple[jax.Array, dict]:
-            logits, new_stats = hand_forward(params, state["stats"], x, key, rates)
+            logits, new_stats = hand_forward(plain_layout(params) if nested else params,
+                                             state["stats"], x, key, rates)
             return cross_entropy(logits, y), new_stats
 
         (value, new_stats), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
@@ -181,9 +197,14 @@ def hand_step(weights: list[tuple[np.ndarray, np.ndarray]], rates: Rates | None,
     return jax.jit(step, donate_argnums=0), state
 
 
-def hand_infer(weights: list[tuple[np.ndarray, np.ndarray]]) -> tuple[Callable[..., Any], dict]:
-    """A bare ``jax.jit`` forward pass over plain dicts (no managers)."""
+def hand_infer(weights: list[tuple[np.ndarray, np.ndarray]], nested: bool = False
+               ) -> tuple[Callable[..., Any], dict]:
+    """A bare ``jax.jit`` forward pass over plain dicts (no managers); ``nested``: over
+    them nested as graphmod's variables."""
     params = {"linear": [{"W": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in weights]}
+    if nested:
+        return jax.jit(lambda p, x: hand_forward(plain_layout(p), {"bn": []}, x, None, None)[0]
+                       ), graphmod_layout(params)
     return jax.jit(lambda p, x: hand_forward(p, {"bn": []}, x, None, None)[0]), params
 
 
@@ -415,18 +436,23 @@ def dispatch_variants(seed: int, batch: Batch) -> list[tuple[str, list[Variant]]
     step, state, program = graphmod_step(TINY_DIMS, None, seed, batch)
     weights = initial_weights(state)
     hand, hand_state = hand_step(weights, None, seed)
+    nested, nested_state = hand_step(weights, None, seed, nested=True)
     forward, params = hand_infer(weights)
+    nested_forward, nested_params = hand_infer(weights, nested=True)
     variables = jax.tree.map(jnp.copy, state.variables)
     predict = program.derive(lambda m, x: m(x))
     model, optimizer = nnx_model(TINY_DIMS, None, seed, weights)
     return [
         ("train step (Adam)", [
             Variant("jax.jit (dicts)", functional(hand, hand_state)[0]),
+            Variant("jax.jit (dicts nested as graphmod's)", functional(nested, nested_state)[0]),
             Variant("graphmod.optimize", functional(step, state)[0]),
             Variant("nnx.jit", lambda b: nnx_jit_step(model, optimizer, *b)),
         ]),
         ("infer", [
             Variant("jax.jit (dicts)", lambda b: forward(params, b[0])),
+            Variant("jax.jit (dicts nested as graphmod's)",
+                    lambda b: nested_forward(nested_params, b[0])),
             Variant("program.infer", lambda b: predict.infer(variables, b[0])),
         ]),
     ]
@@ -466,16 +492,19 @@ def step_table(variants: Sequence[Variant]) -> tuple[str, list[dict]]:
 
 
 def dispatch_table(groups: Sequence[tuple[str, list[Variant]]]) -> tuple[str, list[dict]]:
+    """Each group's first variant is ``jax.jit`` over plain dicts, its second the same
+    over graphmod's layout: a ratio to each."""
     rows = []
-    lines = ["| call | variant | median per call (µs) | ratio to jax.jit |", "|---|---|--:|--:|"]
+    lines = ["| call | variant | median per call (µs) | ratio to jax.jit | ratio to jax.jit, "
+             "graphmod's layout |", "|---|---|--:|--:|--:|"]
     for label, variants in groups:
-        reference = statistics.median(variants[0].times)
+        reference, nested = (statistics.median(v.times) for v in variants[:2])
         for v in variants:
             median = statistics.median(v.times)
             rows.append({"call": label, "variant": v.name, "median_us": median * 1e6,
-                         "ratio": median / reference})
+                         "ratio": median / reference, "ratio_same_layout": median / nested})
             lines.append(f"| {label} | {v.name} | {median * 1e6:.1f} | "
-                         f"{median / reference:.2f} |")
+                         f"{median / reference:.2f} | {median / nested:.2f} |")
     return "\n".join(lines), rows
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -306,3 +308,17 @@ def test_infer_mutable_returns_the_models_writes_and_changes_no_parameter() -> N
     assert program.infer(variables, jnp.ones(2), mutable=False)[0].shape == (2,)
     with pytest.raises(TypeError, match=r"mutable='yes'\): expected True or False"):
         program.infer(variables, jnp.ones(2), mutable="yes")
+
+
+def test_infer_is_the_jitted_function_itself() -> None:
+    # No Python frame in front of JAX's dispatch: program.infer is what jax.jit made.
+    program = gm.compile(lambda m, x: m(x), gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0)))
+    variables = program.init(jnp.ones((1, 2)))
+    x = jnp.arange(8.0).reshape(4, 2)
+    compiled = program.infer.lower(variables, x).compile()
+    np.testing.assert_array_equal(compiled(variables, x), program.infer(variables, x))
+    parameter = inspect.signature(program.infer).parameters["mutable"]
+    assert parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default is False
+    out, kept = program.infer(variables, x, mutable=True)
+    np.testing.assert_array_equal(out, compiled(variables, x))
+    assert jax.tree.structure(kept) == jax.tree.structure(variables)
