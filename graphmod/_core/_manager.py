@@ -154,6 +154,32 @@ def _deprecated_name(manager: Manager, name: str, manager_name: str | None) -> s
     return name
 
 
+def _chosen_filter(manager: Manager, filter: Any, given: dict[str, Any]) -> VariableFilter:
+    """The filter a manager was given: ``filter=`` or the filter fields ``given`` (the
+    ``variable_name`` argument as ``name``), never both."""
+    owner = type(manager).__name__
+    if filter is not None and given:
+        fields = ", ".join("variable_name" if k == "name" else k for k in given)
+        raise TypeError(f"{owner}: pass either filter= or the filter fields ({fields}), "
+                        "not both")
+    if filter is not None and not isinstance(filter, VariableFilter):
+        raise TypeError(f"{owner}(filter=...): expected a VariableFilter, got {filter!r}")
+    name = given.get("name")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"{owner}(variable_name={name!r}): must be a string, the exact name "
+                        "of the variables to rewrite (e.g. 'W')")
+    return filter if filter is not None else VariableFilter(**given)
+
+
+def _check_naming(manager: Manager, priority: Any, manager_name: Any) -> None:
+    owner = type(manager).__name__
+    if not isinstance(priority, int):
+        raise TypeError(f"{owner}(priority=...): expected an int, got {priority!r}")
+    if manager_name is not None and (not isinstance(manager_name, str)
+                                     or not manager_name.isidentifier()):
+        raise ValueError(f"{owner}(manager_name=...): {manager_name!r} must be an identifier")
+
+
 _BASE_FIELDS = frozenset({"filter", "priority", "name", "strict", "_entered"})
 
 
@@ -229,28 +255,10 @@ class Manager:
         if name is not None:
             manager_name = _deprecated_name(self, name, manager_name)
         fields = dict(bricks=bricks, roles=roles, applications=applications, path=path,
-                      variable_name=variable_name, name_regex=name_regex, call_id=call_id)
-        given = {k: v for k, v in fields.items() if v is not None}
-        if filter is not None and given:
-            raise TypeError(
-                f"{type(self).__name__}: pass either filter= or the filter fields "
-                f"({', '.join(given)}), not both"
-            )
-        if filter is not None and not isinstance(filter, VariableFilter):
-            raise TypeError(f"{type(self).__name__}(filter=...): expected a VariableFilter, "
-                            f"got {filter!r}")
-        if not isinstance(priority, int):
-            raise TypeError(f"{type(self).__name__}(priority=...): expected an int, "
-                            f"got {priority!r}")
-        if manager_name is not None and (not isinstance(manager_name, str)
-                                         or not manager_name.isidentifier()):
-            raise ValueError(f"{type(self).__name__}(manager_name=...): {manager_name!r} must "
-                             "be an identifier")
-        if variable_name is not None and not isinstance(variable_name, str):
-            raise TypeError(f"{type(self).__name__}(variable_name={variable_name!r}): must be "
-                            "a string, the exact name of the variables to rewrite (e.g. 'W')")
-        self.filter = filter if filter is not None else VariableFilter(
-            **{"name" if k == "variable_name" else k: v for k, v in given.items()})
+                      name=variable_name, name_regex=name_regex, call_id=call_id)
+        self.filter = _chosen_filter(self, filter, {k: v for k, v in fields.items()
+                                                    if v is not None})
+        _check_naming(self, priority, manager_name)
         self.priority = priority
         self.name = manager_name or snake_case(type(self).__name__)
         self.strict = strict

@@ -14,13 +14,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from graphmod._core._arguments import is_key
 from graphmod._core._clock import utc_now
 from graphmod._records._collect import training_provenance
 from graphmod._records._record import Provenance
-from graphmod._train._command import recorded_command
 from graphmod._train._events import Event, Template, Time, check_event_types
 from graphmod._train._interrupt import (
     SigintGuard,
@@ -29,12 +26,13 @@ from graphmod._train._interrupt import (
     stop_notice,
 )
 from graphmod._train._loop._dispatch import DispatchTrace, PluginTable
-from graphmod._train._loop._resume import data_changes, read_checkpoint
+from graphmod._train._loop._resume import data_changes, loop_record, read_checkpoint
 from graphmod._train._loop._steps import (
     ReadAhead,
     batch_placer,
     bounded,
     call_step,
+    cast_like,
     check_loop_settings,
     check_start_state,
     donated,
@@ -143,20 +141,9 @@ class Loop:
 
     def update_state(self, fn: Callable[[Any], Any]) -> None:
         """Replaces the train state by ``fn(state)``, cast to each leaf's dtype (no retrace)."""
-        old = self.state
-        new = fn(old)
-        if jax.tree.structure(new) != jax.tree.structure(old):
-            current = self._plugins.current
-            who = current.name if current is not None else "update_state"
-            raise ValueError(f"{who}: update_state(fn) must keep the state's structure")
-
-        def cast(n: Any, o: Any) -> Any:
-            dtype = getattr(o, "dtype", None)
-            if n is o or dtype is None or is_key(o):
-                return n  # a leaf fn kept costs nothing (Anneal touches one of hundreds)
-            return jnp.asarray(n, dtype=dtype)
-
-        self.state = jax.tree.map(cast, new, old)
+        current = self._plugins.current
+        self.state = cast_like(fn(self.state), self.state,
+                               current.name if current is not None else "update_state")
 
     @property
     def start_time(self) -> Time:
@@ -202,19 +189,7 @@ class Loop:
     def state_dict(self) -> dict[str, Any]:
         """Everything but the train state needed to continue exactly: counters, timelines,
         data position, the loop's settings and each plugin's state (JSON-serialisable)."""
-        data = getattr(self.data, "state_dict", None)
-        return {
-            "time": self.time.to_dict(),
-            "started_at": self.started_at,
-            "position": self.position,
-            "loop": {"epochs": self.epochs, "steps": self.max_steps,
-                     "steps_per_call": self.steps_per_call},
-            "plugins": self._plugins.state_dict(),
-            "data": data() if callable(data) else None,
-            "data_changes": list(self.data_changes),
-            # What `graphmod resume DIR` runs again.
-            "command": recorded_command(),
-        }
+        return loop_record(self, self._plugins.state_dict())
 
     def load_state_dict(self, meta: dict[str, Any]) -> None:
         """Continues from :meth:`state_dict`'s record (the run's ``begin`` is not repeated).

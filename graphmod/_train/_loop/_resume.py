@@ -9,6 +9,7 @@ from typing import Any
 from graphmod._records._collect import data_record
 from graphmod._train._batch import step_arguments
 from graphmod._train._checkpoint import CheckpointReader
+from graphmod._train._command import recorded_command
 
 
 def read_checkpoint(directory: str | os.PathLike, template: Any, step: Any,
@@ -29,6 +30,23 @@ def read_checkpoint(directory: str | os.PathLike, template: Any, step: Any,
         return reader.restore(template, checkpoint)
     finally:
         reader.close()
+
+
+def loop_record(loop: Any, plugins: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint keeps of ``loop`` besides the train state (``plugins``: its plugins'
+    states): counters, timelines, data position and settings, as JSON."""
+    data = getattr(loop.data, "state_dict", None)
+    return {
+        "time": loop.time.to_dict(),
+        "started_at": loop.started_at,
+        "position": loop.position,
+        "loop": {"epochs": loop.epochs, "steps": loop.max_steps,
+                 "steps_per_call": loop.steps_per_call},
+        "plugins": plugins,
+        "data": data() if callable(data) else None,
+        "data_changes": list(loop.data_changes),
+        "command": recorded_command(),  # what `graphmod resume DIR` runs again
+    }
 
 
 def data_changes(meta: dict[str, Any], data: Iterable[Any],

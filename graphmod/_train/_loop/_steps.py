@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from graphmod._core._arguments import is_key
 from graphmod._core._sharding import Placement
 from graphmod._train._batch import step_arguments
 from graphmod._train._events import On, Template, Time
@@ -164,6 +166,21 @@ def steps_to_fuse(templates: list[Template], now: Time, sizes: list[int], per_ca
                 return i
         now = nxt
     return limit
+
+
+def cast_like(new: Any, old: Any, who: str) -> Any:
+    """``new`` (a state ``who`` made from ``old``) with each leaf cast to ``old``'s dtype, so
+    that the step does not retrace; raises if the structure changed."""
+    if jax.tree.structure(new) != jax.tree.structure(old):
+        raise ValueError(f"{who}: update_state(fn) must keep the state's structure")
+
+    def cast(n: Any, o: Any) -> Any:
+        dtype = getattr(o, "dtype", None)
+        if n is o or dtype is None or is_key(o):
+            return n  # a leaf fn kept costs nothing (Anneal touches one of hundreds)
+        return jnp.asarray(n, dtype=dtype)
+
+    return jax.tree.map(cast, new, old)
 
 
 def donated(state: Any) -> bool:
