@@ -5,7 +5,9 @@ batch 128) with the manager applied by ``graphmod.compile`` and stepped by
 ``graphmod.optimize``, against a ``jax.jit`` step over plain dicts with the same rewrite
 written out by hand (same layers, same math; random streams differ). Variants run
 round-robin in one process; the table gives each pair's median step times and their ratio
-(graphmod / hand).
+(graphmod / hand), and how the work of the two compiled steps compares (XLA's cost
+analysis: flops and bytes accessed, graphmod / hand; 1.000 is the same work, so a time
+ratio away from 1 with both at 1.000 is the machine's noise or the call's dispatch).
 
 Run::
 
@@ -18,6 +20,7 @@ Writes ``benchmarks/managers_results.md`` and ``.json`` (``--out``, ``--no-write
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -154,8 +157,21 @@ def graphmod_variant(case: Case, seed: int, batch: tuple, dims: Sequence[int] = 
     step = graphmod.optimize(program, optax.adam(LR), **trainable)
     state = step.init(program.init(*batch), jax.random.key(seed))
     weights = initial_weights(state)  # read before the first step donates the state
-    call, _ = functional(step, state)
-    return Variant("graphmod", call), weights
+    call, holder = functional(step, state)
+    return Variant("graphmod", call, compiler(step, holder, batch)), weights
+
+
+def compiler(step: Callable[..., Any], holder: list, batch: tuple) -> Callable[[], Any]:
+    """Compiles ``step`` again ahead of time for the current state in ``holder`` (for
+    XLA's cost analysis); inside a ``jax.jit``, as a user's code would call it."""
+    jitted = jax.jit(lambda state, x, y: step(state, x, y))
+    return lambda: jitted.lower(holder[0], *batch).compile()
+
+
+def work(variant: Variant) -> tuple[float, float]:
+    """XLA's flops and bytes accessed of ``variant``'s compiled step."""
+    analysis = variant.compiled().cost_analysis()
+    return analysis.get("flops", 0.0), analysis.get("bytes accessed", 0.0)
 
 
 def hand_forward(case: Case, params: dict, stats: list, x: jax.Array, key: jax.Array
@@ -175,7 +191,7 @@ def hand_forward(case: Case, params: dict, stats: list, x: jax.Array, key: jax.A
     return x, new_stats
 
 
-def hand_variant(case: Case, weights: list, seed: int) -> Variant:
+def hand_variant(case: Case, weights: list, seed: int, batch: tuple) -> Variant:
     """The same step written in JAX over plain dicts, from ``weights``."""
     widths = [w.shape[1] for w, _ in weights[:-1]]
     linear = [{"W": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in weights]
@@ -203,18 +219,25 @@ def hand_variant(case: Case, weights: list, seed: int) -> Variant:
         return {**state, "params": {**fixed, **optax.apply_updates(train, updates)},
                 "stats": stats or state["stats"], "opt": opt, "step": state["step"] + 1}, value
 
-    call, _ = functional(jax.jit(step, donate_argnums=0), state)
-    return Variant("hand", call)
+    jitted = jax.jit(step, donate_argnums=0)
+    call, holder = functional(jitted, state)
+    return Variant("hand", call, compiler(jitted, holder, batch))
 
 
 # -- report -----------------------------------------------------------------------------------
-def measure(case: Case, batches: Sequence[tuple], seed: int, repeats: int, block: int
-            ) -> dict[str, Any]:
+def measure(case: Case, batches: Sequence[tuple], seed: int, repeats: int, block: int,
+            analyse: bool = True) -> dict[str, Any]:
+    """The pair's median step times and, with ``analyse``, the ratios of XLA's flops and
+    bytes accessed of the compiled steps (1.000: the same work)."""
     ours, weights = graphmod_variant(case, seed, batches[0])
-    hand = hand_variant(case, weights, seed)
+    hand = hand_variant(case, weights, seed, batches[0])
     interleave([hand, ours], batches, repeats, block)
     h, g = statistics.median(hand.times), statistics.median(ours.times)
-    return {"manager": case.name, "hand_us": h * 1e6, "graphmod_us": g * 1e6, "ratio": g / h}
+    row = {"manager": case.name, "hand_us": h * 1e6, "graphmod_us": g * 1e6, "ratio": g / h}
+    if analyse:
+        (hand_flops, hand_bytes), (flops, bytes_) = work(hand), work(ours)
+        row.update(flops_ratio=flops / hand_flops, bytes_ratio=bytes_ / hand_bytes)
+    return row
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -224,12 +247,17 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     rng = np.random.default_rng(args.seed)
     batches = [(jnp.asarray(rng.standard_normal((BATCH, DIMS[0])), jnp.float32),
                 jnp.asarray(rng.integers(0, DIMS[-1], BATCH))) for _ in range(4)]
-    rows = [measure(case, batches, args.seed, repeats, block) for case in CASES]
+    # One more XLA compile of each step: not worth it in a smoke run.
+    rows = [measure(case, batches, args.seed, repeats, block, analyse=not args.quick)
+            for case in CASES]
     lines = [f"Digits MLP {'-'.join(map(str, DIMS))}, batch {BATCH}, Adam; medians of "
-             f"{repeats} interleaved blocks of {block} steps.", "",
-             "| manager | hand (µs) | graphmod (µs) | ratio |", "|---|--:|--:|--:|"]
+             f"{repeats} interleaved blocks of {block} steps. XLA flops and bytes accessed: "
+             "of the compiled steps (XLA's cost analysis), graphmod / hand.", "",
+             "| manager | hand (µs) | graphmod (µs) | ratio | XLA flops | XLA bytes |",
+             "|---|--:|--:|--:|--:|--:|"]
     lines += [f"| {r['manager']} | {r['hand_us']:.0f} | {r['graphmod_us']:.0f} "
-              f"| {r['ratio']:.2f} |" for r in rows]
+              f"| {r['ratio']:.2f} | {r.get('flops_ratio', math.nan):.3f} "
+              f"| {r.get('bytes_ratio', math.nan):.3f} |" for r in rows]
     write_results(args, "managers_results", "# Manager cost against hand-written JAX\n\n"
                   + "\n".join(lines) + "\n", {"environment": environment(), "rows": rows})
     return rows

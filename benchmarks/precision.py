@@ -47,7 +47,7 @@ def measure(dims: Sequence[int], batches: Sequence[tuple], seed: int, repeats: i
     variants = []
     for case in (FLOAT32, BFLOAT16):
         ours, weights = graphmod_variant(case, seed, batches[0], dims)
-        variants += [ours, hand_variant(case, weights, seed)]
+        variants += [ours, hand_variant(case, weights, seed, batches[0])]
     interleave(variants, batches, repeats, block)
     medians = [statistics.median(v.times) for v in variants]
     rows = []

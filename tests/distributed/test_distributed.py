@@ -19,6 +19,7 @@ import pytest
 import graphmod as gm
 from graphmod import distributed
 from graphmod._train._checkpoint import Checkpointer
+from graphmod._train._checkpoint._parts import read_part, write_part
 from tests.distributed import multiprocess_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -75,6 +76,18 @@ def test_two_processes_of_four_devices_train_as_one_process_of_eight(tmp_path, w
     assert writers[".variables['model']['linear_layers'][0]['W']"] == [0, 1]  # FSDP halves
     assert writers[".variables['model']['linear_layers'][0]['b']"] == [0]  # replicated
     assert checkpoints.verify(4) is None
+    # Resumed on the same mesh, process 1 reads its own part for the FSDP halves it holds,
+    # never process 0's: a corrupted chunk there is found by process 1 alone, and both
+    # processes go back to step 2 (alone, process 0 would restore step 4 and the two would
+    # train apart); the run (stopping after epoch 2, as recorded) writes step 4 again.
+    part = pathlib.Path(run_dir) / "4" / "part-1.npz"
+    listed, pieces = read_part(str(part))
+    write_part(str(part), [pieces[0] ^ np.uint8(1), *pieces[1:]], listed)
+    done = graphmod_command("resume", run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 4: process [1] cannot read or verify its chunks of it" in done.stderr
+    assert "fails its checksum" in done.stderr  # process 1's own reason, in its warning
+    assert checkpoints.steps() == [2, 4] and checkpoints.verify(4) is None
     done = graphmod_command("resume", run_dir)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "--processes 2 --devices-per-process 4" in done.stderr

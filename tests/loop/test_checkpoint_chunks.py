@@ -9,6 +9,7 @@ from __future__ import annotations
 import pathlib
 import re
 import zipfile
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +17,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from graphmod._train._checkpoint import Checkpointer, CheckpointError
+from graphmod._train._checkpoint import Checkpointer, CheckpointError, _reader
+from graphmod._train._checkpoint._chunks import chunk_members, read_region
 from graphmod._train._checkpoint._format import (
     CHUNKED_FORMAT,
-    assemble,
     check_record,
     checksum,
     shard_chunks,
@@ -67,6 +68,12 @@ def _written(directory: pathlib.Path, arrays: dict[str, jax.Array]) -> dict:
 
 def _pieces(directory: pathlib.Path) -> dict[int, list[np.ndarray]]:
     return {part: read_part(str(directory / f"part-{part}.npz"))[1] for part in (0, 1)}
+
+
+def assemble(path: str, entries: list, pieces: dict[int, list[np.ndarray]]) -> list:
+    """Every array of ``entries`` whole, from ``pieces`` (each part's chunks, in order)."""
+    return [read_region(path, entry, members, lambda part, member: pieces[part][member])
+            for entry, members in zip(entries, chunk_members(entries), strict=True)]
 
 
 def test_shard_chunks_hold_every_element_once(arrays: dict[str, jax.Array]) -> None:
@@ -186,3 +193,86 @@ def test_a_reader_restores_a_checkpoint_of_two_parts_and_names_a_missing_one(
     (step / "part-0.npz").unlink()
     assert writer.verify(3) == "the part process 0 wrote (part-0.npz) is missing"
     writer.close()
+
+
+def test_a_region_reads_and_checks_only_the_chunks_that_overlap_it(
+        tmp_path: pathlib.Path, arrays: dict[str, jax.Array]) -> None:
+    # What a process restoring only its own devices' regions reads (a: rows 8-15 by process 1).
+    record = _written(tmp_path, arrays)
+    pieces = _pieces(tmp_path)
+    entry, members = record["arrays"][0], chunk_members(record["arrays"])[0]
+    read: list[int] = []
+
+    def piece(part: int, member: int) -> np.ndarray:
+        read.append(part)
+        return pieces[part][member]
+
+    a = np.asarray(arrays["a"])
+    pieces[0][0] = pieces[0][0] ^ np.uint8(1)  # process 0's rows 0-1: never read below
+    got = read_region(str(tmp_path), entry, members, piece, (slice(8, 12), slice(0, 3)))
+    np.testing.assert_array_equal(got, a[8:12])
+    assert read == [1, 1]  # two row pairs, both in process 1's part
+    np.testing.assert_array_equal(
+        read_region(str(tmp_path), entry, members, piece, (slice(3, 6), slice(1, 3))),
+        a[3:6, 1:3])  # across chunk boundaries: a part of each
+    with pytest.raises(CheckpointError, match=re.escape(
+            "array a's chunk at [0, 0] (written by process 0) fails its checksum")):
+        read_region(str(tmp_path), entry, members, piece, (slice(0, 4), slice(0, 3)))
+
+
+def test_a_region_that_chunks_overlap_or_leave_uncovered_is_refused(
+        tmp_path: pathlib.Path, arrays: dict[str, jax.Array]) -> None:
+    # Rows 2-3 twice, rows 14-15 never (the sizes add up): each region read finds its part.
+    record = _written(tmp_path, arrays)
+    pieces = _pieces(tmp_path)
+    chunks = record["arrays"][0][3]
+    chunks[-1][1], chunks[-1][3] = [2, 0], chunks[1][3]
+    pieces[1][3] = pieces[0][1]
+    entry, members = record["arrays"][0], chunk_members(record["arrays"])[0]
+    piece = lambda part, member: pieces[part][member]
+    with pytest.raises(CheckpointError, match=re.escape(
+            "array a's chunk at [2, 0] (written by process 1) overlaps another chunk")):
+        read_region(str(tmp_path), entry, members, piece, (slice(0, 4), slice(0, 3)))
+    with pytest.raises(CheckpointError, match="the chunks of array a leave part of it uncovered"):
+        read_region(str(tmp_path), entry, members, piece, (slice(12, 16), slice(0, 3)))
+    np.testing.assert_array_equal(  # a region the crafted chunks do not touch reads well
+        read_region(str(tmp_path), entry, members, piece, (slice(4, 12), slice(0, 3))),
+        np.asarray(arrays["a"])[4:12])
+
+
+def test_a_part_whose_archive_index_is_damaged_is_refused(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "part-0.npz"
+    write_part(str(path), [np.arange(64.0)], [[0, [0], [64], "-"]])
+    data = bytearray(path.read_bytes())
+    start = int.from_bytes(data[-6:-2], "little")  # where the central directory begins
+    data[start:start + 4] = bytes(4)  # its first entry's signature
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"not a whole part \(BadZipFile"):
+        read_part(str(path))
+
+
+def test_processes_load_a_checkpoint_only_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two processes played by one: the other's outcome (0 loaded, 1 a checkpoint that does
+    # not verify there, 2 any other error) comes through the faked gather.
+    other = [0]
+    monkeypatch.setattr(_reader.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(_reader.multihost_utils, "process_allgather",
+                        lambda code: np.array([int(code), other[0]]))
+
+    def corrupted(step: int) -> None:
+        raise CheckpointError(f"run/{step}", "array a's chunk at [0, 0] fails its checksum")
+
+    def together(load: Any) -> Any:
+        return _reader._agreed(load, lambda step: f"run/{step}")
+
+    assert together(lambda step: "state")(3) == "state"
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        together(corrupted)(3)  # its own reason, when the other loaded
+    other[0] = 1
+    with pytest.raises(CheckpointError, match=re.escape(
+            "process [1] cannot read or verify its chunks of it")):
+        together(lambda step: "state")(3)  # the next older step is tried, by both
+    other[0] = 2
+    for load in (lambda step: "state", corrupted):  # the other stops: none goes on
+        with pytest.raises(RuntimeError, match=re.escape("run/3: process [1] failed to read")):
+            together(load)(3)

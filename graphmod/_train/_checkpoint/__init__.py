@@ -23,8 +23,11 @@ the parts' chunk lists, writes ``meta`` (format 3: each array's chunks with the 
 that wrote each and its checksum) into ``<step>.graphmod-part-<run id>-whole``, moves the
 parts in as ``part-<process>.npz`` and renames the whole to ``<step>``: a checkpoint
 appears complete or not at all, and a part left by a cut-off run is a leftover. Reading
-puts every array together on the host, checking that the chunks tile it exactly and each
-chunk's checksum, so a checkpoint of any number of processes restores in any other.
+puts the chunks together, checking that they tile each array exactly and each one's
+checksum (``_chunks``), so a checkpoint of any number of processes restores in any other.
+Restored in several processes, each reads only the chunks overlapping what its devices
+hold of the template state, and the processes agree on whether a checkpoint verifies
+before any of them uses it (one that fails in any process is skipped by all).
 
 **Verification.** Every array's checksum (CRC-32; why, in ``_format``) is computed on the
 host copy a save makes anyway, off the training thread, and checked on restore along with

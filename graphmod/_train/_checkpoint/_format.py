@@ -10,9 +10,9 @@ In a run of several processes each process writes the pieces of the arrays it ho
 its devices), and the meta record's entry of an array lists its chunks instead of one
 checksum: ``[path, shape, dtype, [[part, start, shape, checksum], ...]]`` (format 3, with
 ``"parts"``: how many processes wrote). :func:`check_record` checks, before anything is
-read, that the chunks of each array lie inside it and add up to its size; :func:`assemble`
-puts the chunks read back together, checking that none overlaps another (so they tile the
-array exactly) and each one's checksum.
+read, that the chunks of each array lie inside it and add up to its size;
+:mod:`graphmod._train._checkpoint._chunks` puts the chunks read back together, checking
+that none overlaps another (so they tile the array exactly) and each one's checksum.
 
 The checksum is CRC-32 (``zlib.crc32``): it exists to detect accidental corruption (flipped
 or zeroed bytes, a truncated or swapped file), which it misses with probability 2**-32 per
@@ -123,6 +123,8 @@ def restored(template: Any, leaves: list[np.ndarray]) -> Any:
     def back(want: Any, got: Any) -> Any:
         if is_key(want):  # the key's implementation is part of its dtype
             return jax.random.wrap_key_data(jnp.asarray(got), impl=want.dtype._impl)
+        if isinstance(got, jax.Array):  # placed across processes already (local_array)
+            return got
         return jnp.asarray(got, dtype=getattr(want, "dtype", None))  # a Python number too
 
     tree = jax.tree.unflatten(jax.tree.structure(template), leaves)
@@ -211,45 +213,10 @@ def check_arrays(path: str, entries: list[list[Any]], arrays: list[np.ndarray]) 
                                   f"recorded {crc}): the data is corrupted")
 
 
-def assemble(path: str, entries: list[list[Any]],
-             pieces: Mapping[int, list[np.ndarray]]) -> list[np.ndarray]:
-    """The whole arrays of a chunked record's ``entries`` (checked by :func:`check_record`)
-    from each part's chunks as raw bytes, in the order the entries list them; raises a
-    :class:`CheckpointError` naming the first chunk that overlaps another or whose size or
-    checksum differs from its entry."""
-    read = {part: iter(got) for part, got in pieces.items()}
-    arrays = []
-    for name, shape, dtype, chunks in entries:
-        kind = jnp.dtype(dtype)
-        whole = np.zeros(shape, kind)
-        # Chunks that add up to the size (check_record) and never overlap tile the array;
-        # a mask costs at most the array's own memory, and time in its size alone.
-        covered = np.zeros(shape, bool) if len(chunks) > 1 else None
-        for part, start, size, crc in chunks:
-            piece = np.asarray(next(read[part]))
-            where = f"array {name}'s chunk at {start} (written by process {part})"
-            region = tuple(slice(a, a + n) for a, n in zip(start, size, strict=True))
-            if covered is not None:
-                if covered[region].any():
-                    raise CheckpointError(path, f"{where} overlaps another chunk")
-                covered[region] = True
-            if piece.dtype != np.uint8 or piece.ndim != 1 or \
-                    piece.size != math.prod(size) * kind.itemsize:
-                raise CheckpointError(path, f"{where} holds {piece.nbytes} bytes, the meta "
-                                      f"record says {size} {dtype}")
-            if checksum(piece) != crc:
-                raise CheckpointError(path, f"{where} fails its checksum (crc32 "
-                                      f"{checksum(piece)}, recorded {crc}): the data is "
-                                      "corrupted")
-            whole[region] = piece.view(kind).reshape(size)
-        arrays.append(whole)
-    return arrays
-
-
 def _tiling_error(shape: list[int], chunks: Any, parts: int) -> str | None:
     """Why ``chunks`` (``[part, start, shape, checksum]`` each, parts below ``parts``) do
     not lie inside an array of ``shape`` and add up to its size, or None (whether they
-    overlap, :func:`assemble` checks as it reads them)."""
+    overlap is checked as they are read: ``_chunks.read_region``)."""
     def counts(values: Any) -> bool:
         return _whole_numbers(values) and len(values) == len(shape)
 

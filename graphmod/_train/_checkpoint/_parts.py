@@ -43,17 +43,39 @@ def write_part(path: str, pieces: list[np.ndarray], listed: list[list[Any]]) -> 
     os.replace(temporary, path)
 
 
+def open_part(path: str) -> tuple[Any, list[Any]]:
+    """The archive of the part at ``path`` (a NumPy ``NpzFile``, to close) and its entries,
+    no chunk read yet; ``OSError`` or ``ValueError`` (saying why) if it cannot be read."""
+    if not zipfile.is_zipfile(path):  # np.load would take it for a pickle, and refuse it
+        raise ValueError("not a whole part (no zip archive)")
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except (zipfile.BadZipFile, EOFError) as error:
+        raise ValueError(f"not a whole part ({type(error).__name__}: {error})") from None
+    try:
+        listed = json.loads(read_piece(archive, "chunks").tobytes())
+        if not isinstance(listed, list):
+            raise ValueError("its chunk list is not a list")
+    except BaseException:
+        archive.close()
+        raise
+    return archive, listed
+
+
+def read_piece(archive: Any, member: int | str) -> np.ndarray:
+    """Chunk ``member`` (its index among the part's chunks, or a member's name) of an
+    :func:`open_part` archive, as raw bytes; ``ValueError`` if the archive does not hold
+    it whole."""
+    try:
+        return archive[member if isinstance(member, str) else f"c{member}"]
+    except (KeyError, zipfile.BadZipFile, EOFError, UnicodeDecodeError) as error:
+        raise ValueError(f"not a whole part ({type(error).__name__}: {error})") from None
+
+
 def read_part(path: str, *, pieces: bool = True) -> tuple[list[Any], list[np.ndarray]]:
     """The entries and raw pieces of the part at ``path`` (``pieces=False``: the entries
     alone, nothing else read); ``OSError`` or ``ValueError`` (saying why) if it cannot be
     read."""
-    if not zipfile.is_zipfile(path):  # np.load would take it for a pickle, and refuse it
-        raise ValueError("not a whole part (no zip archive)")
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            listed = json.loads(archive["chunks"].tobytes())
-            if not isinstance(listed, list):
-                raise ValueError("its chunk list is not a list")
-            return listed, [archive[f"c{i}"] for i in range(len(listed) if pieces else 0)]
-    except (KeyError, zipfile.BadZipFile, EOFError, UnicodeDecodeError) as error:
-        raise ValueError(f"not a whole part ({type(error).__name__}: {error})") from None
+    archive, listed = open_part(path)
+    with archive:
+        return listed, [read_piece(archive, i) for i in range(len(listed) if pieces else 0)]

@@ -21,8 +21,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
+from graphmod._core._arguments import is_key
 from graphmod._records._record import Provenance
+from graphmod._train._checkpoint._chunks import PartFiles, chunk_members, local_array
 from graphmod._train._checkpoint._errors import (
     CheckpointError,
     failure_reason,
@@ -32,14 +35,12 @@ from graphmod._train._checkpoint._errors import (
 from graphmod._train._checkpoint._format import (
     CHUNKED_FORMAT,
     LEGACY_FORMAT,
-    assemble,
     check_arrays,
     check_compatible,
     check_record,
     restored,
     stored_specs,
 )
-from graphmod._train._checkpoint._parts import read_part
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 PART_SUFFIX = ".graphmod-part"  # a part of a checkpoint of several processes, not assembled
@@ -152,12 +153,19 @@ class CheckpointReader:
             return {**record, "step": step}  # format 2 records their step themselves
         return record
 
-    def _read_arrays(self, step: int, record: dict[str, Any]) -> list[np.ndarray]:
-        """The arrays of ``step``, each checked against the meta's shape, dtype, checksum."""
+    def _read_arrays(self, step: int, record: dict[str, Any],
+                     shardings: list[Any] | None = None) -> list[Any]:
+        """The arrays of ``step``, each checked against the meta's shape, dtype, checksum;
+        with ``shardings`` (one per array), those of a checkpoint of several processes
+        placed by them (see :func:`local_array`)."""
         path = self._path(step)
         entries = record["arrays"]
         if record["format"] == CHUNKED_FORMAT:
-            return self._read_chunked(path, entries)
+            with PartFiles(path, entries) as parts:
+                return [local_array(path, entry, members, parts, sharding)
+                        for entry, members, sharding in zip(
+                            entries, chunk_members(entries),
+                            shardings or [None] * len(entries), strict=True)]
         empty = [math.prod(shape) == 0 for _, shape, _, _ in entries]
         kept = [entry for entry, no in zip(entries, empty, strict=True) if not no]
         stored = iter(self._read_stored(path, kept) if kept else [])
@@ -165,29 +173,6 @@ class CheckpointReader:
                   for (_, shape, dtype, _), no in zip(entries, empty, strict=True)]
         check_arrays(path, entries, arrays)
         return arrays
-
-    def _read_chunked(self, path: str, entries: list[list[Any]]) -> list[np.ndarray]:
-        """The whole arrays of a checkpoint written by several processes: each process's
-        part (``part-<process>.npz``) read, the chunks put together and checked."""
-        counts: dict[int, int] = {}
-        for _, _, _, chunks in entries:
-            for part, *_ in chunks:
-                counts[part] = counts.get(part, 0) + 1
-        pieces = {}
-        for part, count in sorted(counts.items()):
-            name = f"part-{part}.npz"
-            where = os.path.join(path, name)
-            if not os.path.isfile(where):
-                raise CheckpointError(path, f"the part process {part} wrote ({name}) is missing")
-            try:
-                pieces[part] = read_part(where)[1]
-            except (OSError, ValueError) as error:
-                raise CheckpointError(path, f"the part process {part} wrote ({name}) cannot be "
-                                      f"read ({failure_reason(error)})") from None
-            if len(pieces[part]) != count:
-                raise CheckpointError(path, f"the part process {part} wrote ({name}) holds "
-                                      f"{len(pieces[part])} chunks, the meta record lists {count}")
-        return assemble(path, entries, pieces)
 
     def _orbax_restore(self, path: str, what: str, **items: Any) -> dict[str, Any]:
         """Orbax's read of ``items`` from ``path``; a failure is a CheckpointError saying
@@ -253,8 +238,14 @@ class CheckpointReader:
         """The state saved at ``step`` shaped like ``template``, and its meta record (whose
         ``"step"`` says which checkpoint it is). Without ``step``: the newest checkpoint that
         verifies, warning about each newer one skipped. Raises ``ValueError`` if the
-        checkpoint holds another program's state, :class:`CheckpointError` if none verifies."""
-        load = functools.partial(self._load, template=template, want=stored_specs(template))
+        checkpoint holds another program's state, :class:`CheckpointError` if none verifies.
+
+        In a run of several processes, every process calls it: the arrays of a checkpoint
+        of several processes are placed as ``template``'s leaves are, each process reading
+        only the chunks its devices' regions overlap, and a checkpoint is used only if it
+        verifies in every process."""
+        load = _agreed(functools.partial(self._load, template=template,
+                                         want=stored_specs(template)), self._path)
         if step is not None:
             record, arrays = load(self._step(step))
         else:
@@ -278,7 +269,10 @@ class CheckpointReader:
         if listed != want:
             raise CheckpointError(self._path(step), "the meta record's array list does not "
                                   "match its tree of leaves")
-        return record, self._read_arrays(step, record)
+        # Placed as the template is: in a run of several processes, each reads its own.
+        shardings = [None if is_key(leaf) else getattr(leaf, "sharding", None)
+                     for leaf in jax.tree.leaves(template)]
+        return record, self._read_arrays(step, record, shardings)
 
     def _first(self, load: Callable[[int], Any],
                skipped: Callable[[str], None] | None = None) -> Any:
@@ -308,3 +302,31 @@ class CheckpointReader:
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; "
                                     f"saved steps: {steps}")
         return step
+
+
+def _agreed(load: Callable[[int], Any], path: Callable[[int], str]) -> Callable[[int], Any]:
+    """``load``; in a run of several processes, one step at a time by all of them together
+    (each reads only the chunks its devices hold, so only together do they know whether a
+    checkpoint verifies): a step that one process cannot load, none loads."""
+    if jax.process_count() == 1:
+        return load
+
+    def together(step: int) -> Any:
+        failure: BaseException | None = None
+        try:
+            result = load(step)
+        except Exception as error:  # every process reaches the gather below
+            failure = error
+        code = 0 if failure is None else 1 if isinstance(failure, CheckpointError) else 2
+        codes = np.asarray(multihost_utils.process_allgather(np.int32(code)))
+        if codes.max() == 2 and code != 2:  # a process stops: none tries an older step
+            raise RuntimeError(f"{path(step)}: process {np.flatnonzero(codes == 2).tolist()} "
+                               "failed to read it (its error says why)") from failure
+        if failure is not None:
+            raise failure
+        if codes.any():
+            raise CheckpointError(path(step), f"process {np.flatnonzero(codes).tolist()} "
+                                  "cannot read or verify its chunks of it")
+        return result
+
+    return together
