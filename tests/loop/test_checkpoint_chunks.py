@@ -255,7 +255,6 @@ def test_processes_load_a_checkpoint_only_together(monkeypatch: pytest.MonkeyPat
     # Two processes played by one: the other's outcome (0 loaded, 1 a checkpoint that does
     # not verify there, 2 any other error) comes through the faked gather.
     other = [0]
-    monkeypatch.setattr(_reader.jax, "process_count", lambda: 2)
     monkeypatch.setattr(_reader.multihost_utils, "process_allgather",
                         lambda code: np.array([int(code), other[0]]))
 

@@ -240,12 +240,18 @@ class CheckpointReader:
         verifies, warning about each newer one skipped. Raises ``ValueError`` if the
         checkpoint holds another program's state, :class:`CheckpointError` if none verifies.
 
-        In a run of several processes, every process calls it: the arrays of a checkpoint
-        of several processes are placed as ``template``'s leaves are, each process reading
-        only the chunks its devices' regions overlap, and a checkpoint is used only if it
-        verifies in every process."""
-        load = _agreed(functools.partial(self._load, template=template,
-                                         want=stored_specs(template)), self._path)
+        A ``template`` placed across the processes of a run (a train state on their mesh)
+        makes it collective: every process calls it, the arrays of a checkpoint of several
+        processes are placed as the template's leaves are, each process reading only the
+        chunks its devices' regions overlap, and a checkpoint is used only if it verifies
+        in every process."""
+        # Placed as the template is: in a run of several processes, each reads its own.
+        shardings = [None if is_key(leaf) else getattr(leaf, "sharding", None)
+                     for leaf in jax.tree.leaves(template)]
+        load = functools.partial(self._load, template=template, want=stored_specs(template),
+                                 shardings=shardings)
+        if any(s is not None and not s.is_fully_addressable for s in shardings):
+            load = _agreed(load, self._path)
         if step is not None:
             record, arrays = load(self._step(step))
         else:
@@ -258,9 +264,9 @@ class CheckpointReader:
         return restored(template, arrays), record
 
     def _load(self, step: int, *, template: Any, want: list[tuple[list[int], str]],
-              ) -> tuple[dict[str, Any], list[np.ndarray]]:
+              shardings: list[Any]) -> tuple[dict[str, Any], list[Any]]:
         """``step``'s meta record and verified arrays, for a state shaped like ``template``
-        (whose leaves are stored as ``want``)."""
+        (whose leaves are stored as ``want`` and placed by ``shardings``)."""
         record = self._read_meta(step, legacy=True)
         check_compatible(self._path(step), record.get("tree", {}), template)
         if record["format"] == LEGACY_FORMAT:
@@ -269,9 +275,6 @@ class CheckpointReader:
         if listed != want:
             raise CheckpointError(self._path(step), "the meta record's array list does not "
                                   "match its tree of leaves")
-        # Placed as the template is: in a run of several processes, each reads its own.
-        shardings = [None if is_key(leaf) else getattr(leaf, "sharding", None)
-                     for leaf in jax.tree.leaves(template)]
         return record, self._read_arrays(step, record, shardings)
 
     def _first(self, load: Callable[[int], Any],
@@ -305,12 +308,9 @@ class CheckpointReader:
 
 
 def _agreed(load: Callable[[int], Any], path: Callable[[int], str]) -> Callable[[int], Any]:
-    """``load``; in a run of several processes, one step at a time by all of them together
-    (each reads only the chunks its devices hold, so only together do they know whether a
-    checkpoint verifies): a step that one process cannot load, none loads."""
-    if jax.process_count() == 1:
-        return load
-
+    """``load`` run by every process of a run together, one step at a time (each reads only
+    the chunks its devices hold, so only together do they know whether a checkpoint
+    verifies): a step that one process cannot load, none loads."""
     def together(step: int) -> Any:
         failure: BaseException | None = None
         try:
