@@ -38,6 +38,7 @@ from train_step import (
     MOMENTUM,
     Variant,
     arguments,
+    compiler,
     cross_entropy,
     environment,
     functional,
@@ -159,13 +160,6 @@ def graphmod_variant(case: Case, seed: int, batch: tuple, dims: Sequence[int] = 
     weights = initial_weights(state)  # read before the first step donates the state
     call, holder = functional(step, state)
     return Variant("graphmod", call, compiler(step, holder, batch)), weights
-
-
-def compiler(step: Callable[..., Any], holder: list, batch: tuple) -> Callable[[], Any]:
-    """Compiles ``step`` again ahead of time for the current state in ``holder`` (for
-    XLA's cost analysis); inside a ``jax.jit``, as a user's code would call it."""
-    jitted = jax.jit(lambda state, x, y: step(state, x, y))
-    return lambda: jitted.lower(holder[0], *batch).compile()
 
 
 def work(variant: Variant) -> tuple[float, float]:

@@ -202,10 +202,9 @@ def hand_infer(weights: list[tuple[np.ndarray, np.ndarray]], nested: bool = Fals
     """A bare ``jax.jit`` forward pass over plain dicts (no managers); ``nested``: over
     them nested as graphmod's variables."""
     params = {"linear": [{"W": jnp.asarray(w), "b": jnp.asarray(b)} for w, b in weights]}
-    if nested:
-        return jax.jit(lambda p, x: hand_forward(plain_layout(p), {"bn": []}, x, None, None)[0]
-                       ), graphmod_layout(params)
-    return jax.jit(lambda p, x: hand_forward(p, {"bn": []}, x, None, None)[0]), params
+    unpack = plain_layout if nested else (lambda p: p)
+    forward = jax.jit(lambda p, x: hand_forward(unpack(p), {"bn": []}, x, None, None)[0])
+    return forward, graphmod_layout(params) if nested else params
 
 
 # -- Flax NNX ---------------------------------------------------------------------------------
@@ -308,6 +307,15 @@ def functional(step: Callable[..., Any], state: Any) -> tuple[Callable[[Batch], 
     return call, holder
 
 
+def compiler(step: Callable[..., Any], holder: list, batch: Batch, wrap: bool = True
+             ) -> Callable[[], Any]:
+    """Compiles ``step`` again ahead of time for the current state in ``holder`` (for its
+    HLO and XLA's cost analysis); with ``wrap``, inside a ``jax.jit``, as a user's code
+    calls it, else through ``step``'s own ``lower``."""
+    jitted = jax.jit(lambda state, x, y: step(state, x, y)) if wrap else step
+    return lambda: jitted.lower(holder[0], *batch).compile()
+
+
 def build_variants(seed: int, batch: Batch, rates: Rates) -> list[Variant]:
     """The four regularized digits-MLP steps, sharing their initial weights."""
     step, state, _ = graphmod_step(DIMS, rates, seed, batch)
@@ -321,10 +329,8 @@ def build_variants(seed: int, batch: Batch, rates: Rates) -> list[Variant]:
                                   ("graphmod", step, state, True),
                                   ("flax nnx (jax.jit, split)", split, split_state, False)]:
         call, holder = functional(fn, first)
-        # graphmod's step is called through its public API: lower it inside a jax.jit.
-        jitted = jax.jit(lambda s, x, y, fn=fn: fn(s, x, y)) if wrap else fn
-        compiled = lambda jitted=jitted, holder=holder: jitted.lower(holder[0], *batch).compile()
-        variants.append(Variant(name, call, compiled))
+        # graphmod's step is called through its public API: lowered inside a jax.jit.
+        variants.append(Variant(name, call, compiler(fn, holder, batch, wrap=wrap)))
     variants.append(Variant(
         "flax nnx (nnx.jit)", lambda b: nnx_jit_step(jit_model, jit_optimizer, *b),
         lambda: nnx_jit_step.lower(jit_model, jit_optimizer, *batch).compile()))
