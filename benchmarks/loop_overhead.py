@@ -14,6 +14,9 @@ Variants:
 - ``loop+plugins``: ProgressBar, Logger (every 100 steps), Validation every epoch and
   Checkpoint every 1000 steps (compare with ``bare+eval``: the same work by hand).
 - ``loop k=50``: ``steps_per_call=50`` (fused steps in one ``lax.scan`` dispatch).
+- ``bare k=50``: the same fused steps by hand: each epoch's batches stacked 50 at a time
+  and passed to ``step.steps`` in a ``for`` loop. ``bare k=50 / bare`` is what fusing gains
+  by itself (XLA's scan against one dispatch per step), the most ``loop k=50`` can gain.
 
 Usage: ``python benchmarks/loop_overhead.py [--quick] [--repeats N]``.
 """
@@ -101,6 +104,16 @@ def bare(s: dict, epochs: int, evaluate: bool, checkpoint: bool = False) -> gm.T
     return jax.block_until_ready(state)
 
 
+def bare_fused(s: dict, epochs: int, per_call: int = 50) -> gm.TrainState:
+    state = s["step"].init(s["variables"], jax.random.key(0))
+    for epoch in range(epochs):
+        batches = list(s["train"].iter_epoch(epoch))
+        for start in range(0, len(batches), per_call):
+            stacked = jax.tree.map(lambda *xs: np.stack(xs), *batches[start:start + per_call])
+            state, _ = s["step"].steps(state, stacked)
+    return jax.block_until_ready(state)
+
+
 def looped(s: dict, epochs: int, with_plugins: bool, steps_per_call: int = 1) -> gm.TrainState:
     state = s["step"].init(s["variables"], jax.random.key(0))
     chosen: list[Any] = []
@@ -123,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args(argv)
     copies, epochs = (1, 2) if args.quick else (4, 25)  # 25 x 46 = 1150 steps
-    repeats = args.repeats or (2 if args.quick else 5)
+    repeats = args.repeats or (2 if args.quick else 9)
     s = setup(copies)
     variants: dict[str, Callable[[], Any]] = {
         "bare": lambda: bare(s, epochs, evaluate=False),
@@ -132,6 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "loop": lambda: looped(s, epochs, with_plugins=False),
         "loop+plugins": lambda: looped(s, epochs, with_plugins=True),
         "loop k=50": lambda: looped(s, epochs, with_plugins=False, steps_per_call=50),
+        "bare k=50": lambda: bare_fused(s, epochs),
     }
     for run in variants.values():  # compile everything first
         run()
@@ -150,6 +164,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ("loop+plugins / bare+eval+ckpt",
          medians["loop+plugins"] / medians["bare+eval+ckpt"]),
         ("loop k=50 / bare", medians["loop k=50"] / medians["bare"]),
+        ("bare k=50 / bare (what fusing gains by itself)",
+         medians["bare k=50"] / medians["bare"]),
+        ("loop k=50 / bare k=50", medians["loop k=50"] / medians["bare k=50"]),
     ]
     lines = [f"{steps} steps ({epochs} epochs of {len(s['train'])}), {repeats} repeats, "
              f"{jax.devices()[0].platform}", "",

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +16,18 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
 import jax
+
+# Tests build many programs that lower to the same XLA computations (a new jitted function
+# per program, so JAX's in-memory caches miss): each test process keeps JAX's persistent
+# compilation cache in its own fresh folder, removed at exit. Set by config, not the
+# environment, so the subprocesses tests start compile for themselves (and no two
+# processes share a folder: JAX writes its entries without a lock).
+if not jax.config.jax_compilation_cache_dir:
+    _CACHE = tempfile.mkdtemp(prefix="graphmod-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 RANDOM_PRIMITIVES = {"random_bits", "random_seed", "random_wrap", "random_unwrap",
                      "threefry2x32", "random_fold_in", "random_split"}
