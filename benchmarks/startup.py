@@ -25,8 +25,11 @@ work written by hand over plain dicts:
     forward pass on a tiny MLP (4-8-2, batch 8).
 
 Timing: the variants run round-robin (the first rotating); the tables give medians and the
-ratio to the hand-written median. Numbers are for the machine it ran on (CPU; see the
-environment in the JSON).
+ratio to the hand-written median. As ``timeit`` does, each timed call runs with Python's
+garbage collector off, after a full collection: otherwise a collection of the whole heap
+(100-150 ms at 200 layers, more than a quarter of a trace) lands in whichever trace
+crosses the collector's threshold, graphmod's or the hand-written one. Numbers are for the
+machine it ran on (CPU; see the environment in the JSON).
 
 Run::
 
@@ -125,9 +128,15 @@ def round_robin(variants: dict[str, Callable[[], float]], repeats: int) -> dict[
 
 
 def timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - start
+    """Seconds of ``fn()`` until its result is ready, with the collector off (see above)."""
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        return time.perf_counter() - start
+    finally:
+        gc.enable()
 
 
 def trace_variants(layers: int) -> dict[str, Callable[[], float]]:
@@ -255,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--full", action="store_true", help="also 300 layers (long)")
     args = parser.parse_args(argv)
     depths = [10] if args.quick else [10, 100, 300] if args.full else [10, 100]
-    repeats = args.repeats or (2 if args.quick else 5)
+    repeats = args.repeats or (2 if args.quick else 9)
     report, results = [], {"environment": environment(), "trace": {}, "init": {}}
     for layers in depths:
         variants = trace_variants(layers)

@@ -175,7 +175,10 @@ class Chain:
 
         layer: Callable[..., Any] = innermost
         for manager in reversed(self.managers):
-            layer = functools.partial(_layer, manager, self, layer)
+            # One frame per manager between the method and its caller where it can be:
+            # JAX walks the whole Python stack for every equation it records.
+            around = _wrapping if manager.has_hook("wrap") else _rewriting
+            layer = functools.partial(around, manager, self, layer)
         with jax.named_scope(_scope_name(parent, self.path, self.application)):
             self.see_inputs(args, kwargs, self._record)
             out = layer(*args, **kwargs)
@@ -194,18 +197,19 @@ def run_managed(frame: Frame, spec: Spec, method: Callable, brick: Any, path: st
     return Chain(frame, spec, brick, path).run(method, args, kwargs)
 
 
-def _layer(manager: Manager, chain: Chain, next: Callable[..., Any],
-           *args: Any, **kwargs: Any) -> Any:
-    """One manager's layer: its ``wrap`` around its input rewrites, ``next`` and its
-    output rewrites (so a wrap sees the call's arguments as they came)."""
+def _rewriting(manager: Manager, chain: Chain, next: Callable[..., Any],
+               *args: Any, **kwargs: Any) -> Any:
+    """One manager's layer: its input rewrites, ``next`` and its output rewrites."""
+    args, kwargs = chain.rewrite_inputs(manager, args, kwargs)
+    return chain.rewrite_outputs(manager, next(*args, **kwargs))
 
-    def rewritten(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = chain.rewrite_inputs(manager, args, kwargs)
-        return chain.rewrite_outputs(manager, next(*args, **kwargs))
 
-    if manager.has_hook("wrap"):
-        return manager.wrap(chain.bound(manager), rewritten, args, kwargs)
-    return rewritten(*args, **kwargs)
+def _wrapping(manager: Manager, chain: Chain, next: Callable[..., Any],
+              *args: Any, **kwargs: Any) -> Any:
+    """The layer of a manager with a ``wrap``: the wrap around its rewrites and ``next``
+    (so a wrap sees the call's arguments as they came)."""
+    rewritten = functools.partial(_rewriting, manager, chain, next)
+    return manager.wrap(chain.bound(manager), rewritten, args, kwargs)
 
 
 def _scope_name(parent: Chain | None, path: str, application: str) -> str:
