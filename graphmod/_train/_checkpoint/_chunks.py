@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from graphmod._train._checkpoint._errors import CheckpointError, failure_reason
-from graphmod._train._checkpoint._format import checksum
+from graphmod._train._checkpoint._format import checksum, corrupted
 from graphmod._train._checkpoint._parts import open_part, read_piece
 
 Region = tuple[slice, ...]
@@ -101,9 +101,9 @@ def _checked(path: str, where: str, piece: Any, size: list[int], dtype: str,
             piece.size != math.prod(size) * kind.itemsize:
         raise CheckpointError(path, f"{where} holds {piece.nbytes} bytes, the meta record "
                               f"says {size} {dtype}")
-    if checksum(piece) != crc:
-        raise CheckpointError(path, f"{where} fails its checksum (crc32 {checksum(piece)}, "
-                              f"recorded {crc}): the data is corrupted")
+    found = checksum(piece)
+    if found != crc:
+        raise corrupted(path, where, found, crc)
     return piece.view(kind).reshape(size)
 
 

@@ -209,8 +209,14 @@ def check_arrays(path: str, entries: list[list[Any]], arrays: list[np.ndarray]) 
                                   f"{array.dtype}, its meta record says {shape} {dtype}")
     for (name, _, _, crc), found in zip(entries, checksums(arrays), strict=True):
         if found != crc:
-            raise CheckpointError(path, f"array {name} fails its checksum (crc32 {found}, "
-                                  f"recorded {crc}): the data is corrupted")
+            raise corrupted(path, f"array {name}", found, crc)
+
+
+def corrupted(path: str, what: str, found: str, recorded: str) -> CheckpointError:
+    """The error for ``what`` (an array, or one of its chunks) whose checksum is ``found``
+    where the meta record says ``recorded``."""
+    return CheckpointError(path, f"{what} fails its checksum (crc32 {found}, recorded "
+                           f"{recorded}): the data is corrupted")
 
 
 def _tiling_error(shape: list[int], chunks: Any, parts: int) -> str | None:
