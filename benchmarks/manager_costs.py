@@ -5,9 +5,11 @@ batch 128) with the manager applied by ``graphmod.compile`` and stepped by
 ``graphmod.optimize``, against a ``jax.jit`` step over plain dicts with the same rewrite
 written out by hand (same layers, same math; random streams differ). Variants run
 round-robin in one process; the table gives each pair's median step times and their ratio
-(graphmod / hand), and how the work of the two compiled steps compares (XLA's cost
-analysis: flops and bytes accessed, graphmod / hand; 1.000 is the same work, so a time
-ratio away from 1 with both at 1.000 is the machine's noise or the call's dispatch).
+(graphmod / hand), a control (the hand-written step compiled a second time and timed with
+the two: its ratio to the first shows how far the machine's noise alone moves a ratio),
+and how the work of the two compiled steps compares (XLA's cost analysis: flops and bytes
+accessed, graphmod / hand; 1.000 is the same work, so a time ratio away from 1 with both
+at 1.000 is the machine's noise or the call's dispatch).
 
 Run::
 
@@ -221,13 +223,17 @@ def hand_variant(case: Case, weights: list, seed: int, batch: tuple) -> Variant:
 # -- report -----------------------------------------------------------------------------------
 def measure(case: Case, batches: Sequence[tuple], seed: int, repeats: int, block: int,
             analyse: bool = True) -> dict[str, Any]:
-    """The pair's median step times and, with ``analyse``, the ratios of XLA's flops and
-    bytes accessed of the compiled steps (1.000: the same work)."""
+    """The pair's median step times, their ratio and the control's (the hand-written step
+    compiled a second time, interleaved with the two: its ratio to the first is the noise
+    of the measurement), and, with ``analyse``, the ratios of XLA's flops and bytes
+    accessed of the compiled steps (1.000: the same work)."""
     ours, weights = graphmod_variant(case, seed, batches[0])
     hand = hand_variant(case, weights, seed, batches[0])
-    interleave([hand, ours], batches, repeats, block)
-    h, g = statistics.median(hand.times), statistics.median(ours.times)
-    row = {"manager": case.name, "hand_us": h * 1e6, "graphmod_us": g * 1e6, "ratio": g / h}
+    again = dataclasses.replace(hand_variant(case, weights, seed, batches[0]), name="again")
+    interleave([hand, ours, again], batches, repeats, block)
+    h, g, a = (statistics.median(v.times) for v in (hand, ours, again))
+    row = {"manager": case.name, "hand_us": h * 1e6, "graphmod_us": g * 1e6, "ratio": g / h,
+           "control": a / h}
     if analyse:
         (hand_flops, hand_bytes), (flops, bytes_) = work(hand), work(ours)
         row.update(flops_ratio=flops / hand_flops, bytes_ratio=bytes_ / hand_bytes)
@@ -246,11 +252,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             for case in CASES]
     lines = [f"Digits MLP {'-'.join(map(str, DIMS))}, batch {BATCH}, Adam; medians of "
              f"{repeats} interleaved blocks of {block} steps. XLA flops and bytes accessed: "
-             "of the compiled steps (XLA's cost analysis), graphmod / hand.", "",
-             "| manager | hand (µs) | graphmod (µs) | ratio | XLA flops | XLA bytes |",
-             "|---|--:|--:|--:|--:|--:|"]
+             "of the compiled steps (XLA's cost analysis), graphmod / hand. Control: the "
+             "hand-written step compiled again and interleaved with the two, against the "
+             "first (the measurement's noise).", "",
+             "| manager | hand (µs) | graphmod (µs) | ratio | control | XLA flops | XLA bytes |",
+             "|---|--:|--:|--:|--:|--:|--:|"]
     lines += [f"| {r['manager']} | {r['hand_us']:.0f} | {r['graphmod_us']:.0f} "
-              f"| {r['ratio']:.2f} | {r.get('flops_ratio', math.nan):.3f} "
+              f"| {r['ratio']:.2f} | {r['control']:.2f} | {r.get('flops_ratio', math.nan):.3f} "
               f"| {r.get('bytes_ratio', math.nan):.3f} |" for r in rows]
     write_results(args, "managers_results", "# Manager cost against hand-written JAX\n\n"
                   + "\n".join(lines) + "\n", {"environment": environment(), "rows": rows})

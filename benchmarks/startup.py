@@ -25,11 +25,13 @@ work written by hand over plain dicts:
     forward pass on a tiny MLP (4-8-2, batch 8).
 
 Timing: the variants run round-robin (the first rotating); the tables give medians and the
-ratio to the hand-written median. As ``timeit`` does, each timed call runs with Python's
-garbage collector off, after a full collection: otherwise a collection of the whole heap
-(100-150 ms at 200 layers, more than a quarter of a trace) lands in whichever trace
-crosses the collector's threshold, graphmod's or the hand-written one. Numbers are for the
-machine it ran on (CPU; see the environment in the JSON).
+ratio to the hand-written median. The trace table has a control: the hand-written
+regularized trace timed again as a variant of its own, whose ratio to the first shows how
+far the machine's noise alone moves a ratio in that run. As ``timeit`` does, each timed
+call runs with Python's garbage collector off, after a full collection: otherwise a
+collection of the whole heap (100-150 ms at 200 layers, more than a quarter of a trace)
+lands in whichever trace crosses the collector's threshold, graphmod's or the hand-written
+one. Numbers are for the machine it ran on (CPU; see the environment in the JSON).
 
 Run::
 
@@ -155,7 +157,8 @@ def trace_variants(layers: int) -> dict[str, Callable[[], float]]:
 
     return {"hand": hand(False), "graphmod": ours(False),
             "hand (batch norm + dropout)": hand(True),
-            "graphmod (BatchNorm + Dropout)": ours(True)}
+            "graphmod (BatchNorm + Dropout)": ours(True),
+            "control: hand (batch norm + dropout) again": hand(True)}
 
 
 def init_variants(layers: int) -> dict[str, Callable[[], float]]:
@@ -272,7 +275,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         times = round_robin(variants, repeats)
         text, rows = table(f"trace, {layers} layers", times, 1, "s", [
             ("graphmod", "hand"),
-            ("graphmod (BatchNorm + Dropout)", "hand (batch norm + dropout)")])
+            ("graphmod (BatchNorm + Dropout)", "hand (batch norm + dropout)"),
+            ("control: hand (batch norm + dropout) again", "hand (batch norm + dropout)")])
         report.append(text + "\n\nThe first round, not in the medians: " + ", ".join(
             f"{name} {seconds * 1e3:.0f} ms" for name, seconds in first.items()))
         results["trace"][layers] = {"rows": rows, "first_round_s": first}

@@ -242,6 +242,44 @@ def test_use_manager_scopes_a_manager_to_one_call() -> None:
     assert [(r.manager, r.call_id) for r in program.rewrites.infer] == [("scale", 1)]
 
 
+def test_managers_nest_in_their_order_around_a_wrap() -> None:
+    # Inputs are rewritten outermost manager first, outputs innermost first; a wrap sees the
+    # arguments as the managers outside it left them (rewrites without a wrap share a frame).
+    class Affine(gm.Manager):
+        def __init__(self, scale: float, shift: float, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.scale, self.shift = scale, shift
+
+        def rewrite_input(self, call, name, value):
+            return self.scale * value + self.shift
+
+        def rewrite_output(self, call, name, value):
+            return self.scale * value + self.shift
+
+    class Negate(gm.Manager):
+        def wrap(self, call, next, args, kwargs):
+            return -next(-args[0])
+
+    class Identity(gm.Brick):
+        @gm.application(inputs=["x"], outputs=["y"])
+        def apply(self, x: jax.Array) -> jax.Array:
+            return x
+
+    both = [roles.INPUT, roles.OUTPUT]
+    chain = [Affine(2.0, 1.0, roles=both, manager_name="a"),
+             Affine(3.0, 0.0, roles=both, manager_name="b"),
+             Negate(manager_name="n"), Affine(1.0, 5.0, roles=both, manager_name="c")]
+    program = gm.compile(lambda m, x: m(x), Identity(), managers=chain)
+    x = jnp.float32(1.0)
+
+    def by_hand(x):
+        x = 3 * (2 * x + 1)  # a, b on the input
+        y = -((-x + 5) + 5)  # n around c's input and output rewrites
+        return 2 * (3 * y) + 1  # b, a on the output
+
+    assert float(program.infer(program.init(x), x)) == by_hand(1.0)
+
+
 def test_call_rng_outside_a_program_raises() -> None:
     class Draw(gm.Brick):
         @gm.application(inputs=["x"], outputs=["y"])

@@ -24,7 +24,7 @@ from typing import Any
 
 from graphmod._core import _context
 from graphmod._core._call import ApplicationCall
-from graphmod._core._chain import run_managed
+from graphmod._core._chain import Chain
 from graphmod._core._spec import Spec
 
 
@@ -76,7 +76,7 @@ def _wrapped(method: Callable[..., Any], spec: Spec) -> Callable[..., Any]:
         local = () if use_manager is None else tuple(
             use_manager if isinstance(use_manager, list | tuple) else [use_manager])
         with frame.using(local):
-            return run_managed(frame, spec, method, self, path, args, kwargs)
+            return Chain(frame, spec, self, path).run(method, args, kwargs)
 
     wrapper.__graphmod_application__ = spec.name  # type: ignore[attr-defined]
     wrapper.__graphmod_spec__ = spec  # type: ignore[attr-defined]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -36,6 +37,7 @@ def tree_difference(expected: set[Key], actual: set[Key]) -> tuple[list[str], li
     return show(expected - actual), show(actual - expected)
 
 
+@functools.lru_cache(maxsize=256)  # a trace checks every variable: a few dtypes, many times
 def canonical_dtype(dtype: Any) -> str:
     """The name of the dtype a value of ``dtype`` has inside ``jit`` (float64 becomes
     float32 without x64; weak types count as their dtype; '' stays unknown)."""
@@ -48,9 +50,17 @@ def canonical_dtype(dtype: Any) -> str:
     return str(jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True))
 
 
+def dtype_of(value: Any) -> Any:
+    """The dtype of an array, a tracer, a ShapeDtypeStruct (its own, read directly) or a
+    Python number (``jnp.result_type``'s)."""
+    dtype = getattr(value, "dtype", None)
+    return dtype if isinstance(dtype, np.dtype) or jax.dtypes.issubdtype(
+        dtype, jax.dtypes.extended) else jnp.result_type(value)
+
+
 def spec(value: Any) -> Spec:
     """The shape and canonical dtype of an array, a tracer or a ShapeDtypeStruct."""
-    return tuple(np.shape(value)), canonical_dtype(jnp.result_type(value))
+    return tuple(np.shape(value)), canonical_dtype(dtype_of(value))
 
 
 def spec_differences(found: Mapping[Key, Any], expected: Mapping[Key, Spec],

@@ -1,7 +1,8 @@
 """The chain runner: runs the matching managers around one application call.
 
-For each call of an application inside a compiled program, :func:`run_managed` makes a
-:class:`Chain`, which
+For each call of an application inside a compiled program, the application's wrapper
+makes a :class:`Chain` and calls :meth:`Chain.run` (nothing between them: JAX keeps the
+Python stack of every equation it records, at a cost per frame), which
 
 1. gives the call its id and the read-only :class:`~graphmod._core._call.ApplicationCall`
    that hooks and the method see (one per manager and variable, :meth:`Chain.bound`);
@@ -45,6 +46,11 @@ class Chain:
     """The managers matching one application call, and the call's plumbing."""
 
     def __init__(self, frame: Frame, spec: Spec, brick: Any, path: str) -> None:
+        if frame.inner():
+            # A call inside an inner trace (a jax.jit, nnx.remat, scan body): no later inner
+            # trace may replay it. Calls at the outer level run their Python anyway, so JAX's
+            # own jitted helpers (random bits, ...) stay cached across them.
+            _context.split_trace_caches()
         self.frame = frame
         self.spec = spec
         self.brick = brick
@@ -117,8 +123,10 @@ class Chain:
         """``manager.rewrite_output`` applied to each selected output of this call."""
         if not manager.has_hook("rewrite_output"):
             return out
-        new = [self.rewrite(manager, "rewrite_output", self.tag(self.spec.output_role(n), n), v)
-               for n, v in self.spec.output_items(out)]
+        new = []
+        for name, value in self.spec.output_items(out):  # a loop: no comprehension's frame
+            tag = self.tag(self.spec.output_role(name), name)
+            new.append(self.rewrite(manager, "rewrite_output", tag, value))
         return self.spec.with_outputs(out, new)
 
     def read_parameter(self, info: VariableInfo, base: Any) -> Any:
@@ -173,12 +181,21 @@ class Chain:
             self.see_outputs(out, self._record)  # recorded: the outputs before any rewrite
             return out
 
+        # As few frames between the method and its caller as can be (JAX keeps the whole
+        # Python stack of every equation it records): one per manager with a wrap, one for
+        # each run of managers without.
         layer: Callable[..., Any] = innermost
+        rewriting: list[Manager] = []
         for manager in reversed(self.managers):
-            # One frame per manager between the method and its caller where it can be:
-            # JAX walks the whole Python stack for every equation it records.
-            around = _wrapping if manager.has_hook("wrap") else _rewriting
-            layer = functools.partial(around, manager, self, layer)
+            if not manager.has_hook("wrap"):
+                rewriting.insert(0, manager)
+                continue
+            if rewriting:
+                layer = functools.partial(_rewriting, tuple(rewriting), self, layer)
+                rewriting = []
+            layer = functools.partial(_wrapping, manager, self, layer)
+        if rewriting:
+            layer = functools.partial(_rewriting, tuple(rewriting), self, layer)
         with jax.named_scope(_scope_name(parent, self.path, self.application)):
             self.see_inputs(args, kwargs, self._record)
             out = layer(*args, **kwargs)
@@ -186,29 +203,23 @@ class Chain:
         return out
 
 
-def run_managed(frame: Frame, spec: Spec, method: Callable, brick: Any, path: str,
-                args: tuple, kwargs: dict) -> Any:
-    """Runs ``method`` of ``brick`` at ``path`` as an application call inside ``frame``."""
-    if frame.inner():
-        # A call inside an inner trace (a jax.jit, nnx.remat, scan body): no later inner
-        # trace may replay it. Calls at the outer level run their Python anyway, so JAX's
-        # own jitted helpers (random bits, ...) stay cached across them.
-        _context.split_trace_caches()
-    return Chain(frame, spec, brick, path).run(method, args, kwargs)
-
-
-def _rewriting(manager: Manager, chain: Chain, next: Callable[..., Any],
+def _rewriting(managers: tuple[Manager, ...], chain: Chain, next: Callable[..., Any],
                *args: Any, **kwargs: Any) -> Any:
-    """One manager's layer: its input rewrites, ``next`` and its output rewrites."""
-    args, kwargs = chain.rewrite_inputs(manager, args, kwargs)
-    return chain.rewrite_outputs(manager, next(*args, **kwargs))
+    """The layers of ``managers`` (outermost first) in one: their input rewrites, outermost
+    first, ``next``, and their output rewrites, innermost first."""
+    for manager in managers:
+        args, kwargs = chain.rewrite_inputs(manager, args, kwargs)
+    out = next(*args, **kwargs)
+    for manager in reversed(managers):
+        out = chain.rewrite_outputs(manager, out)
+    return out
 
 
 def _wrapping(manager: Manager, chain: Chain, next: Callable[..., Any],
               *args: Any, **kwargs: Any) -> Any:
     """The layer of a manager with a ``wrap``: the wrap around its rewrites and ``next``
     (so a wrap sees the call's arguments as they came)."""
-    rewritten = functools.partial(_rewriting, manager, chain, next)
+    rewritten = functools.partial(_rewriting, (manager,), chain, next)
     return manager.wrap(chain.bound(manager), rewritten, args, kwargs)
 
 

@@ -152,16 +152,18 @@ def tracing(frame: Frame, *, isolated: bool) -> Iterator[Frame]:
         assert popped is frame, "frame stack corrupted: traces exited out of order"
 
 
-def traced(shared: Any, make_frame: Callable[[], Frame], body: Callable[[Frame], None]
-           ) -> Frame:
-    """Runs ``body(frame)`` in a fresh frame under the shared token; again, isolated, if an
-    inner trace read the frame, and isolated from then on (``shared.isolated``: one flag for
-    the programs over one layout)."""
+def traced(shared: Any, make_frame: Callable[[], Frame], fn: Callable[..., Any], /,
+           *args: Any, **kwargs: Any) -> Frame:
+    """Runs ``fn(*args, **kwargs)`` in a fresh frame under the shared token, keeping what it
+    returns (``frame.out``); again, isolated, if an inner trace read the frame, and isolated
+    from then on (``shared.isolated``: one flag for the programs over one layout)."""
     while True:
         frame = make_frame()
         try:
             with tracing(frame, isolated=shared.isolated):
-                body(frame)
+                # fn called here, not in a closure: JAX keeps the whole Python stack of
+                # every equation it records, at a cost per frame.
+                frame.returned(fn(*args, **kwargs))
             return frame
         except NeedsIsolation:  # what the stopped try traced is dead code
             shared.isolated = True

@@ -37,7 +37,7 @@ from flax import nnx
 
 from graphmod import roles as _roles
 from graphmod._core import _context
-from graphmod._core._chain import Chain, run_managed
+from graphmod._core._chain import Chain
 from graphmod._core._spec import MethodSpec, is_array
 
 # Methods besides ``__call__`` that are applications of every program's Flax modules.
@@ -122,7 +122,7 @@ def _intercepted(method: Callable[..., Any], name: str) -> Callable[..., Any]:
         path = None if frame is None else frame.layout.brick_path(self)
         if path is None:  # another thread calling the model eagerly, or a stranger module
             return method(self, *args, **kwargs)
-        return run_managed(frame, spec, in_program, self, path, args, kwargs)
+        return Chain(frame, spec, self, path).run(in_program, args, kwargs)
 
     return wrapper
 

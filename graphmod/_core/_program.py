@@ -298,8 +298,7 @@ class ProgramCore(VariablesByRole):
                          monitor=self._monitor, record=record,
                          costs=costs)
 
-        frame = _context.traced(self._shared, fresh,
-                                lambda f: f.returned(self.fn(self.model, *args, **kwargs)))
+        frame = _context.traced(self._shared, fresh, self.fn, self.model, *args, **kwargs)
         if not record:
             self.rewrites.store(RewriteTrace(mode, tuple(frame.rewrites)))
         if self._strict:

@@ -7,9 +7,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
+from graphmod._core._arguments import spec
 from graphmod._core._table import html_table, text_table
 
 
@@ -17,7 +16,7 @@ def shape_and_dtype(value: Any) -> tuple[tuple[int, ...], str]:
     """The shape and dtype of an array-like value, for records (a pytree: its leaves')."""
     leaves = jax.tree.leaves(value)
     if len(leaves) == 1:
-        return tuple(np.shape(leaves[0])), str(jnp.result_type(leaves[0]))
+        return spec(leaves[0])
     return (), f"pytree[{len(leaves)}]"
 
 
