@@ -17,7 +17,10 @@ Examples:
 
 from __future__ import annotations
 
+from flax.errors import TraceContextError
+
 __all__ = [
+    "AttributeOutlivesTrace",
     "GraphmodError",
     "ManagerConflict",
     "ManagerMatchedNothing",
@@ -103,3 +106,20 @@ class StateEscapesTransform(GraphmodError, RuntimeError):
         >>> issubclass(gm.errors.StateEscapesTransform, RuntimeError)
         True
     """
+
+
+class AttributeOutlivesTrace(GraphmodError, TraceContextError):
+    """A module of a compiled model was given a new attribute while the program traced (as
+    Flax's examples store intermediates: ``self.kl_loss = Loss(...)``) and still had it when
+    the traced function returned. A program's variables are fixed when it is compiled, so
+    the module is left as it was: take the value off again in the function
+    (``nnx.pop(model, Loss)``), or return it with ``self.sow(...)`` to monitor it.
+
+    Examples:
+        >>> import flax, graphmod as gm
+        >>> issubclass(gm.errors.AttributeOutlivesTrace, flax.errors.TraceContextError)
+        True
+    """
+
+    def __init__(self, message: str) -> None:
+        Exception.__init__(self, message)  # not Flax's: its link names Flax's own errors

@@ -52,12 +52,18 @@ def test_init_returns_copies_and_update_model_writes_back() -> None:
     before = mlp(x)
     variables = program.init(x, y)
     step = gm.optimize(program, optax.adam(1e-2))
-    state = step.init(variables, jax.random.key(0))
+    key = jax.random.key(0)
+    state = step.init(variables, key)
     for _ in range(20):
         state, _metrics = step(state, x, y)
-    # Buffers were donated 20 times: the model and the init variables still work.
+    # Buffers were donated 20 times: the model, the init variables and the key still work.
     np.testing.assert_allclose(mlp(x), before)
     assert jnp.isfinite(program.infer(variables, x, y))
+    np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(
+        jax.random.key(0)))
+    data = jax.random.key_data(key)  # a key given as its raw data is copied too
+    step(step.init(variables, data), x, y)
+    assert not data.is_deleted()
     program.update_model(state.variables)
     trained = program.derive(lambda m, x: m(x)).infer(state.variables, x)
     np.testing.assert_allclose(mlp(x), trained, rtol=1e-5, atol=1e-6)

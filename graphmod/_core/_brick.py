@@ -7,7 +7,7 @@ from typing import Any
 from flax import nnx
 
 from graphmod._core._construction import record_construction
-from graphmod._core._intercept import sow_in_program
+from graphmod._core._intercept import assign_in_program, sow_in_program
 
 
 class Brick(nnx.Module):
@@ -64,6 +64,10 @@ class Brick(nnx.Module):
             [2.0, 2.0]
         """
         return sow_in_program(self, variable_type, name, value, *args, **kwargs)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A new attribute inside a program's trace: Flax's intermediates idiom (see there).
+        assign_in_program(self, nnx.Module.__setattr__, name, value)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         apply = getattr(self, "apply", None)

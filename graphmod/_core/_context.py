@@ -48,7 +48,7 @@ from typing import Any
 from jax._src import config as _jax_config
 
 from graphmod._core._trace import current_trace
-from graphmod.errors import ManagerReentered
+from graphmod.errors import AttributeOutlivesTrace, ManagerReentered
 
 # The stacks hold frames and managers; their modules import this one, not the reverse.
 Frame = Any
@@ -79,6 +79,11 @@ _TRACE_TOKEN = _jax_config.string_or_object_state(
     include_in_trace_context=True,
 )
 
+
+# (id(module), name) -> module, for each attribute a model's module gained in the trace in
+# progress (see note_new_attribute).
+_NEW_ATTRIBUTES: contextvars.ContextVar[dict[tuple[int, str], Any] | None] = (
+    contextvars.ContextVar("graphmod_new_attributes", default=None))
 
 # id(module) -> [module, original class, number of traces holding the swap]
 _SWAPPED: dict[int, list[Any]] = {}
@@ -130,10 +135,22 @@ def current_frame() -> Frame | None:
     return frame
 
 
+def note_new_attribute(module: Any, name: str) -> None:
+    """Notes that ``module`` of the model gained attribute ``name`` in the trace in progress
+    (``graphmod._core._intercept.assign_in_program``): it must be gone when it ends."""
+    added = _NEW_ATTRIBUTES.get()
+    assert added is not None, "a new attribute noted outside a program's trace"
+    added[id(module), name] = module
+
+
 @contextlib.contextmanager
 def tracing(frame: Frame, *, isolated: bool) -> Iterator[Frame]:
-    """Makes ``frame`` current, under the shared token or, ``isolated``, a fresh one."""
+    """Makes ``frame`` current, under the shared token or, ``isolated``, a fresh one; leaves
+    the model's modules without the attributes they gained meanwhile, and raises
+    :class:`~graphmod.errors.AttributeOutlivesTrace` if the traced function left any."""
     token = _FRAME.set(frame)
+    added: dict[tuple[int, str], Any] = {}
+    added_token = _NEW_ATTRIBUTES.set(added)
     frame.layout.reset_node_states()  # NNX lifted transforms rebuild them (_variables)
     try:
         with _swapped(frame.layout.swaps), contextlib.ExitStack() as tokens:
@@ -146,10 +163,22 @@ def tracing(frame: Frame, *, isolated: bool) -> Iterator[Frame]:
                 _SHARED_IN.reset(shared_token)
                 _TOKENS.reset(tokens_token)
     finally:
+        left = [(module, name) for (_, name), module in added.items() if name in vars(module)]
+        for module, name in left:
+            delattr(module, name)  # Flax's own delete: its record of the attribute goes too
+        _NEW_ATTRIBUTES.reset(added_token)
         frame.layout.reset_node_states()
         popped = _FRAME.get()
         _FRAME.reset(token)
         assert popped is frame, "frame stack corrupted: traces exited out of order"
+    if left:
+        raise AttributeOutlivesTrace("\n".join(
+            f"{type(module).__name__}.{name} (the module at "
+            f"{frame.layout.brick_path(module)!r}) was assigned while the program traced and "
+            "was still there when the function returned" for module, name in left)
+            + ". A program's variables are fixed when it is compiled, so the model is left "
+            "as it was: take the value off again in the function (nnx.pop(model, ...), as "
+            "Flax's examples do), or return it with self.sow(...) to monitor it")
 
 
 def traced(shared: Any, make_frame: Callable[[], Frame], fn: Callable[..., Any], /,

@@ -21,7 +21,9 @@ Sharp edges
     over layers) is one per iteration, stacked with the loops' lengths as leading axes (see
     ``graphmod._core._loop_keys``); where the loop sees the whole module (``nnx.RNN``'s cell,
     ``nnx.vmap``, ``jax.jit``) it is shared by every iteration and cannot be updated there,
-    nor created from a parameter's value (use ``graphmod.scan``).
+    nor created from a parameter's value (use ``graphmod.scan``). A module may gain a new
+    attribute while a program traces (Flax's intermediates, ``nnx.pop``-ed in the loss) but
+    must lose it before the function returns (:func:`assign_in_program`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx import tracers
 
 from graphmod import roles as _roles
 from graphmod._core import _context
@@ -108,7 +111,30 @@ def intercepting_class(cls: type, methods: tuple[str, ...]) -> type:
         namespace[name] = _intercepted(getattr(cls, name), name)
     if cls.sow is nnx.Module.sow:
         namespace["sow"] = sow_in_program
+    namespace["__setattr__"] = functools.partialmethod(assign_in_program, cls.__setattr__)
     return type(cls.__name__, (cls,), namespace)
+
+
+def assign_in_program(module: nnx.Module, assign: Callable[[Any, str, Any], None], name: str,
+                      value: Any) -> None:
+    """``module.name = value`` by ``assign`` (the class's own ``__setattr__``); while a
+    program traces, a module of its model may gain a new attribute (Flax refuses it from
+    inside a trace), which must be gone when the traced function returns (Flax's examples
+    store intermediates so, ``self.kl_loss = Loss(...)``, and ``nnx.pop`` them in the loss;
+    see ``graphmod._core._context.tracing``). Rebinding an attribute stays Flax's to refuse:
+    the module's new value could not outlive the trace."""
+    frame = _context.current_frame()
+    if frame is None or name in vars(module) or frame.layout.brick_path(module) is None:
+        assign(module, name, value)
+        return
+    state = module._pytree__state
+    adopted = state.trace_state
+    object.__setattr__(state, "_trace_state", tracers.TraceState())  # valid in this trace
+    try:
+        assign(module, name, value)
+    finally:
+        object.__setattr__(state, "_trace_state", adopted)
+    _context.note_new_attribute(module, name)
 
 
 def _intercepted(method: Callable[..., Any], name: str) -> Callable[..., Any]:

@@ -232,8 +232,9 @@ class _ModelTraceState(tracers.TraceState):
     """The trace state of a compiled model's NNX node (module, ``Rngs``...): as Flax's, and
     also valid while a program traces *and* Flax extracts the node for a lifted transform
     (``nnx.scan``, ``nnx.vmap``, ``nnx.remat``, ``nnx.RNN``...). Its variables then yield
-    the program's values (``Tracked._raw_value``). Assigning attributes to the node inside
-    a program stays refused, as Flax refuses it in any trace. Reads Flax internals
+    the program's values (``Tracked._raw_value``). Rebinding an attribute of the node inside
+    a program stays refused, as Flax refuses it in any trace (a new attribute is allowed
+    for the trace: ``graphmod._core._intercept.assign_in_program``). Reads Flax internals
     (``graphlib.GRAPH_CONTEXT``): the Flax minor version is pinned in ``pyproject.toml``."""
 
     __slots__ = ()

@@ -145,7 +145,8 @@ class TrainStep:
         return training_provenance(self)
 
     def init(self, variables: dict, rng: Any) -> TrainState:
-        """The first train state (copies ``variables``, so donation never frees yours).
+        """The first train state (copies ``variables`` and the key, so donation never frees
+        yours).
 
         ``variables`` are checked against the program's layout and ``rng`` must be a key
         (e.g. ``jax.random.key(0)``), before anything is copied."""
@@ -153,7 +154,7 @@ class TrainStep:
         self.program._unpack(variables)
         variables = jax.tree.map(lambda x: jnp.array(x, copy=True), variables)
         params, _ = self._parameters(variables)
-        data = jax.random.key_data(key)
+        data = jnp.array(jax.random.key_data(key), copy=True)  # key_data shares the buffer
         seed = key_record(key)
         if seed is not None:  # not under a trace (abstract_state)
             self.train_seed = seed

@@ -1,0 +1,151 @@
+"""Flax's idiom of storing an intermediate on a module in its call and popping it in the
+loss (``self.kl_loss = Loss(...)``, ``nnx.pop(model, Loss)``: Flax's VAE example), inside
+programs; the model below is written for this test in that example's style (an encoder
+that keeps its own ``nnx.Rngs`` stream for the reparametrization noise)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.errors import TraceContextError
+
+import graphmod as gm
+import managers
+from graphmod import roles
+
+X = (np.random.default_rng(0).random((8, 6)) > 0.5).astype(np.float32)
+KEY = jax.random.key(0)
+
+
+class Loss(nnx.Variable):
+    pass
+
+
+class Encoder(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs) -> None:
+        self.hidden = nnx.Linear(6, 5, rngs=rngs)
+        self.mean = nnx.Linear(5, 2, rngs=rngs)
+        self.log_std = nnx.Linear(5, 2, rngs=rngs)
+        self.rngs = rngs
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jax.nn.relu(self.hidden(x))
+        mean, std = self.mean(h), jnp.exp(self.log_std(h))
+        self.kl_loss = Loss(jnp.mean(std**2 + mean**2 - 1.0 - 2 * jnp.log(std)) / 2)
+        return mean + std * jax.random.normal(self.rngs.noise(), mean.shape)
+
+
+class AutoEncoder(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs) -> None:
+        self.encoder = Encoder(rngs=rngs)
+        self.decoder = nnx.Linear(2, 6, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.decoder(self.encoder(x))
+
+
+def popping_loss(model: AutoEncoder, x: jax.Array) -> jax.Array:
+    logits = model(x)
+    kl = sum(jax.tree.leaves(nnx.pop(model, Loss)), 0.0)
+    return jnp.mean(optax.sigmoid_binary_cross_entropy(logits, x)) + 0.1 * kl
+
+
+def keeping_loss(model: AutoEncoder, x: jax.Array) -> jax.Array:
+    return jnp.mean(optax.sigmoid_binary_cross_entropy(model(x), x))
+
+
+def new_model() -> AutoEncoder:
+    return AutoEncoder(rngs=nnx.Rngs(0, noise=1))
+
+
+def test_a_popped_intermediate_trains_as_in_flax() -> None:
+    model = new_model()
+    program = gm.compile(popping_loss, model)
+    variables = program.init(X)
+    loss, after = program.train(variables, X, rng=KEY)
+    np.testing.assert_allclose(loss, popping_loss(nnx.clone(model), X), rtol=1e-6)
+    noise = after["model"]["encoder"]["rngs"]["noise"]["count"]
+    assert int(noise) == int(variables["model"]["encoder"]["rngs"]["noise"]["count"]) + 1
+    assert not hasattr(model.encoder, "kl_loss")  # the program changed nothing of the model
+
+    step = gm.optimize(program, optax.adam(1e-2))
+    state = step.init(variables, KEY)
+    losses = []
+    for _ in range(40):
+        state, metrics = step(state, X)
+        losses.append(float(metrics["loss"]))
+    assert np.mean(losses[-5:]) < np.mean(losses[:5])  # the KL term trains through pop
+    assert not hasattr(model.encoder, "kl_loss")
+
+
+def test_managers_rewrite_a_model_that_pops_its_intermediates() -> None:
+    model = new_model()
+    noise = managers.GaussianNoise(1.0, bricks=[model.decoder], roles=[roles.INPUT])
+    program = gm.compile(popping_loss, model, managers=[noise])
+    variables = program.init(X)
+    loss, _ = program.train(variables, X, rng=KEY)
+    assert [r.path for r in program.rewrites.train] == ["/decoder"]
+    assert not np.allclose(loss, popping_loss(nnx.clone(model), X))
+
+
+def test_an_intermediate_left_on_a_module_raises_and_is_taken_off() -> None:
+    model = new_model()
+    program = gm.compile(keeping_loss, model)
+    with pytest.raises(gm.errors.AttributeOutlivesTrace,
+                       match=r"Encoder\.kl_loss \(the module at '/encoder'\).*nnx\.pop"):
+        program.init(X)
+    assert not hasattr(model.encoder, "kl_loss")
+    assert issubclass(gm.errors.AttributeOutlivesTrace, TraceContextError)
+
+
+def test_an_error_in_the_function_leaves_the_module_as_it_was() -> None:
+    def failing(model: AutoEncoder, x: jax.Array) -> jax.Array:
+        model(x)
+        raise ValueError("the user's own error")
+
+    model = new_model()
+    before = nnx.state(model, nnx.Param, nnx.RngCount)
+    with pytest.raises(ValueError, match="the user's own error"):
+        gm.compile(failing, model).init(X)
+    assert not hasattr(model.encoder, "kl_loss")
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(model, nnx.Param, nnx.RngCount),
+                 before)
+    assert np.isfinite(popping_loss(model, X))  # the model still runs eagerly
+
+
+def test_rebinding_an_attribute_in_a_program_stays_refused() -> None:
+    class Scaled(nnx.Module):
+        def __init__(self) -> None:
+            self.linear = nnx.Linear(6, 2, rngs=nnx.Rngs(0))
+            self.last = 0.0
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            self.last = x.mean()  # its new value could not outlive the trace
+            return self.linear(x)
+
+    model = Scaled()
+    with pytest.raises(TraceContextError, match="Cannot mutate 'Scaled'") as raised:
+        gm.compile(lambda m, x: m(x).sum(), model).init(X)
+    assert not isinstance(raised.value, gm.errors.AttributeOutlivesTrace)
+    assert model.last == 0.0
+
+
+def test_a_brick_may_store_and_pop_an_intermediate() -> None:
+    class Square(gm.Brick):
+        @gm.application(inputs=["x"], outputs=["y"])
+        def apply(self, x: jax.Array) -> jax.Array:
+            self.norm = Loss(jnp.sum(x**2))
+            return x * x
+
+    def loss(model: Square, x: jax.Array) -> jax.Array:
+        y = model(x)
+        return y.sum() + nnx.pop(model, Loss)["norm"][...]
+
+    brick = Square()
+    out, _ = gm.compile(loss, brick).train(gm.compile(loss, brick).init(X), X, rng=KEY)
+    np.testing.assert_allclose(out, 2 * np.sum(X**2), rtol=1e-6)
+    assert not hasattr(brick, "norm")
