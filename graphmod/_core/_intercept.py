@@ -109,8 +109,15 @@ def intercepting_class(cls: type, methods: tuple[str, ...]) -> type:
                                  "__graphmod_original__": cls, "__slots__": ()}
     for name in methods:
         namespace[name] = _intercepted(getattr(cls, name), name)
+    # nnx.capture(..., method_outputs=...) wraps the callables in type(module).__dict__ (not
+    # inherited ones) to sow their results: the class's own methods stand here too, so it
+    # wraps what it wraps outside programs. graphmod's own hooks are partialmethods, which
+    # are not callable, so it leaves them alone (a wrapped sow would sow forever).
+    for name, attribute in vars(cls).items():
+        if name not in namespace and callable(attribute) and not name.startswith("_"):
+            namespace[name] = attribute
     if cls.sow is nnx.Module.sow:
-        namespace["sow"] = sow_in_program
+        namespace["sow"] = functools.partialmethod(sow_in_program)
     namespace["__setattr__"] = functools.partialmethod(assign_in_program, cls.__setattr__)
     return type(cls.__name__, (cls,), namespace)
 
@@ -157,17 +164,22 @@ def sow_in_program(self: nnx.Module, variable_type: Any, name: str, value: Any, 
          **kwargs: Any) -> bool:
     """``Module.sow`` in a program: each array of ``value`` is an auxiliary variable
     ``name`` (``name_0``, ``name_1``, ... for several) of the innermost application call,
-    monitorable; nothing is stored on the module (``init_fn``/``reduce_fn`` are unused)."""
+    monitorable; nothing is stored on the module (``init_fn``/``reduce_fn`` are unused),
+    except into an ``nnx.capture`` in progress in the function, which gets it as in Flax."""
     frame = _context.current_frame()
     if frame is None or frame.layout.brick_path(self) is None:
         return nnx.Module.sow(self, variable_type, name, value, *args, **kwargs)
-    if not frame.calls:
+    capturing = "__captures__" in vars(self)  # nnx.capture's own store, made in the function
+    if frame.calls:
+        leaves = [leaf for leaf in jax.tree.leaves(value) if is_array(leaf)]
+        for index, leaf in enumerate(leaves):
+            frame.calls[-1].call.add_auxiliary_variable(
+                leaf, name=name if len(leaves) == 1 else f"{name}_{index}")
+    elif not capturing:
         raise RuntimeError(f"{type(self).__name__}.sow({name!r}) outside any application "
                            "call: sow inside a module method, or return the value from fn")
-    leaves = [leaf for leaf in jax.tree.leaves(value) if is_array(leaf)]
-    for index, leaf in enumerate(leaves):
-        frame.calls[-1].call.add_auxiliary_variable(
-            leaf, name=name if len(leaves) == 1 else f"{name}_{index}")
+    if capturing:
+        return nnx.Module.sow(self, variable_type, name, value, *args, **kwargs)
     return True
 
 

@@ -1,7 +1,8 @@
-"""Flax's idiom of storing an intermediate on a module in its call and popping it in the
-loss (``self.kl_loss = Loss(...)``, ``nnx.pop(model, Loss)``: Flax's VAE example), inside
-programs; the model below is written for this test in that example's style (an encoder
-that keeps its own ``nnx.Rngs`` stream for the reparametrization noise)."""
+"""Flax's ways to take intermediates out of a model, inside programs: storing one on a
+module in its call and popping it in the loss (``self.kl_loss = Loss(...)``,
+``nnx.pop(model, Loss)``: Flax's VAE example; the model below is written for this test in
+that example's style, an encoder that keeps its own ``nnx.Rngs`` stream for the
+reparametrization noise), and ``nnx.capture`` of what modules ``sow``."""
 
 from __future__ import annotations
 
@@ -149,3 +150,50 @@ def test_a_brick_may_store_and_pop_an_intermediate() -> None:
     out, _ = gm.compile(loss, brick).train(gm.compile(loss, brick).init(X), X, rng=KEY)
     np.testing.assert_allclose(out, 2 * np.sum(X**2), rtol=1e-6)
     assert not hasattr(brick, "norm")
+
+
+class Sowing(nnx.Module):
+    def __init__(self) -> None:
+        self.linear = nnx.Linear(6, 2, rngs=nnx.Rngs(0))
+
+    def features(self, x: jax.Array) -> jax.Array:
+        h = self.linear(x)
+        self.sow(nnx.Intermediate, "hidden", h)
+        return h
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.tanh(self.features(x)).sum()
+
+
+def capturing_loss(model: Sowing, x: jax.Array) -> jax.Array:
+    out, captured = nnx.capture(model, nnx.Intermediate)(x)
+    return out + sum(jnp.sum(v**2) for v in jax.tree.leaves(captured))
+
+
+def test_nnx_capture_in_a_program_gets_what_modules_sow() -> None:
+    model = Sowing()
+    monitor = gm.VariableFilter(roles=[roles.AUXILIARY])
+    program = gm.compile(capturing_loss, model, monitor=monitor)
+    variables = program.init(X)
+    expected = capturing_loss(nnx.clone(model), X)
+    assert not np.isclose(expected, nnx.clone(model)(X))  # the captured term counts
+    out, _, monitored = program.train(variables, X, rng=KEY)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    np.testing.assert_allclose(program.infer(variables, X)[0], expected, rtol=1e-6)
+    assert list(monitored) == ["/.apply.hidden"]  # still monitorable, as any sow
+    assert not hasattr(model, "__captures__")
+
+
+def test_nnx_capture_of_method_outputs_in_a_program_gets_what_flax_gets() -> None:
+    def outputs(model: Sowing, x: jax.Array) -> tuple[jax.Array, dict]:
+        out, captured = nnx.capture(model, nnx.Intermediate,
+                                    method_outputs=nnx.Intermediate)(x)
+        return out, nnx.to_pure_dict(captured)
+
+    model = Sowing()
+    out, captured = gm.compile(outputs, model).infer(gm.compile(outputs, model).init(X), X)
+    eager_out, eager = outputs(nnx.clone(model), X)
+    np.testing.assert_allclose(out, eager_out, rtol=1e-6)
+    assert jax.tree.structure(captured) == jax.tree.structure(eager)
+    assert {"__call__", "features", "hidden", "linear"} <= set(eager)  # methods and sows
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), captured, eager)
