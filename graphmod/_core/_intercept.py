@@ -14,8 +14,10 @@ Unmodified Flax modules
 
 Sharp edges
     Inside a trace ``type(module)`` is that subclass (``isinstance`` checks are
-    unaffected). A method called on the class (``nnx.Linear.__call__(layer, x)``,
-    ``super().__call__(x)``) is not a separate application. Two programs with different
+    unaffected). It is made once per class and holds the class's methods as they were then:
+    a method replaced on the class afterwards (monkeypatched) is not what programs run. A
+    method called on the class (``nnx.Linear.__call__(layer, x)``, ``super().__call__(x)``)
+    is not a separate application. Two programs with different
     ``applications=`` tracing one model at the same time share one subclass (the first
     one's). A manager-owned variable of an application whose module a scan slices (``nnx.scan``
     over layers) is one per iteration, stacked with the loops' lengths as leading axes (see
