@@ -2,7 +2,8 @@
 module in its call and popping it in the loss (``self.kl_loss = Loss(...)``,
 ``nnx.pop(model, Loss)``: Flax's VAE example; the model below is written for this test in
 that example's style, an encoder that keeps its own ``nnx.Rngs`` stream for the
-reparametrization noise), and ``nnx.capture`` of what modules ``sow``."""
+reparametrization noise), ``nnx.capture`` of what modules ``sow``, and gradients of
+``perturb``-ed intermediates."""
 
 from __future__ import annotations
 
@@ -198,3 +199,29 @@ def test_nnx_capture_of_method_outputs_in_a_program_gets_what_flax_gets() -> Non
     assert jax.tree.structure(captured) == jax.tree.structure(eager)
     assert {"__call__", "features", "hidden", "linear"} <= set(eager)  # methods and sows
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), captured, eager)
+
+
+def test_gradients_of_perturbed_intermediates_in_a_program_equal_flax() -> None:
+    class Perturbed(nnx.Module):
+        def __init__(self) -> None:
+            self.linear = nnx.Linear(6, 2, rngs=nnx.Rngs(0))
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            h = self.perturb("h", self.linear(x))
+            return jnp.sum(3 * h**2)
+
+    def gradient_of_h(model: Perturbed, x: jax.Array) -> dict:
+        _, zeros = nnx.capture(lambda m, x: m(x), nnx.Perturbation)(model, x)
+
+        def loss(model: Perturbed, perturbations: nnx.State, x: jax.Array) -> jax.Array:
+            return nnx.capture(lambda m, x: m(x), init=perturbations)(model, x)
+
+        return nnx.to_pure_dict(nnx.grad(loss, argnums=1)(model, zeros, x))
+
+    model = Perturbed()
+    program = gm.compile(gradient_of_h, model)
+    got = program.infer(program.init(X), X)
+    expected = gradient_of_h(nnx.clone(model), X)
+    np.testing.assert_allclose(got["h"], expected["h"], rtol=1e-6)
+    np.testing.assert_allclose(expected["h"], 6 * model.linear(X), rtol=1e-6)  # d(3h²)/dh
+    assert not hasattr(model, "__captures__")
