@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -185,17 +186,14 @@ class Chain:
         # Python stack of every equation it records): one per manager with a wrap, one for
         # each run of managers without.
         layer: Callable[..., Any] = innermost
-        rewriting: list[Manager] = []
-        for manager in reversed(self.managers):
-            if not manager.has_hook("wrap"):
-                rewriting.insert(0, manager)
+        runs = itertools.groupby(reversed(self.managers), key=lambda m: m.has_hook("wrap"))
+        for wraps, run in runs:
+            inner_first = tuple(run)
+            if not wraps:
+                layer = functools.partial(_rewriting, inner_first[::-1], self, layer)
                 continue
-            if rewriting:
-                layer = functools.partial(_rewriting, tuple(rewriting), self, layer)
-                rewriting = []
-            layer = functools.partial(_wrapping, manager, self, layer)
-        if rewriting:
-            layer = functools.partial(_rewriting, tuple(rewriting), self, layer)
+            for manager in inner_first:
+                layer = functools.partial(_wrapping, manager, self, layer)
         with jax.named_scope(_scope_name(parent, self.path, self.application)):
             self.see_inputs(args, kwargs, self._record)
             out = layer(*args, **kwargs)
