@@ -26,14 +26,17 @@ holds a token:
 This uses ``jax._src.config`` (internal): the JAX minor version is pinned in
 ``pyproject.toml`` and ``tests/test_isolation.py`` guards it.
 
-Module interception: plain Flax modules of the model (no ``@application``) become
-applications by having their class swapped, for the duration of a trace only, to a cached
-subclass whose intercepted methods run the manager chain (see ``graphmod._core._intercept``).
-The swap is the one piece of process-wide state here: a lock-guarded count per module
-instance, so that overlapping traces over one model (nested, or in other threads) share one
-swap and the last to finish restores the original class, also when the trace raises. Other
-threads calling the model eagerly meanwhile see the subclass, whose methods run the original
-code unchanged when no program is tracing in their context.
+Marks: a compiled model carries graphmod's marks only while a program traces it. Plain Flax
+modules of the model (no ``@application``) become applications by having their class
+swapped to a cached subclass whose intercepted methods run the manager chain (see
+``graphmod._core._intercept``); every module holds a token naming its path and every variable
+a tracked class and an identity (``graphmod._core._variables``), so that the copies NNX
+transforms make inside the trace are known too. The marks are the one piece of
+process-wide state here: a lock-guarded count per object, so that overlapping traces over
+one model (nested, or in other threads) share one set of marks and the last to finish
+undoes them, also when the trace raises. Other threads calling the model eagerly meanwhile
+see the marked objects, which behave as the originals when no program is tracing in their
+context.
 """
 
 from __future__ import annotations
@@ -85,9 +88,9 @@ _TRACE_TOKEN = _jax_config.string_or_object_state(
 _NEW_ATTRIBUTES: contextvars.ContextVar[dict[tuple[int, str], Any] | None] = (
     contextvars.ContextVar("graphmod_new_attributes", default=None))
 
-# id(module) -> [module, original class, number of traces holding the swap]
-_SWAPPED: dict[int, list[Any]] = {}
-_SWAP_LOCK = threading.Lock()
+# id(object) -> [object, the function undoing its marks, number of traces holding them]
+_MARKED: dict[int, list[Any]] = {}
+_MARK_LOCK = threading.Lock()
 
 
 def active_managers() -> tuple[Manager, ...]:
@@ -153,7 +156,7 @@ def tracing(frame: Frame, *, isolated: bool) -> Iterator[Frame]:
     added_token = _NEW_ATTRIBUTES.set(added)
     frame.layout.reset_node_states()  # NNX lifted transforms rebuild them (_variables)
     try:
-        with _swapped(frame.layout.swaps), contextlib.ExitStack() as tokens:
+        with _marked(frame.layout.marks), contextlib.ExitStack() as tokens:
             tokens_token = _TOKENS.set(tokens if isolated else None)
             shared_token = _SHARED_IN.set(None if isolated else current_trace())
             try:
@@ -199,28 +202,27 @@ def traced(shared: Any, make_frame: Callable[[], Frame], fn: Callable[..., Any],
 
 
 @contextlib.contextmanager
-def _swapped(swaps: Sequence[tuple[Any, type, type]]) -> Iterator[None]:
-    """Switches each ``(module, original, intercepting)`` to its intercepting class while
-    any trace holds it; restores the original when the last one ends."""
+def _marked(marks: Sequence[tuple[Any, Callable[[], Callable[[], None]]]]) -> Iterator[None]:
+    """Applies each ``(object, mark)`` (``mark()`` marks it and returns the function that
+    undoes it) while any trace holds the object; undoes it when the last one ends."""
     held: list[Any] = []
     try:
-        with _SWAP_LOCK:
-            for module, original, intercepting in swaps:
-                entry = _SWAPPED.get(id(module))
-                if entry is None:  # else a trace in progress keeps the class it switched to
-                    object.__setattr__(module, "__class__", intercepting)
-                    entry = _SWAPPED[id(module)] = [module, original, 0]
+        with _MARK_LOCK:
+            for obj, mark in marks:
+                entry = _MARKED.get(id(obj))
+                if entry is None:  # else a trace in progress keeps the marks it applied
+                    entry = _MARKED[id(obj)] = [obj, mark(), 0]
                 entry[2] += 1
-                held.append(module)
+                held.append(obj)
         yield
     finally:
-        with _SWAP_LOCK:
-            for module in held:
-                entry = _SWAPPED[id(module)]
+        with _MARK_LOCK:
+            for obj in held:
+                entry = _MARKED[id(obj)]
                 entry[2] -= 1
                 if entry[2] == 0:
-                    object.__setattr__(module, "__class__", entry[1])
-                    del _SWAPPED[id(module)]
+                    entry[1]()
+                    del _MARKED[id(obj)]
 
 
 def split_trace_caches() -> None:

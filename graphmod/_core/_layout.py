@@ -3,26 +3,33 @@
 Computed once at compile (outside the hot path). Paths: the root brick is ``/``, a child
 ``/layers/0``, a variable ``/layers/0.W`` (root-level: ``/.W``). A variable reachable by two
 paths (tied weights) has its first path, in Flax's traversal order, as canonical path and
-the others as aliases. Every module has a path (bricks and plain Flax modules alike); the
-plain Flax modules with methods that are applications are listed with the class they are
-switched to while a program traces (``swaps``, see ``graphmod._core._application``).
+the others as aliases. Every module has a path (bricks and plain Flax modules alike).
+
+The layout also lists the marks its model carries while a program traces it (``marks``,
+applied and undone by ``graphmod._core._context``): each variable's tracked class and
+identity, each module's token and, for plain Flax modules with methods that are
+applications, the class they are switched to (see ``graphmod._core._intercept``). Identities
+and tokens are spelled from ``id()``, so every layout over one model agrees on them (the
+layout holds the objects, so no other object takes their ids).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import uuid
-from collections.abc import Callable, Iterable, Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from flax import nnx
 from flax.nnx import graphlib
 
 from graphmod import roles as _roles
-from graphmod._core._variables import adopt, adopt_node, assign_identity, identity_of, role_of
+from graphmod._core._variables import adopt_node, mark_variable, role_of
 
 Key = tuple[Any, ...]
-_TOKEN = "_graphmod_token"
+# In a trace, a module's token names its path, also in the copies NNX transforms make (they
+# copy attributes). Flax hides ``_pytree__`` attributes from displays and its Linen bridge.
+_TOKEN = "_pytree__graphmod_token"
 
 
 def brick_path_string(key: Key) -> str:
@@ -73,8 +80,9 @@ def brick_token(brick: Any) -> str | None:
 class Layout:
     """Variables and bricks of one model, shared by every program compiled over it.
 
-    Compiling adopts the model's plain Flax variables (see ``graphmod._core._variables``) and
-    stores identities in variables and tokens in modules; no array is touched.
+    Building one touches nothing of the model but the NNX nodes' trace state (see
+    ``graphmod._core._variables.adopt_node``); its ``marks`` are applied while a program
+    traces.
     ``intercept`` gives the class a plain Flax module is switched to while a program traces,
     or None for no applications (``graphmod._core._intercept.interceptor``).
     """
@@ -104,46 +112,36 @@ class Layout:
         self.node_states = tuple(item for item in node_states.values() if item[1] is not None)
         self.variables = self._identify(canonical, paths, objects)
         self.by_identity = {info.identity: info for info in self.variables}
-        self.objects = {identity_of(objects[i]): objects[i] for i in canonical}
+        self.objects = {info.identity: objects[i] for info, i in zip(self.variables, canonical,
+                                                                         strict=True)}
         self.by_key = {info.key: info for info in self.variables}
-        self.brick_paths = self._tokenize(bricks, brick_objects)
+        self.brick_paths = {_spelled(brick_objects[i]): brick_path_string(keys[0])
+                            for i, keys in bricks.items()}  # token -> path
         self.bricks_at = {brick_path_string(keys[0]): brick_objects[i]
                           for i, keys in bricks.items()}  # path -> brick, for filters
         self.instance_paths: dict[int, str] = {}
-        self.swaps = () if intercept is None else _swaps(brick_objects.values(), intercept)
+        self._bricks = brick_objects
+        self.marks = (
+            *((v, functools.partial(mark_variable, v, identity))
+              for identity, v in self.objects.items()),
+            *((b, functools.partial(_mark_module, b, _spelled(b),
+                                    None if intercept is None else intercept(_original(b))))
+              for b in brick_objects.values()))
 
     def _identify(self, canonical: dict[int, Key], paths: dict[int, list[Key]],
                   objects: dict[int, Any]) -> tuple[VariableInfo, ...]:
-        seen: set[str] = set()
         infos = []
         for object_id, key in canonical.items():
             variable = objects[object_id]
-            adopt(variable)
-            identity = identity_of(variable)
-            if identity is None or identity in seen:  # new, or a copy of another variable
-                identity = assign_identity(variable)
-            seen.add(identity)
             value = variable.get_raw_value()
             aliases = tuple(variable_path_string(k) for k in paths.get(object_id, [key])
                             if k != key)
             infos.append(VariableInfo(
-                identity, key, variable_path_string(key), str(key[-1]),
+                _spelled(variable), key, variable_path_string(key), str(key[-1]),
                 role_of(variable, str(key[-1])), aliases,
                 tuple(getattr(value, "shape", ())), str(getattr(value, "dtype", "")),
             ))
         return tuple(infos)
-
-    def _tokenize(self, bricks: dict[int, list[Key]], objects: dict[int, Any]
-                  ) -> dict[str, str]:
-        by_token: dict[str, str] = {}
-        for object_id, keys in bricks.items():
-            brick = objects[object_id]
-            token = brick_token(brick)
-            if token is None or token in by_token:
-                token = uuid.uuid4().hex
-                object.__setattr__(brick, _TOKEN, token)
-            by_token[token] = brick_path_string(keys[0])
-        return by_token
 
     def reset_node_states(self) -> None:
         """Puts back each NNX node's adopted ``PytreeState`` (see ``adopt_node``)."""
@@ -152,8 +150,11 @@ class Layout:
                 object.__setattr__(node, "_pytree__state", state)
 
     def brick_path(self, brick: Any) -> str | None:
-        """The path of ``brick`` in the model (also for copies made by nnx transforms)."""
+        """The path of ``brick`` in the model (in a trace, also of the copies NNX transforms
+        make of it, which keep its token)."""
         token = brick_token(brick)
+        if token is None and self._bricks.get(id(brick)) is brick:
+            token = _spelled(brick)
         return None if token is None else self.brick_paths.get(token)
 
     def resolve(self, instances: tuple[Any, ...], owner: str) -> None:
@@ -183,16 +184,32 @@ class Layout:
         return out
 
 
-def _swaps(modules: Iterable[Any], intercept: Callable[[type], type | None]
-           ) -> tuple[tuple[Any, type, type], ...]:
-    """``(module, class, intercepting class)`` for each plain Flax module with applications."""
-    out = []
-    for module in modules:
-        cls = getattr(type(module), "__graphmod_original__", type(module))  # compiled in a trace
-        intercepting = intercept(cls)
-        if intercepting is not None:
-            out.append((module, cls, intercepting))
-    return tuple(out)
+def _spelled(obj: Any) -> str:
+    """The identity or token of an object of the model: unique while the layout holds it."""
+    return f"{id(obj):x}"
+
+
+def _original(module: Any) -> type:
+    """The module's own class, also when a trace in progress has switched it."""
+    return getattr(type(module), "__graphmod_original__", type(module))
+
+
+def _mark_module(module: Any, token: str, intercepting: type | None) -> Callable[[], None]:
+    """Stores ``token`` in ``module`` and switches it to ``intercepting`` (if not None), for
+    one trace; returns the function that puts back what was there."""
+    original, previous = type(module), vars(module).get(_TOKEN)
+    object.__setattr__(module, _TOKEN, token)
+    if intercepting is not None:
+        object.__setattr__(module, "__class__", intercepting)
+
+    def unmark() -> None:
+        object.__setattr__(module, "__class__", original)
+        if previous is None:
+            object.__delattr__(module, _TOKEN)
+        else:
+            object.__setattr__(module, _TOKEN, previous)
+
+    return unmark
 
 
 def _get(tree: dict, key: Key) -> Any:

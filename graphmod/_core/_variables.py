@@ -8,11 +8,12 @@ forwards array attributes (``W.T``, ``W.reshape``, ``W.astype``, ``W.sum()``) to
 redirected value, since Flax forwards them to the raw array otherwise.
 
 graphmod's own types (:class:`Parameter`, :class:`Weight`, :class:`Bias`, :class:`Filter`,
-:class:`State`) are tracked by construction. Plain Flax variables inside a model are
-*adopted* at compile: their class is switched to a tracked subclass of the same name that
-behaves identically outside a program (no array is touched). Each variable also gets a
-stable identity in its metadata, which survives the split/merge of ``nnx.remat`` where
-Python's ``id()`` does not.
+:class:`State`) are tracked by construction. Plain Flax variables of a model are *marked*
+while a program traces it, and only then (:func:`mark_variable`, held by
+``graphmod._core._context``): their class is switched to a tracked subclass of the same name
+(equal to the original, see :func:`tracked_class`) and their metadata holds an identity,
+which survives the split/merge of ``nnx.remat`` where Python's ``id()`` does not. Outside
+traces the model is the user's own, unchanged: its classes, metadata and graph definition.
 
 Inside a program, Flax's trace-level checks accept the model's variables and NNX nodes: a
 write (``var.value += 1``, an ``nnx.Rngs`` count) goes to the program, and NNX lifted
@@ -23,7 +24,7 @@ back the non-parameter state they update. Their copies of a variable read their 
 from __future__ import annotations
 
 import functools
-import uuid
+from collections.abc import Callable
 from typing import Any
 
 from flax import nnx
@@ -200,32 +201,64 @@ def role_of(variable: nnx.Variable, name: str) -> roles.Role:
 def tracked_class(cls: type) -> type:
     """A subclass of Flax variable class ``cls`` whose reads go through the frame.
 
-    Cached so a class is adopted once; it keeps the original's name for display.
+    Cached so a class is tracked once; it keeps the original's name for display and equals
+    it (``==``, not ``is``), since Flax looks some variable types up by equality (the Linen
+    bridge's collection names: ``nnx.variable_name_from_type``).
     """
     if issubclass(cls, Tracked):
         return cls
 
     def __reduce__(self: Any) -> tuple[Any, ...]:
-        # Pickle and deepcopy as the original class, adopted again on load.
-        return _unpickle_adopted, (cls, self.__getstate__())
+        # Pickle and deepcopy as the original class, tracked again on load.
+        return _unpickle_tracked, (cls, self.__getstate__())
 
-    return type(
-        cls.__name__, (Tracked, cls), {"__module__": cls.__module__, "__reduce__": __reduce__}
-    )
+    return _equal_to_original(type(cls))(cls.__name__, (Tracked, cls), {
+        "__module__": cls.__module__, "__reduce__": __reduce__, "__slots__": (),
+        "__graphmod_original__": cls})
 
 
-def _unpickle_adopted(cls: type, state: dict[str, Any]) -> nnx.Variable:
+@functools.cache
+def _equal_to_original(meta: type) -> type:
+    """A metaclass like ``meta`` whose classes equal their ``__graphmod_original__``."""
+
+    def __eq__(cls: type, other: object) -> bool:
+        return cls is other or cls.__graphmod_original__ is other  # type: ignore[attr-defined]
+
+    return type(f"Tracked{meta.__name__}", (meta,), {"__eq__": __eq__,
+                                                      "__hash__": meta.__hash__})
+
+
+def _unpickle_tracked(cls: type, state: dict[str, Any]) -> nnx.Variable:
     variable = cls.__new__(cls)
     variable.__setstate__(state)
-    adopt(variable)
+    object.__setattr__(variable, "__class__", tracked_class(cls))
     return variable
 
 
-def adopt(variable: nnx.Variable) -> None:
-    """Switches a plain Flax variable to its tracked subclass (no array is touched)."""
-    cls = type(variable)
-    if not issubclass(cls, Tracked):
-        object.__setattr__(variable, "__class__", tracked_class(cls))
+def mark_variable(variable: nnx.Variable, identity: str) -> Callable[[], None]:
+    """Switches a variable of a compiled model to its tracked class and stores ``identity``
+    in its metadata, for one trace (copies made by NNX transforms keep both); returns the
+    function that puts back what was there. No array is touched."""
+    original = type(variable)
+    previous = _metadata(variable).get(IDENTITY_KEY, _ABSENT)
+    object.__setattr__(variable, "__class__", tracked_class(original))
+    _metadata(variable)[IDENTITY_KEY] = identity
+
+    def unmark() -> None:
+        object.__setattr__(variable, "__class__", original)
+        if previous is _ABSENT:  # Flax may have replaced the dict meanwhile: read it again
+            _metadata(variable).pop(IDENTITY_KEY, None)
+        else:
+            _metadata(variable)[IDENTITY_KEY] = previous
+
+    return unmark
+
+
+_ABSENT = object()
+
+
+def _metadata(variable: nnx.Variable) -> dict[str, Any]:
+    return object.__getattribute__(variable, "_var_metadata")
 
 
 class _ModelTraceState(tracers.TraceState):
@@ -265,13 +298,6 @@ def adopt_node(node: Any) -> Any:
 
 
 def identity_of(variable: nnx.Variable) -> str | None:
-    """The identity stored in ``variable``'s metadata, or None before its first compile."""
-    metadata = object.__getattribute__(variable, "_var_metadata")
-    return metadata.get(IDENTITY_KEY)
-
-
-def assign_identity(variable: nnx.Variable) -> str:
-    """Gives ``variable`` a fresh identity (used once, and for copies that share one)."""
-    identity = uuid.uuid4().hex
-    object.__getattribute__(variable, "_var_metadata")[IDENTITY_KEY] = identity
-    return identity
+    """The identity of a variable of a model a program traces (also of the copies NNX
+    transforms make of it), or None."""
+    return _metadata(variable).get(IDENTITY_KEY)
