@@ -60,8 +60,7 @@ def fresh_variables(layout: Layout, managers: Sequence[Manager], trace: InitTrac
         ({}, (2, 3))
     """
     copy = abstract if probe else (lambda value: jnp.array(value, copy=True))
-    model = layout.pure({identity: copy(variable.get_raw_value())
-                         for identity, variable in layout.objects.items()})
+    model = layout.pure({identity: copy(layout.value(identity)) for identity in layout.objects})
     hparams = {(m.name, h): jnp.float32(v) for m in managers
                for h, v in m.dynamic_hparams().items()}
     found: dict[str, Any] = {}

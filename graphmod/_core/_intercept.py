@@ -42,6 +42,7 @@ from flax.nnx import tracers
 
 from graphmod import roles as _roles
 from graphmod._core import _context
+from graphmod._core._array_leaves import ArrayLeaf
 from graphmod._core._chain import Chain
 from graphmod._core._spec import MethodSpec, is_array
 
@@ -130,9 +131,15 @@ def assign_in_program(module: nnx.Module, assign: Callable[[Any, str, Any], None
     program traces, a module of its model may gain a new attribute (Flax refuses it from
     inside a trace), which must be gone when the traced function returns (Flax's examples
     store intermediates so, ``self.kl_loss = Loss(...)``, and ``nnx.pop`` them in the loss;
-    see ``graphmod._core._context.tracing``). Rebinding an attribute stays Flax's to refuse:
-    the module's new value could not outlive the trace."""
+    see ``graphmod._core._context.tracing``). Rebinding an array attribute (Flax's array
+    leaves, ``self.count += 1``) writes the program's value (``graphmod._core._array_leaves``);
+    rebinding another stays Flax's to refuse: the module's new value could not outlive the
+    trace."""
     frame = _context.current_frame()
+    held = vars(module).get(name)
+    if frame is not None and isinstance(held, ArrayLeaf):  # also a transform's copy of one
+        held.set_value(value)
+        return
     if frame is None or name in vars(module) or frame.layout.brick_path(module) is None:
         assign(module, name, value)
         return

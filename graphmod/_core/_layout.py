@@ -24,6 +24,7 @@ from flax import nnx
 from flax.nnx import graphlib
 
 from graphmod import roles as _roles
+from graphmod._core._array_leaves import ArrayLeaf, array_leaves, leaf_role, mark_array_leaf
 from graphmod._core._variables import adopt_node, mark_variable, role_of
 
 Key = tuple[Any, ...]
@@ -93,10 +94,11 @@ class Layout:
             raise TypeError(f"compile(fn, model): model must be a flax.nnx.Module (a brick), "
                             f"got {type(model).__name__}")
         self.model = model
-        _, state = nnx.split(model)
-        canonical = {id(v): k for k, v in nnx.to_flat_state(state)}
+        flat = list(nnx.to_flat_state(nnx.state(model)))
+        leaves = array_leaves(model, flat)  # arrays kept as module attributes
+        canonical = {id(leaves[k][2] if k in leaves else v): k for k, v in flat}
         paths: dict[int, list[Key]] = {}
-        objects: dict[int, Any] = {}
+        objects: dict[int, Any] = {id(leaf): leaf for _, _, leaf in leaves.values()}
         bricks: dict[int, list[Key]] = {}
         brick_objects: dict[int, Any] = {id(model): model}
         bricks[id(model)] = [()]
@@ -121,12 +123,19 @@ class Layout:
                           for i, keys in bricks.items()}  # path -> brick, for filters
         self.instance_paths: dict[int, str] = {}
         self._bricks = brick_objects
-        self.marks = (
-            *((v, functools.partial(mark_variable, v, identity))
+        self._owners = {_spelled(leaf): (module, name) for module, name, leaf in leaves.values()}
+        self.marks = self._marks(intercept)
+
+    def _marks(self, intercept: Callable[[type], type | None] | None
+               ) -> tuple[tuple[Any, Callable[[], Callable[[], None]]], ...]:
+        """``(object, mark)`` for every variable and module (see ``_context._marked``)."""
+        return (
+            *((v, functools.partial(mark_array_leaf, *self._owners[identity], v, identity)
+               if identity in self._owners else functools.partial(mark_variable, v, identity))
               for identity, v in self.objects.items()),
             *((b, functools.partial(_mark_module, b, _spelled(b),
                                     None if intercept is None else intercept(_original(b))))
-              for b in brick_objects.values()))
+              for b in self._bricks.values()))
 
     def _identify(self, canonical: dict[int, Key], paths: dict[int, list[Key]],
                   objects: dict[int, Any]) -> tuple[VariableInfo, ...]:
@@ -136,12 +145,29 @@ class Layout:
             value = variable.get_raw_value()
             aliases = tuple(variable_path_string(k) for k in paths.get(object_id, [key])
                             if k != key)
+            name = str(key[-1])
+            role = (leaf_role(value, name) if isinstance(variable, ArrayLeaf)
+                    else role_of(variable, name))
             infos.append(VariableInfo(
-                _spelled(variable), key, variable_path_string(key), str(key[-1]),
-                role_of(variable, str(key[-1])), aliases,
+                _spelled(variable), key, variable_path_string(key), name, role, aliases,
                 tuple(getattr(value, "shape", ())), str(getattr(value, "dtype", "")),
             ))
         return tuple(infos)
+
+    def value(self, identity: str) -> Any:
+        """The model's array of variable ``identity`` (outside the traces of programs)."""
+        if identity not in self._owners:
+            return self.objects[identity].get_raw_value()
+        module, name = self._owners[identity]
+        value = vars(module)[name]  # a stand-in while another thread's trace holds it
+        return value.get_raw_value() if isinstance(value, ArrayLeaf) else value
+
+    def store(self, identity: str, value: Any) -> None:
+        """Makes ``value`` the model's array of variable ``identity`` (outside traces)."""
+        if identity in self._owners:
+            setattr(*self._owners[identity], value)
+        else:
+            self.objects[identity].set_raw_value(value)
 
     def reset_node_states(self) -> None:
         """Puts back each NNX node's adopted ``PytreeState`` (see ``adopt_node``)."""

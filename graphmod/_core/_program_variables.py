@@ -41,7 +41,7 @@ class VariablesByRole:
         values, _, _ = self._unpack(variables)
         layout = self._shared.layout
         for identity, value in values.items():
-            layout.objects[identity].set_raw_value(jnp.array(value, copy=True))
+            layout.store(identity, jnp.array(value, copy=True))
 
     def roles(self, variables: dict) -> dict:
         """The tree of roles of ``variables`` (same nesting, a Role per leaf).

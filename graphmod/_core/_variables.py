@@ -187,14 +187,30 @@ def role_of(variable: nnx.Variable, name: str) -> roles.Role:
     if isinstance(own, roles.Role):
         return own
     if isinstance(variable, nnx.Param):
-        if name in ("kernel", "embedding"):
-            return roles.WEIGHT
-        if name == "bias":
-            return roles.BIAS
-        return roles.PARAMETER
+        return parameter_role(name)
     if isinstance(variable, nnx.BatchStat):
         return roles.STATE
     return roles.CARRIED
+
+
+def parameter_role(name: str) -> roles.Role:
+    """The role of a Flax parameter by its attribute name (Flax's layers' names).
+
+    Examples:
+        >>> parameter_role("kernel"), parameter_role("bias"), parameter_role("scale")
+        (WEIGHT, BIAS, PARAMETER)
+    """
+    if name in ("kernel", "embedding"):
+        return roles.WEIGHT
+    if name == "bias":
+        return roles.BIAS
+    return roles.PARAMETER
+
+
+def store_raw(variable: nnx.Variable, value: Any) -> None:
+    """Sets the array ``variable`` keeps, bypassing Flax's trace-level check (for
+    graphmod's own stand-ins, filled while a program's trace starts)."""
+    _RAW_VALUE.__set__(variable, value)
 
 
 @functools.cache
