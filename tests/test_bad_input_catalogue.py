@@ -157,6 +157,22 @@ def _record(field: str, value: Any) -> str:
     return json.dumps(record)
 
 
+class _Holding(nnx.Module):
+    """A model of one variable, which scales the input."""
+
+    def __init__(self, variable: nnx.Variable) -> None:
+        self.held = variable
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x * self.held[...]
+
+
+def _train_held(variable: nnx.Variable) -> Any:
+    program = gm.compile(lambda m, x: m(x).sum(), _Holding(variable))
+    step = gm.optimize(program, optax.sgd(0.1))
+    return step.init(program.init(np.ones(3, np.float32)), jax.random.key(0))
+
+
 _PICKLE = {"$call": {"function": "jax._src.pickle_util.loads", "kwargs": {"data": {"$array": {
     "dtype": "uint8", "shape": [3], "data": [128, 4, 46]}}}}}
 
@@ -202,6 +218,9 @@ CASES = [
         r"two managers are named 'dropout'.*name=\.\.\."),
     Case("a monitor that is not a filter", lambda w: gm.compile(_cost, w.mlp, monitor=3),
          TypeError, r"monitor=: expected a VariableFilter or a dict of them, got 3"),
+    Case("a variable holding a dict", lambda w: gm.compile(_cost, _Holding(nnx.Variable(
+        {"n": jnp.zeros(3)}))), TypeError,
+        r"variable /\.held holds a dict, not an array.*one Variable per array"),
     Case("variables without their layout", lambda w: w.program.infer({"a": 1}, w.x, w.y),
          ValueError, r"variables must be the dict made by program.init.*\['a'\]"),
     Case("update_model with an empty model", lambda w: w.program.update_model(
@@ -233,6 +252,9 @@ CASES = [
          TypeError, r"optimize\(program, tx\): tx must be an optax GradientTransformation"),
     Case("optimize of a non-program", lambda w: gm.optimize(3, optax.sgd(0.1)), TypeError,
          r"optimize\(program, tx\): expected a graphmod Program, got int"),
+    Case("an integer parameter to train", lambda w: _train_held(nnx.Param(jnp.arange(3))),
+         TypeError, r"parameters model/held \(int32\) are not floating-point.*nnx\.Variable"
+         r".*trainable="),
     # -- the loop, schedules, templates, plugins, data ---------------------------------------
     Case("a loop over no step", lambda w: gm.Loop(None, w.data), TypeError,
          r"Loop\(step, data\): step must be callable, got None"),

@@ -143,6 +143,13 @@ class Layout:
         for object_id, key in canonical.items():
             variable = objects[object_id]
             value = variable.get_raw_value()
+            if not ((hasattr(value, "shape") and hasattr(value, "dtype"))
+                    or isinstance(value, bool | int | float | complex)):
+                raise TypeError(
+                    f"compile(fn, model): variable {variable_path_string(key)} holds a "
+                    f"{type(value).__name__}, not an array: a program's variables are one "
+                    f"array each; keep one {type(variable).__name__} per array in the "
+                    "module (e.g. one attribute for each entry of a dict)")
             aliases = tuple(variable_path_string(k) for k in paths.get(object_id, [key])
                             if k != key)
             name = str(key[-1])

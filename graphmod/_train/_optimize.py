@@ -154,6 +154,7 @@ class TrainStep:
         self.program._unpack(variables)
         variables = jax.tree.map(lambda x: jnp.array(x, copy=True), variables)
         params, _ = self._parameters(variables)
+        _check_differentiable(params)
         data = jnp.array(jax.random.key_data(key), copy=True)  # key_data shares the buffer
         seed = key_record(key)
         if seed is not None:  # not under a trace (abstract_state)
@@ -271,8 +272,25 @@ class TrainStep:
 def _norms(grads: dict) -> dict[str, jax.Array]:
     """``{"grad_norm/<path>": L2 norm}`` of each gradient leaf (``model/linear_layers/0/W``)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(grads)
-    return {"grad_norm/" + "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path):
-            jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32)))) for path, g in flat}
+    return {"grad_norm/" + _leaf_name(path): jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32))))
+            for path, g in flat}
+
+
+def _leaf_name(path: tuple[Any, ...]) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _check_differentiable(params: dict) -> None:
+    """Raises if a trained parameter is not floating-point (JAX cannot differentiate it)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    wrong = [f"{_leaf_name(path)} ({jnp.result_type(leaf)})" for path, leaf in flat
+             if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+    if wrong:
+        raise TypeError(
+            f"optimize: parameters {', '.join(wrong)} are not floating-point, and gradients "
+            "need floating-point parameters: make each a state variable (nnx.Variable "
+            "rather than nnx.Param) or a float array, or leave it out of training with "
+            "optimize(..., trainable=VariableFilter(...))")
 
 
 def optimize(program: Program, tx: optax.GradientTransformation, *,
