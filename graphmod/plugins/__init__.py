@@ -4,7 +4,7 @@ stopping, validation, NaN guarding and checkpoints.
 Examples:
     >>> from graphmod import plugins
     >>> plugins.Checkpoint("runs/example").every
-    On('epoch_end')
+    On('epoch_end') | On('end')
 """
 
 from graphmod.plugins._anneal import Anneal

@@ -31,7 +31,9 @@ class Checkpoint(Plugin):
     it back with ``graphmod.provenance.read(directory)``; ``graphmod inspect DIR`` prints it
     and verifies each checkpoint). Writes are asynchronous (the arrays are copied to the host
     first, since the next step donates them) and atomic (orbax renames a finished write
-    into place); the latest ``keep`` of this run are kept.
+    into place); the latest ``keep`` of this run are kept. By default it saves at the end
+    of every epoch and of the run (``every=On("epoch_end") | On("end")``), so the last step
+    of a run stopped by ``steps=`` or a ``terminate`` is saved too.
 
     A run never deletes or overwrites checkpoints it did not write: a new run whose
     ``directory`` holds another run's checkpoints stops before its first step, unless
@@ -55,7 +57,10 @@ class Checkpoint(Plugin):
                  keep: int | None = 3, resume: bool = False, overwrite: bool = False,
                  on_interrupt: bool = True, asynchronous: bool = True,
                  name: str = "checkpoint") -> None:
-        super().__init__(name=name, every=every if every is not None else On("epoch_end"))
+        # By default at every epoch's end and at the run's (the last step of a run that
+        # stops on steps= or a terminate is saved too; one save per step).
+        super().__init__(name=name, every=every if every is not None
+                         else On("epoch_end") | On("end"))
         self.directory = os.path.abspath(os.fspath(directory))
         if keep is not None and not is_whole_number(keep, least=1):
             raise ValueError(f"Checkpoint(keep={keep!r}): must be a positive int or None")

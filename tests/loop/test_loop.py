@@ -46,6 +46,27 @@ def test_events_in_order_with_lifo_end_events(problem: Problem) -> None:
     assert "epoch_end" in str(loop.trace)
 
 
+@pytest.mark.parametrize("steps_per_call", [1, 2])
+def test_a_step_limit_on_an_epochs_last_batch_still_ends_the_epoch(
+        problem: Problem, steps_per_call: int) -> None:
+    log: list = []
+    loop = gm.Loop(problem.step, problem.source(32), steps=6, steps_per_call=steps_per_call,
+                   plugins=[Recorder(log, "a")])  # three batches an epoch: two whole epochs
+    loop.run(problem.state())
+    assert [(t, step) for _, t, step in log if t != "step"] == [
+        ("begin", 0), ("epoch_begin", 0), ("epoch_end", 3), ("epoch_begin", 3),
+        ("epoch_end", 6), ("end", 6)]
+    assert (loop.time.epoch, loop.position) == (2, 0)
+
+    log.clear()
+    loop = gm.Loop(problem.step, problem.source(32), steps=5, steps_per_call=steps_per_call,
+                   plugins=[Recorder(log, "a")])  # the second epoch stops before its end
+    loop.run(problem.state())
+    assert [t for _, t, _ in log if t != "step"] == [
+        "begin", "epoch_begin", "epoch_end", "epoch_begin", "end"]
+    assert (loop.time.epoch, loop.position) == (1, 2)
+
+
 def test_priority_reorders_dispatch(problem: Problem) -> None:
     log: list = []
     loop = gm.Loop(problem.step, problem.source(32), steps=1,

@@ -98,6 +98,20 @@ def test_keep_n_and_in_process_resume(tmp_path) -> None:
                  jax.tree.map(np.asarray, resumed.variables))
 
 
+def test_by_default_the_last_step_of_a_run_stopped_on_steps_is_saved(tmp_path) -> None:
+    problem = Problem()  # twelve batches of 8 an epoch
+    full = gm.Loop(problem.step, problem.source(8), steps=20).run(problem.state())
+    problem = Problem()
+    gm.Loop(problem.step, problem.source(8), steps=17,
+            plugins=[Checkpoint(tmp_path)]).run(problem.state())
+    assert Checkpointer(tmp_path, keep=None).steps() == [12, 17]  # the epoch's end, the run's
+    resumed = gm.Loop.resume(str(tmp_path), problem.step, problem.source(8), steps=20,
+                             plugins=[Checkpoint(tmp_path)])
+    assert int(resumed.step) == 20
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, full.variables),
+                 jax.tree.map(np.asarray, resumed.variables))
+
+
 def test_checkpoint_resume_flag_continues_a_stopped_run(tmp_path) -> None:
     problem = Problem()
     loop = gm.Loop(problem.step, problem.source(8), steps=5,

@@ -303,9 +303,8 @@ class Loop:
         while not self._finished():
             if self.position == 0:
                 self._emit("epoch_begin")
-            self._run_epoch(step, multi)
-            if self._plugins.terminated or self._finished_steps():
-                break
+            if not self._run_epoch(step, multi) or self._plugins.terminated:
+                break  # an epoch whose last batch was also the last step still ends
             self.time = dataclasses.replace(self.time, epoch=self.time.epoch + 1)
             self.position = 0
             self._emit("epoch_end")
@@ -328,7 +327,9 @@ class Loop:
             return True
         return self.epochs is not None and self.time.epoch >= self.epochs
 
-    def _run_epoch(self, step: Callable[..., Any], multi: Callable[..., Any] | None) -> None:
+    def _run_epoch(self, step: Callable[..., Any], multi: Callable[..., Any] | None) -> bool:
+        """Runs the epoch's steps until its batches or the run's steps run out; returns
+        whether every batch of the epoch was taken."""
         batches = ReadAhead(epoch_batches(self.data, self.time.epoch, self.position),
                             self.steps_per_call + 1, self._put)
         while sizes := batches.fill():
@@ -345,9 +346,10 @@ class Loop:
             self._advance(count, size)
             self._emit("step", fresh=True)
             if self._plugins.terminated or self._finished_steps():
-                return
+                return batches.over
         if not batches.produced and self.position == 0:
             raise ValueError(f"the data source yielded no batch in epoch {self.time.epoch}")
+        return True
 
     # -- time and events ----------------------------------------------------------------------
     def _now(self, steps: int = 0, examples: int = 0) -> Time:

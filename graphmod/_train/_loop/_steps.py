@@ -105,6 +105,7 @@ class ReadAhead:
     def __init__(self, batches: Iterator[Any], ahead: int,
                  put: Callable[[Any, bool], Any] | None) -> None:
         self.produced = False  # whether the epoch yielded any batch
+        self._ended = False  # whether the epoch's iterator is exhausted
         self._batches = batches
         self._ahead = ahead
         self._put = put
@@ -117,10 +118,16 @@ class ReadAhead:
             try:
                 host = next(self._batches)
             except StopIteration:
+                self._ended = True
                 break
             self.produced = True
             self._buffer.append([batch_size(host), host, None])
         return [entry[0] for entry in self._buffer]
+
+    @property
+    def over(self) -> bool:
+        """Whether every batch of the epoch has been taken."""
+        return self._ended and not self._buffer
 
     def take(self, count: int) -> tuple[int, Any]:
         """The next ``count`` batches' number of examples and their batch (stacked along a
