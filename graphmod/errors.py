@@ -25,6 +25,7 @@ __all__ = [
     "ManagerConflict",
     "ManagerMatchedNothing",
     "ManagerReentered",
+    "ModelChanged",
     "StateEscapesTransform",
     "VariablesMismatch",
 ]
@@ -89,6 +90,20 @@ class VariablesMismatch(GraphmodError, ValueError):
     Examples:
         >>> import graphmod as gm
         >>> issubclass(gm.errors.VariablesMismatch, ValueError)
+        True
+    """
+
+
+class ModelChanged(GraphmodError, ValueError):
+    """The model's modules or variables were replaced, added or removed after it was
+    compiled (parameter surgery: ``model.head = nnx.Linear(...)``). A program holds the
+    model it was compiled over, so it refuses to trace, init or write back to a changed one:
+    compile again after changing the model, or change values in place
+    (``variable[...] = ...``, ``program.update_model(variables)``).
+
+    Examples:
+        >>> import graphmod as gm
+        >>> issubclass(gm.errors.ModelChanged, ValueError)
         True
     """
 

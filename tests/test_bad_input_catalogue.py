@@ -173,6 +173,14 @@ def _train_held(variable: nnx.Variable) -> Any:
     return step.init(program.init(np.ones(3, np.float32)), jax.random.key(0))
 
 
+def _after_compile(change: Callable[[_Holding], None]) -> Any:
+    """Compiles a one-variable model, changes it with ``change``, then inits the program."""
+    model = _Holding(nnx.Param(jnp.ones(3)))
+    program = gm.compile(lambda m, x: m(x).sum(), model)
+    change(model)
+    return program.init(np.ones(3, np.float32))
+
+
 _PICKLE = {"$call": {"function": "jax._src.pickle_util.loads", "kwargs": {"data": {"$array": {
     "dtype": "uint8", "shape": [3], "data": [128, 4, 46]}}}}}
 
@@ -221,6 +229,13 @@ CASES = [
     Case("a variable holding a dict", lambda w: gm.compile(_cost, _Holding(nnx.Variable(
         {"n": jnp.zeros(3)}))), TypeError,
         r"variable /\.held holds a dict, not an array.*one Variable per array"),
+    Case("a variable replaced after compile", lambda w: _after_compile(
+        lambda m: setattr(m, "held", nnx.Param(jnp.ones(3)))), ValueError,
+        r"program.init: the model changed since it was compiled: /\.held is another Param"
+        r".*compile again"),
+    Case("a variable reshaped after compile", lambda w: _after_compile(
+        lambda m: m.held.set_value(jnp.ones(4))), ValueError,
+        r"/\.held has shape \(4,\).*expected \(3,\).*compile again"),
     Case("variables without their layout", lambda w: w.program.infer({"a": 1}, w.x, w.y),
          ValueError, r"variables must be the dict made by program.init.*\['a'\]"),
     Case("update_model with an empty model", lambda w: w.program.update_model(

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax._src.interpreters import partial_eval as _pe
 
 from graphmod import roles as _roles
+from graphmod._core._arguments import spec_differences
 from graphmod._core._frame import Frame
 from graphmod._core._interpret import bind, interpret
 from graphmod._core._layout import Layout
@@ -34,6 +35,7 @@ from graphmod._core._manager import Manager
 from graphmod._core._owned import OwnedKey
 from graphmod._core._owned_layout import HPARAMS, encode
 from graphmod._core._program_record import abstract
+from graphmod.errors import ModelChanged
 
 __all__ = ["evaluate_needed", "fresh_variables"]
 
@@ -60,7 +62,7 @@ def fresh_variables(layout: Layout, managers: Sequence[Manager], trace: InitTrac
         ({}, (2, 3))
     """
     copy = abstract if probe else (lambda value: jnp.array(value, copy=True))
-    model = layout.pure({identity: copy(layout.value(identity)) for identity in layout.objects})
+    model = layout.pure({identity: copy(value) for identity, value in _arrays(layout).items()})
     hparams = {(m.name, h): jnp.float32(v) for m in managers
                for h, v in m.dynamic_hparams().items()}
     found: dict[str, Any] = {}
@@ -77,6 +79,21 @@ def fresh_variables(layout: Layout, managers: Sequence[Manager], trace: InitTrac
     for name in found["managers"]:
         out.setdefault(name, {HPARAMS: {}})
     return {"model": model, "managers": out}, found["roles"]
+
+
+def _arrays(layout: Layout) -> dict[str, Any]:
+    """identity -> the model's array, each of the shape and dtype it was compiled with."""
+    arrays = {identity: layout.value(identity) for identity in layout.objects}
+    differences = spec_differences(
+        arrays, {info.identity: (info.shape, info.dtype) for info in layout.variables},
+        lambda identity: layout.by_identity[identity].path)
+    if differences:
+        raise ModelChanged(
+            "program.init: the model's arrays changed since it was compiled:\n  "
+            + "\n  ".join(differences) + "\nA program's variables keep the shapes and dtypes "
+            "the model had at compile: compile again after changing them "
+            "(graphmod.compile(fn, model)), or give the arrays back those shapes and dtypes")
+    return arrays
 
 
 def evaluate_needed(fn: Callable[..., Any], *args: Any) -> Any:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -156,7 +157,9 @@ def tracing(frame: Frame, *, isolated: bool) -> Iterator[Frame]:
     added_token = _NEW_ATTRIBUTES.set(added)
     frame.layout.reset_node_states()  # NNX lifted transforms rebuild them (_variables)
     try:
-        with _marked(frame.layout.marks), contextlib.ExitStack() as tokens:
+        check = functools.partial(frame.layout.check_unchanged, f"program.{frame.mode}")
+        with _marked(frame.layout.marks, frame.layout.model, check), \
+                contextlib.ExitStack() as tokens:
             tokens_token = _TOKENS.set(tokens if isolated else None)
             shared_token = _SHARED_IN.set(None if isolated else current_trace())
             try:
@@ -202,12 +205,16 @@ def traced(shared: Any, make_frame: Callable[[], Frame], fn: Callable[..., Any],
 
 
 @contextlib.contextmanager
-def _marked(marks: Sequence[tuple[Any, Callable[[], Callable[[], None]]]]) -> Iterator[None]:
+def _marked(marks: Sequence[tuple[Any, Callable[[], Callable[[], None]]]], model: Any,
+            check: Callable[[], None]) -> Iterator[None]:
     """Applies each ``(object, mark)`` (``mark()`` marks it and returns the function that
-    undoes it) while any trace holds the object; undoes it when the last one ends."""
+    undoes it) while any trace holds the object; undoes it when the last one ends. Runs
+    ``check`` first if no trace holds ``model`` (under the lock: no trace changes it)."""
     held: list[Any] = []
     try:
         with _MARK_LOCK:
+            if id(model) not in _MARKED:
+                check()
             for obj, mark in marks:
                 entry = _MARKED.get(id(obj))
                 if entry is None:  # else a trace in progress keeps the marks it applied

@@ -20,17 +20,21 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
+import numpy as np
 from flax import nnx
 from flax.nnx import graphlib
 
 from graphmod import roles as _roles
 from graphmod._core._array_leaves import ArrayLeaf, array_leaves, leaf_role, mark_array_leaf
 from graphmod._core._variables import adopt_node, mark_variable, role_of
+from graphmod.errors import ModelChanged
 
 Key = tuple[Any, ...]
 # In a trace, a module's token names its path, also in the copies NNX transforms make (they
 # copy attributes). Flax hides ``_pytree__`` attributes from displays and its Linen bridge.
 _TOKEN = "_pytree__graphmod_token"
+_PLAIN = frozenset({bool, int, float, str, type(None)})
 
 
 def brick_path_string(key: Key) -> str:
@@ -72,6 +76,29 @@ def walk_nodes(node: Any, key: Key, ancestors: frozenset[int]) -> Iterator[tuple
         elif graphlib.is_node(child) and id(child) not in ancestors:
             yield path, child
             yield from walk_nodes(child, path, ancestors | {id(child)})
+
+
+def structure(model: nnx.Module) -> dict[str, Any]:
+    """Path -> the module or variable there (None for an array attribute), aliases included:
+    what a program relies on of the model's objects (``Layout.check_unchanged``)."""
+    out: dict[str, Any] = {}
+
+    def visit(node: Any, key: Key, ancestors: frozenset[int]) -> None:
+        for child_key, child in _children(node):
+            if type(child) in _PLAIN:  # the common static attributes, without Flax's checks
+                continue
+            path = (*key, child_key)
+            if isinstance(child, nnx.Variable):  # an array attribute's value is read per use
+                out[variable_path_string(path)] = None if isinstance(child, ArrayLeaf) else child
+            elif graphlib.is_node(child):
+                if id(child) not in ancestors:
+                    out[brick_path_string(path)] = child
+                    visit(child, path, ancestors | {id(child)})
+            elif isinstance(child, jax.Array | np.ndarray):
+                out[variable_path_string(path)] = None
+
+    visit(model, (), frozenset({id(model)}))
+    return out
 
 
 def brick_token(brick: Any) -> str | None:
@@ -125,6 +152,31 @@ class Layout:
         self._bricks = brick_objects
         self._owners = {_spelled(leaf): (module, name) for module, name, leaf in leaves.values()}
         self.marks = self._marks(intercept)
+        self._structure = structure(model)
+
+    def check_unchanged(self, caller: str) -> None:
+        """Raises :class:`~graphmod.errors.ModelChanged` if a module or variable of the model
+        was replaced, added or removed since compile (a walk of the model: per trace, not
+        per call)."""
+        now = structure(self.model)
+        if len(now) == len(self._structure) and all(
+                self._structure.get(path, ...) is obj for path, obj in now.items()):
+            return
+        changes: list[str] = []
+        for path in {**self._structure, **now}:  # one line for a module and what is in it
+            if self._structure.get(path, ...) is not now.get(path, ...) and not any(
+                    path.startswith(f"{shown.split()[0]}{sep}") for shown in changes
+                    for sep in "./"):
+                changes.append(f"{path} is new" if path not in self._structure else
+                               f"{path} is gone" if path not in now else
+                               f"{path} is another {_kind(now[path])}")
+        raise ModelChanged(
+            f"{caller}: the model changed since it was compiled: {', '.join(changes[:5])}"
+            f"{f' (and {len(changes) - 5} more)' if len(changes) > 5 else ''}. A program "
+            "holds the modules and variables it was compiled over: compile again after "
+            "changing them (graphmod.compile(fn, model)), or change values in place "
+            "(nnx.update(model, state), variable[...] = ..., "
+            "program.update_model(variables))")
 
     def _marks(self, intercept: Callable[[type], type | None] | None
                ) -> tuple[tuple[Any, Callable[[], Callable[[], None]]], ...]:
@@ -215,6 +267,10 @@ class Layout:
                 node = node.setdefault(part, {})
             node[info.key[-1]] = values[info.identity]
         return out
+
+
+def _kind(obj: Any) -> str:
+    return "array" if obj is None else type(obj).__name__
 
 
 def _spelled(obj: Any) -> str:

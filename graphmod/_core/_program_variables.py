@@ -36,10 +36,13 @@ class VariablesByRole:
     def update_model(self, variables: dict) -> None:
         """Writes ``variables["model"]`` (copies) into the model's NNX variables.
 
-        Checks every path, shape and dtype first; nothing is written if one does not fit.
+        Checks every path, shape and dtype, and that the model's modules and variables are
+        the ones compiled (:class:`~graphmod.errors.ModelChanged`) first; nothing is written
+        if one does not fit.
         """
         values, _, _ = self._unpack(variables)
         layout = self._shared.layout
+        layout.check_unchanged("program.update_model(variables)")
         for identity, value in values.items():
             layout.store(identity, jnp.array(value, copy=True))
 
