@@ -247,6 +247,11 @@ CASES = [
     Case("an input with the wrong dtype", lambda w: w.program.infer(
         w.variables, w.x, w.y.astype(np.float32)), ValueError,
         r"argument 'y'.*dtype int32.*float32"),
+    Case("a string argument to train", lambda w: w.program.train(
+        w.variables, w.x, "labels", rng=jax.random.key(0)), TypeError,
+        r"program.train: argument 'y' is 'labels' \(str\), not an array.*functools.partial"),
+    Case("a string argument to init", lambda w: w.program.init(w.x, "labels"), TypeError,
+         r"program.init: argument 'y' is 'labels' \(str\)"),
     Case("split by a string role", lambda w: w.program.split(w.variables, "weight"), TypeError,
          r"program.split\(variables, \*roles\): 'weight' is not a role"),
     Case("graph in an unknown mode", lambda w: w.program.graph(w.x, w.y, mode="eval"),

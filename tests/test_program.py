@@ -366,3 +366,37 @@ def test_infer_is_the_jitted_function_itself() -> None:
     out, kept = program.infer(variables, x, mutable=True)
     np.testing.assert_array_equal(out, compiled(variables, x))
     assert jax.tree.structure(kept) == jax.tree.structure(variables)
+
+
+def test_a_string_argument_is_refused_by_init_train_and_graph_naming_it_and_the_fix() -> None:
+    program = gm.compile(lambda m, x, mode: m(x).sum(), gm.bricks.Linear(2, 3,
+                                                                          rngs=nnx.Rngs(0)))
+    x = jnp.ones((1, 2))
+    for call, where in [(lambda: program.init(x, "fast"), "program.init"),
+                        (lambda: program.graph(x, mode="train", **{"extra": "fast"}),
+                         "program.graph")]:
+        with pytest.raises(TypeError, match=rf"{where}: argument '(mode|extra)' is 'fast' "
+                           r"\(str\), not an array.*functools.partial\(fn, "):
+            call()
+    variables = program.init(x, 1.0)  # a number is traced like an array
+    with pytest.raises(TypeError, match=r"program.train: argument 'mode' is 'fast' \(str\)"):
+        program.train(variables, x, "fast", rng=jax.random.key(0))
+
+
+def test_python_control_flow_on_a_traced_argument_gets_the_fix_in_one_note() -> None:
+    def cost(model: nnx.Module, x: jax.Array, train: bool) -> jax.Array:
+        out = model(x)
+        return (out * 2 if train else out).sum()
+
+    linear = gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0))
+    program = gm.compile(cost, linear)
+    with pytest.raises(jax.errors.TracerBoolConversionError) as raised:
+        program.init(jnp.ones((1, 2)), True)
+    notes = [note for note in raised.value.__notes__ if note.startswith("graphmod:")]
+    assert len(notes) == 1 and "functools.partial(fn, train=False)" in notes[0]
+    inner = gm.compile(cost, linear)
+    outer = gm.compile(lambda m, x: inner.infer(inner_variables, x, True), linear)
+    inner_variables = gm.compile(lambda m, x: m(x).sum(), linear).init(jnp.ones((1, 2)))
+    with pytest.raises(jax.errors.TracerBoolConversionError) as raised:
+        outer.init(jnp.ones((1, 2)))  # nested traces: still one note
+    assert sum(note.startswith("graphmod:") for note in raised.value.__notes__) == 1

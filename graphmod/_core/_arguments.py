@@ -208,6 +208,32 @@ def argument_names(fn: Callable[..., Any]) -> list[str]:
     return positional[1:]
 
 
+def check_traceable(bound: dict[str, Any], where: str) -> None:
+    """Raises a TypeError naming the first leaf of ``bound`` (``bind_arguments``' dict)
+    that jit cannot trace (a string, an object), and the fix.
+
+    Examples:
+        >>> check_traceable({"x": [1.0, 2]}, "program.init")
+        >>> try:
+        ...     check_traceable({"x": 1.0, "mode": "fast"}, "program.init")
+        ... except TypeError as error:
+        ...     print(str(error)[:59])
+        program.init: argument 'mode' is 'fast' (str), not an array
+    """
+    for name, value in bound.items():
+        for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+            try:
+                jax.typeof(leaf)
+            except TypeError:
+                raise TypeError(
+                    f"{where}: argument {name!r}{jax.tree_util.keystr(path)} is "
+                    f"{_describe(leaf)}, not an array or a number: a program traces its "
+                    "arguments as arrays. Pass Python values (flags, options, names) in "
+                    "the function instead: compile(functools.partial(fn, "
+                    f"{name}=...), model), or program.derive(lambda model, x: fn(model, x, "
+                    f"{name}=...)) for one program per value") from None
+
+
 def bind_arguments(names: list[str], args: tuple, kwargs: dict,
                    leaf: Callable[[Any], Any]) -> dict[str, Any]:
     """``{argument name: leaf mapped over its value}`` of a call (``args[i]`` past the

@@ -49,6 +49,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax
 from jax._src import config as _jax_config
 
 from graphmod._core._trace import current_trace
@@ -74,6 +75,12 @@ _SHARED = "graphmod-shared"  # the token of traces whose inner traces never read
 _TOKENS: contextvars.ContextVar[contextlib.ExitStack | None] = contextvars.ContextVar(
     "graphmod_trace_tokens", default=None
 )
+
+_TRACED_NOTE = (
+    "graphmod: a program traces its arguments and variables as arrays, so Python control "
+    "flow (if, bool(), int()) cannot depend on them. Pass Python flags and options in the "
+    "function (compile(functools.partial(fn, train=False), model)); a program's modes "
+    "(program.train, program.infer) take the place of train/eval flags.")
 
 _TRACE_TOKEN = _jax_config.string_or_object_state(
     name="graphmod_trace_token",
@@ -202,6 +209,10 @@ def traced(shared: Any, make_frame: Callable[[], Frame], fn: Callable[..., Any],
             return frame
         except NeedsIsolation:  # what the stopped try traced is dead code
             shared.isolated = True
+        except jax.errors.ConcretizationTypeError as error:  # e.g. `if train:` on an argument
+            if _TRACED_NOTE not in getattr(error, "__notes__", ()):  # once, also when nested
+                error.add_note(_TRACED_NOTE)
+            raise
 
 
 @contextlib.contextmanager

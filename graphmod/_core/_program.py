@@ -36,7 +36,13 @@ from graphmod import roles as _roles
 from graphmod._core import _context
 from graphmod._core import _owned_layout as owned_layout
 from graphmod._core._abstract_init import fresh_variables
-from graphmod._core._arguments import argument_names, as_key, bind_arguments, check_arguments
+from graphmod._core._arguments import (
+    argument_names,
+    as_key,
+    bind_arguments,
+    check_arguments,
+    check_traceable,
+)
 from graphmod._core._clock import utc_now
 from graphmod._core._construction import key_record
 from graphmod._core._filter import VariableFilter
@@ -198,6 +204,8 @@ class ProgramCore(VariablesByRole):
                          ) -> tuple[dict, dict[OwnedKey, _roles.Role]]:
         """Init's variables for these arguments and the owned variables' roles; changes
         nothing of the program. ``probe``: only their shapes, traced for ``graph``."""
+        check_traceable(self._bind(args, kwargs, lambda x: x),
+                        "program.graph" if probe else "program.init")
         def trace(values: dict, hparams: dict, key: Any, args: tuple, kwargs: dict) -> Frame:
             return self._trace("init", values, {}, hparams, key, args, kwargs, record=probe)
 
@@ -217,7 +225,11 @@ class ProgramCore(VariablesByRole):
         """Runs ``fn`` in training mode: ``(out, variables)`` (``+ monitored`` with monitor=)."""
         if not hasattr(rng, "dtype"):  # e.g. rng=0: refused before jit sees it
             as_key(rng, _TRAIN)
-        return self._train(variables, rng, args, kwargs)
+        try:
+            return self._train(variables, rng, args, kwargs)
+        except TypeError:  # jit's, for an argument it cannot trace: ours names the fix
+            check_traceable(self._bind(args, kwargs, lambda x: x), "program.train")
+            raise
 
     @property
     def infer(self) -> Callable[..., Any]:
