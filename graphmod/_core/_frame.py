@@ -80,6 +80,7 @@ class Frame:
         self._call_counts: collections.Counter[tuple[str, str]] = collections.Counter()
         self._parameter_cache: dict[tuple[Any, ...], list[tuple[Any, Any]]] = {}
         self._scan_indices: list[Any] = []
+        self._held_off: dict[str, str] = {}  # path -> the module flag keeping it in eval mode
 
     # -- read-only views ------------------------------------------------------------------
     values = property(lambda self: self._values, doc="Model variables by identity.")
@@ -96,6 +97,8 @@ class Frame:
     owned_roles = property(lambda self: self._owned.roles, doc="Owned variables' roles.")
     owned_updated = property(lambda self: self._owned.updated, doc="Owned keys written.")
     out = property(lambda self: self._out, doc="What the traced function returned.")
+    held_off = property(lambda self: self._held_off,
+                        doc="Flax layers kept in eval mode in training by a module flag.")
 
     def returned(self, out: Any) -> None:
         """Keeps what the traced function returned (``frame.out``)."""
@@ -286,6 +289,12 @@ class Frame:
             *shape_and_dtype(before), *shape_and_dtype(after),
         ))
         self.record(tag, after, by)
+
+    def note_held_off(self, path: str, flag: str) -> None:
+        """Notes that the Flax layer at ``path`` stays in eval mode in a training trace
+        because of a flag set on the module (``deterministic=True``, e.g. by
+        ``model.eval()``); the program warns once the trace ends."""
+        self._held_off[path] = flag
 
     def add_cost(self, owner: str, key: str, value: Any) -> None:
         """Notes an auxiliary cost of ``owner`` (a manager, or an application's variable),

@@ -206,6 +206,7 @@ def _dropout(self: nnx.Dropout, inputs: Any, *, deterministic: bool | None = Non
     chain = _innermost()
     explicit = self.deterministic if deterministic is None else deterministic
     if explicit or not chain.call.training or self.rate == 0.0:
+        _held_off(chain, deterministic is None and self.rate > 0.0, "deterministic", explicit)
         return inputs
     keep = 1.0 - self.rate
     if keep == 0.0:  # zeros with zero (finite) gradients, as Flax does
@@ -227,7 +228,9 @@ def _batch_norm(self: nnx.BatchNorm, x: Any, use_running_average: bool | None = 
     in training, running averages in inference or where the user set
     ``use_running_average=True`` (at construction or in the call)."""
     explicit = self.use_running_average if use_running_average is None else use_running_average
-    frozen = bool(explicit) or not _innermost().call.training
+    chain = _innermost()
+    frozen = bool(explicit) or not chain.call.training
+    _held_off(chain, use_running_average is None, "use_running_average", explicit)
     return _FLAX_BATCH_NORM(self, x, use_running_average=frozen, mask=mask)
 
 
@@ -240,6 +243,8 @@ def _attention(self: nnx.MultiHeadAttention, inputs_q: Any, inputs_k: Any = None
     chain = _innermost()
     explicit = self.deterministic if deterministic is None else deterministic
     frozen = bool(explicit) or not chain.call.training or self.dropout_rate == 0.0
+    _held_off(chain, deterministic is None and self.dropout_rate > 0.0, "deterministic",
+              explicit)
     key = None if frozen else chain.call.rng()
     if key is not None:
         keys = inputs_q if inputs_k is None else inputs_k
@@ -250,6 +255,15 @@ def _attention(self: nnx.MultiHeadAttention, inputs_q: Any, inputs_k: Any = None
                           weights, weights)
     return _FLAX_ATTENTION(self, inputs_q, inputs_k, inputs_v, deterministic=frozen,
                            rngs=None if key is None else (lambda: key), **kwargs)
+
+
+def _held_off(chain: Chain, by_module: bool, flag: str, value: Any) -> None:
+    """Notes a Flax layer that a flag set on the module (``by_module``, not in the call)
+    keeps in eval mode in a training trace: the program warns (``model.eval()`` before
+    compiling switches these layers off in training too). Not in init's trace: a model
+    loaded only for inference is initialised too."""
+    if by_module and value and chain.frame.mode == "train":
+        chain.frame.note_held_off(chain.path, f"{type(chain.brick).__name__}.{flag}=True")
 
 
 _FLAX_BATCH_NORM = nnx.BatchNorm.__call__

@@ -51,7 +51,7 @@ from graphmod._core._graph import ComputationGraph
 from graphmod._core._layout import Layout
 from graphmod._core._loop_keys import resolving
 from graphmod._core._manager import Manager
-from graphmod._core._program_checks import check_strict, check_variables
+from graphmod._core._program_checks import check_strict, check_variables, warn_held_off
 from graphmod._core._program_record import ProgramRecord, Shared, abstract
 from graphmod._core._program_variables import VariablesByRole
 from graphmod._core._rewrites import Rewrites, RewriteTrace
@@ -313,6 +313,7 @@ class ProgramCore(VariablesByRole):
         frame = _context.traced(self._shared, fresh, self.fn, self.model, *args, **kwargs)
         if not record:
             self.rewrites.store(RewriteTrace(mode, tuple(frame.rewrites)))
+            warn_held_off(frame)
         if self._strict:
             check_strict(frame)
         return frame

@@ -1,9 +1,11 @@
 """What a program refuses, with the named error and the fix: its managers and monitors at
 ``compile``, a strict manager that matched nothing in a trace, and variables that do not
-fit it (checked when a signature is traced, see ``graphmod._core._program``)."""
+fit it (checked when a signature is traced, see ``graphmod._core._program``); and what it
+warns of: Flax layers a module flag keeps in eval mode in training."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +22,7 @@ from graphmod._core._layout import Layout
 from graphmod._core._manager import Manager
 from graphmod.errors import ManagerConflict, ManagerMatchedNothing, VariablesMismatch
 
-__all__ = ["check_managers", "check_strict", "check_variables", "monitors"]
+__all__ = ["check_managers", "check_strict", "check_variables", "monitors", "warn_held_off"]
 
 
 def check_managers(managers: tuple[Any, ...], layout: Layout) -> tuple[Manager, ...]:
@@ -66,6 +68,22 @@ def check_strict(frame: Frame) -> None:
                 f"{frame.mode} trace: its filter {manager.filter!r} selects no variable of "
                 "any application call. Fix the filter, or pass strict=False."
             )
+
+
+def warn_held_off(frame: Frame) -> None:
+    """Warns that Flax layers stayed in eval mode in the training trace of ``frame``
+    because of their module flags (``Frame.note_held_off``); once per set of layers, as
+    Python's warning registry keeps repeated texts quiet."""
+    if not frame.held_off:
+        return
+    shown = ", ".join(f"{path} ({flag})" for path, flag in frame.held_off.items())
+    warnings.warn(
+        f"these Flax layers stay in eval mode in the program's training: {shown}. A flag set "
+        "on the module (at construction, or by model.eval()) wins over the program's mode. "
+        "If that is not meant, call model.train() before the program traces (a program's "
+        "modes take the place of train()/eval()); to keep a layer frozen without this "
+        "warning, pass the flag in the call (e.g. self.norm(x, use_running_average=True))",
+        UserWarning, stacklevel=3)
 
 
 def check_variables(variables: Any, layout: Layout, reference: Mapping | None) -> None:

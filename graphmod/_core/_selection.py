@@ -1,9 +1,12 @@
 """Stored variables named by selectors: a :class:`VariableFilter` over the model's
 variables (``bricks``, ``roles``, ``name``, ``name_regex``, ``path``: the fields that mean
-something for a stored variable), or managers (the variables they own).
+something for a stored variable), a Flax filter over them (a ``Variable`` type such as
+``nnx.LoRAParam``, ``nnx.PathContains``, ``nnx.All``, ...: what Flax's ``wrt=`` takes), or
+managers (the variables they own).
 
 Used by ``graphmod.optimize(program, tx, trainable=...)``: LoRA trains its own adapters,
-``trainable=[lora]``; a fine-tuned head, ``trainable=VariableFilter(bricks=[model.head])``.
+``trainable=[lora]``; a fine-tuned head, ``trainable=VariableFilter(bricks=[model.head])``;
+Flax's own LoRA layers, ``trainable=nnx.LoRAParam``.
 """
 
 from __future__ import annotations
@@ -11,12 +14,37 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from flax import nnx
+from flax.nnx import filterlib
+
+from graphmod import roles as _roles
 from graphmod._core._filter import Tag, VariableFilter
 from graphmod._core._layout import Layout
 from graphmod._core._manager import Manager
 from graphmod._core._owned_layout import map_leaves
 
-Selector = VariableFilter | Manager
+Selector = Any  # a VariableFilter, a Manager or a Flax filter (see is_flax_filter)
+
+# Flax's filter objects (strings and bare callables are Flax filters too, but a typo or a
+# stray function would then select silently: they are refused).
+_FLAX_FILTERS = (filterlib.All, filterlib.Any, filterlib.Not, filterlib.Everything,
+                 filterlib.Nothing, filterlib.OfType, filterlib.PathContains, filterlib.PathIn,
+                 filterlib.WithTag)
+
+
+def is_flax_filter(item: Any) -> bool:
+    """Whether ``item`` is a Flax filter graphmod takes: a ``Variable`` type or one of
+    Flax's filter objects.
+
+    Examples:
+        >>> from flax import nnx
+        >>> is_flax_filter(nnx.LoRAParam), is_flax_filter(nnx.PathContains("head"))
+        (True, True)
+        >>> is_flax_filter("head"), is_flax_filter(int)
+        (False, False)
+    """
+    return (isinstance(item, type) and issubclass(item, nnx.Variable)) or isinstance(
+        item, _FLAX_FILTERS)
 
 
 def as_selectors(value: Any, argument: str) -> tuple[Selector, ...]:
@@ -24,9 +52,10 @@ def as_selectors(value: Any, argument: str) -> tuple[Selector, ...]:
     items = tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) \
         else (value,)
     for item in items:
-        if not isinstance(item, VariableFilter | Manager):
-            raise TypeError(f"{argument}: expected a VariableFilter, a manager or a list of "
-                            f"them, got {item!r}")
+        if not (isinstance(item, VariableFilter | Manager) or is_flax_filter(item)):
+            raise TypeError(f"{argument}: expected a VariableFilter, a manager, a Flax filter "
+                            "(a Variable type such as nnx.LoRAParam, nnx.PathContains(...), "
+                            f"nnx.All(...)) or a list of them, got {item!r}")
         if isinstance(item, VariableFilter) and (item.applications is not None
                                                  or item.call_id is not None):
             raise TypeError(f"{argument}: {item!r} selects application calls; a stored "
@@ -46,17 +75,40 @@ def stored_tag(layout: Layout, key: tuple) -> Tag:
 def selected(variables: Mapping, layout: Layout, selectors: tuple[Selector, ...],
              argument: str) -> dict:
     """A tree of bools in the nesting of ``variables``: whether a selector names the leaf."""
-    filters = [s for s in selectors if isinstance(s, VariableFilter)]
     owners = {s.name for s in selectors if isinstance(s, Manager)}
-    for f in filters:
-        layout.resolve(f.brick_instances(), argument)
 
     def model(node: Any, key: tuple) -> Any:
         if isinstance(node, Mapping):
             return {k: model(v, (*key, k)) for k, v in node.items()}
-        tag = stored_tag(layout, key)
-        return any(f.matches(tag, layout.instance_paths) for f in filters)
+        return key in chosen
 
+    chosen = selected_model_keys(layout, selectors, argument)
     return {"model": model(variables["model"], ()),
             "managers": map_leaves(variables["managers"],
                                    lambda key, _: len(key) > 2 and key[0] in owners)}
+
+
+def selected_model_keys(layout: Layout, selectors: tuple[Selector, ...],
+                        argument: str) -> set[tuple]:
+    """The keys of the model's variables that a VariableFilter or a Flax filter among
+    ``selectors`` names (with Flax's arguments: the key path and the variable)."""
+    filters = [s for s in selectors if isinstance(s, VariableFilter)]
+    for f in filters:
+        layout.resolve(f.brick_instances(), argument)
+    flax = [filterlib.to_predicate(s) for s in selectors if is_flax_filter(s)]
+    return {info.key for info in layout.variables
+            if any(f.matches(stored_tag(layout, info.key), layout.instance_paths)
+                   for f in filters)
+            or any(p(info.key, layout.objects[info.identity]) for p in flax)}
+
+
+def trained_record(layout: Layout, selectors: tuple[Selector, ...] | None) -> Any:
+    """What ``trainable=`` selects, for a training record: None (every PARAMETER leaf), or
+    the paths of the model's parameters and the names of the managers whose parameters
+    train."""
+    if selectors is None:
+        return None
+    keys = selected_model_keys(layout, selectors, "optimize(trainable=...)")
+    return {"model": [info.path for info in layout.variables
+                      if info.key in keys and info.role.is_a(_roles.PARAMETER)],
+            "managers": sorted(s.name for s in selectors if isinstance(s, Manager))}

@@ -20,6 +20,7 @@ from graphmod._core._construction import (
     key_record,
 )
 from graphmod._core._layout import Layout, brick_path_string, walk_nodes
+from graphmod._core._selection import trained_record
 from graphmod._records._environment import host, platform_record, versions
 from graphmod._records._fingerprint import fingerprint
 from graphmod._records._frozen import sha256
@@ -225,6 +226,7 @@ def training_inputs(step: Any, loop: Any = None) -> dict[str, Any]:
     inputs = {k: v for k, v in base.items() if k not in ("seeds", "versions", "platform")}
     inputs["optimizer"] = step.optimizer_record
     inputs["skip_nonfinite"] = step.skip_nonfinite
+    inputs["trainable"] = trained_record(step.program.layout, step.trainable)
     if loop is not None:
         inputs["data"] = data_record(loop.data)
         inputs["loop"] = {"epochs": loop.epochs, "steps": loop.max_steps,

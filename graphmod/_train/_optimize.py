@@ -308,9 +308,11 @@ def optimize(program: Program, tx: optax.GradientTransformation, *,
             ``{"name": "adam", "learning_rate": 1e-3}``, when ``tx`` was not made with
             :func:`graphmod.provenance.optimizer` (which records them itself).
         trainable: what optax trains: a :class:`graphmod.VariableFilter` over the model's
-            variables (``bricks``, ``roles``, ``name``, ``name_regex``, ``path``), a manager
-            (the parameters it owns, e.g. LoRA's adapters) or a list of them. The other
-            PARAMETER leaves are frozen: no gradient, no update, not in the optimizer state.
+            variables (``bricks``, ``roles``, ``name``, ``name_regex``, ``path``), a Flax
+            filter (``nnx.LoRAParam``, ``nnx.PathContains("head")``: what Flax's ``wrt=``
+            takes), a manager (the parameters it owns, e.g. LoRA's adapters) or a list of
+            them. The other PARAMETER leaves are frozen: no gradient, no update, not in the
+            optimizer state. The training record lists the parameters trained.
         grad_norms: also report each parameter's gradient norm in the metrics, as
             ``metrics["grad_norm/model/linear_layers/0/W"]``.
 

@@ -27,12 +27,14 @@ Any malformed entry raises :class:`RebuildError` naming its field, never a bare
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from graphmod._core._codec import construct
+from graphmod._core._filter import VariableFilter
 from graphmod._core._layout import Layout
 from graphmod._records._collect import brick_records, modules, parameter_records
 from graphmod._records._record import Provenance
@@ -53,6 +55,9 @@ class Rebuilt:
         monitor: the program's monitor filters (a dict; empty if none).
         seeds: name → typed PRNG key (``"init"``: ``program.init``'s, ``"train"``: the one
             given to ``step.init``).
+        trainable: what a training record's ``optimize(..., trainable=...)`` trained, for
+            ``optimize`` again: a filter per recorded parameter path and the managers whose
+            parameters trained; None when every parameter trained (or for a program record).
         provenance: the record rebuilt from.
 
     Examples:
@@ -72,6 +77,7 @@ class Rebuilt:
     optimizer: Any
     monitor: Mapping[str, Any]
     seeds: Mapping[str, Any]
+    trainable: tuple[Any, ...] | None
     provenance: Provenance
 
     def compile(self, fn: Any, **kwargs: Any) -> Any:
@@ -235,7 +241,29 @@ def rebuild(provenance: Provenance | str, *, allow: Iterable[str] = (),
         _verify(provenance, model, check)
     built, monitor, tx, seeds = _the_rest(inputs, RecordDecoder(rules, modules(model),
                                                                 dry=False))
-    return Rebuilt(model, built, tx, monitor, seeds, provenance)
+    return Rebuilt(model, built, tx, monitor, seeds, _trainable(inputs, built), provenance)
+
+
+def _trainable(inputs: Mapping[str, Any], managers: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """``trainable=`` selectors from a training record's ``trainable`` entry (paths and
+    manager names: data only), refused by field if malformed."""
+    record = inputs.get("trainable")
+    if record is None:
+        return None
+    by_name = {manager.name: manager for manager in managers}
+    paths, names = (record.get(part) if isinstance(record, Mapping) else None
+                    for part in ("model", "managers"))
+    for part, items in (("model", paths), ("managers", names)):
+        if not (isinstance(items, list | tuple) and all(isinstance(item, str) for item in items)):
+            raise RebuildError(f"rebuild: trainable.{part} is not a list of strings; the "
+                               "record is damaged")
+    unknown = sorted(set(names) - set(by_name))
+    if unknown:
+        raise RebuildError(f"rebuild: trainable.managers names {unknown}, which are not among "
+                           f"the record's managers {sorted(by_name)}")
+    # One filter per path, its glob characters taken literally.
+    return (*(VariableFilter(path=re.sub(r"([*?\[])", r"[\1]", path)) for path in paths),
+            *(by_name[name] for name in names))
 
 
 def _the_rest(inputs: Mapping[str, Any], decoder: RecordDecoder

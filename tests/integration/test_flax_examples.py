@@ -158,6 +158,7 @@ def random_primitives(jaxpr: Any) -> set[str]:
     return RANDOM_PRIMITIVES & set(primitives(jaxpr))
 
 
+@pytest.mark.filterwarnings("ignore:these Flax layers stay in eval mode")  # on purpose here
 @pytest.mark.parametrize("name", CASES)
 def test_with_rates_zero_the_program_equals_flax(name: str) -> None:
     case = CASES[name]

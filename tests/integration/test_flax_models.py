@@ -8,6 +8,7 @@ graphmod: no brick, no decorator, no marker.
 from __future__ import annotations
 
 import threading
+import warnings
 from functools import partial
 from typing import Any
 
@@ -237,8 +238,9 @@ def test_flax_dropout_draws_from_the_program_key_and_is_the_identity_in_inferenc
 def test_flax_batch_norm_follows_the_program_mode() -> None:
     model = WithFlaxRegularizers(rngs=nnx.Rngs(0), deterministic=True)
     program = gm.compile(lambda m, x: m(x), model)
-    variables = program.init(X)
-    out, new = program.train(variables, X, rng=KEY)
+    with pytest.warns(UserWarning, match=r"training: /dropout \(Dropout.deterministic=True\)\."):
+        variables = program.init(X)
+        out, new = program.train(variables, X, rng=KEY)
     eager = nnx.clone(model)
     np.testing.assert_allclose(out, eager(X), **TOL)  # batch statistics, no dropout
     np.testing.assert_allclose(new["model"]["norm"]["mean"], eager.norm.mean[...], **TOL)
@@ -252,10 +254,41 @@ def test_flax_batch_norm_follows_the_program_mode() -> None:
 def test_explicit_use_running_average_wins_in_training() -> None:
     model = WithFlaxRegularizers(rngs=nnx.Rngs(0), deterministic=True, use_running_average=True)
     program = gm.compile(lambda m, x: m(x), model)
-    variables = program.init(X)
-    out, new = program.train(variables, X, rng=KEY)
+    with pytest.warns(UserWarning, match=r"/norm \(BatchNorm.use_running_average=True\)"):
+        variables = program.init(X)
+        out, new = program.train(variables, X, rng=KEY)
     np.testing.assert_allclose(out, model(X), **TOL)
     np.testing.assert_array_equal(new["model"]["norm"]["mean"], variables["model"]["norm"]["mean"])
+
+
+class CalledFrozen(WithFlaxRegularizers):
+    """Its flags given in the calls: frozen on purpose."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = self.norm(self.linear1(x), use_running_average=True)
+        return self.linear2(self.dropout(nnx.relu(hidden), deterministic=True))
+
+
+def test_a_model_left_in_eval_mode_warns_which_layers_stay_off_in_training() -> None:
+    model = WithFlaxRegularizers(rngs=nnx.Rngs(0))
+    model.eval()  # e.g. after an eager look at the model in a notebook
+    program = gm.compile(lambda m, x: m(x), model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        variables = program.init(X)  # init: also for a model meant for inference only
+    with pytest.warns(UserWarning, match=r"stay in eval mode in the program's training: "
+                      r"/norm \(BatchNorm.use_running_average=True\), /dropout "
+                      r"\(Dropout.deterministic=True\).*call model.train\(\)"):
+        program.train(variables, X, rng=KEY)
+    model.train()
+    trained = gm.compile(lambda m, x: m(x), model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trained.train(trained.init(X), X, rng=KEY)  # in training mode: no warning
+        program.infer(variables, X)  # inference: layers are meant to be off
+        frozen = gm.compile(lambda m, x: m(x), CalledFrozen(rngs=nnx.Rngs(0)))
+        frozen.train(frozen.init(X), X, rng=KEY)  # flags in the calls: no warning
+    assert rewrites(trained) == [("/dropout", "apply", "OUTPUT", "output")]
 
 
 def test_overlapping_traces_in_two_threads_share_the_switch_and_restore_it() -> None:
@@ -341,7 +374,8 @@ def test_attention_dropout_draws_from_the_program_key_and_is_off_in_inference() 
     np.testing.assert_allclose(inferred, model.attention(SEQUENCE, deterministic=True), **TOL)
     frozen = SelfAttention(rngs=nnx.Rngs(0), deterministic=True)  # the user's flag wins
     program = gm.compile(lambda m, x: m(x), frozen)
-    out, _ = program.train(program.init(SEQUENCE), SEQUENCE, rng=KEY)
+    with pytest.warns(UserWarning, match=r"/attention \(MultiHeadAttention.deterministic"):
+        out, _ = program.train(program.init(SEQUENCE), SEQUENCE, rng=KEY)
     np.testing.assert_allclose(out, frozen(SEQUENCE), **TOL)
     assert rewrites(program) == []
 

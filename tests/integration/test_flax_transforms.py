@@ -235,6 +235,10 @@ class Lifted(nnx.Module):
         return nnx.fori_loop(0, 3, body, (self, x))[1]
 
 
+# without_dropout switches Flax's dropout off with its module flag, on purpose.
+pytestmark = pytest.mark.filterwarnings("ignore:these Flax layers stay in eval mode")
+
+
 def without_dropout(model: nnx.Module) -> nnx.Module:
     """The model in training mode with its dropout off (set explicitly: wins in programs)."""
     model.train()

@@ -230,3 +230,35 @@ def test_monitor_filters_and_class_filters_are_rebuilt() -> None:
     twin = again.compile(lambda m, x: m(x).sum())
     twin.init(x)
     assert twin.provenance.fingerprint == program.provenance.fingerprint
+
+
+def test_the_training_record_lists_what_trained_and_rebuild_selects_it_again() -> None:
+    program, mlp = _program()
+    lora = managers.LoRA(2, bricks=[mlp.linear_layers[1]], roles=[roles.WEIGHT])
+    program = gm.compile(cost, mlp, managers=[*program.managers, lora])
+    program.init(jnp.ones((2, 3)), jnp.ones((2, 2)))
+    step = gm.optimize(program, gm.provenance.optimizer("sgd", learning_rate=0.1),
+                       trainable=[lora, gm.VariableFilter(path="/linear_layers/0.b")])
+    record = step.provenance["trainable"]
+    assert (list(record["model"]), list(record["managers"])) == (["/linear_layers/0.b"],
+                                                                 ["lora"])
+    again = gm.rebuild(gm.Provenance.from_json(step.provenance.to_json()))
+    twin = again.compile(cost)
+    twin.init(*again.example_arguments()[0])
+    rebuilt_step = gm.optimize(twin, again.optimizer, trainable=again.trainable)
+    assert rebuilt_step.provenance["trainable"] == record
+    assert gm.rebuild(program.provenance).trainable is None  # a program record: no training
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"model": "/linear_layers/0.b", "managers": []}, r"trainable.model is not a list"),
+    ({"model": [], "managers": ["elsewhere"]}, r"trainable.managers names \['elsewhere'\]"),
+])
+def test_a_damaged_trainable_entry_is_refused_by_field(entry: dict, message: str) -> None:
+    program, _ = _program()
+    record = gm.optimize(program, gm.provenance.optimizer("sgd", learning_rate=0.1),
+                         trainable=gm.VariableFilter(path="/linear_layers/0.b")).provenance
+    damaged = record.to_dict()
+    damaged["inputs"]["trainable"] = entry
+    with pytest.raises(RebuildError, match=message):
+        gm.rebuild(gm.Provenance.from_json(json.dumps(damaged)))
