@@ -252,6 +252,10 @@ CASES = [
         r"program.train: argument 'y' is 'labels' \(str\), not an array.*functools.partial"),
     Case("a string argument to init", lambda w: w.program.init(w.x, "labels"), TypeError,
          r"program.init: argument 'y' is 'labels' \(str\)"),
+    Case("a step given a field its function lacks", lambda w: w.step(
+        w.state, x=w.x[:4], label=w.y[:4]), TypeError,
+        r"program.train: _cost\(model, x, y\) cannot take keyword arguments \['label', 'x'\]"
+        r".*name the data's fields after _cost's arguments"),
     Case("split by a string role", lambda w: w.program.split(w.variables, "weight"), TypeError,
          r"program.split\(variables, \*roles\): 'weight' is not a role"),
     Case("graph in an unknown mode", lambda w: w.program.graph(w.x, w.y, mode="eval"),

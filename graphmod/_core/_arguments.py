@@ -234,6 +234,39 @@ def check_traceable(bound: dict[str, Any], where: str) -> None:
                     f"{name}=...)) for one program per value") from None
 
 
+def check_binds(fn: Callable[..., Any], args: tuple, kwargs: dict, where: str) -> None:
+    """Raises a TypeError naming ``fn``'s signature, what it was given and the fix, unless
+    ``fn(model, *args, **kwargs)`` binds (a dict batch's keys that are not its arguments).
+
+    Examples:
+        >>> def cost(model, x, y): ...
+        >>> check_binds(cost, (), {"x": 1, "y": 2}, "step")
+        >>> try:
+        ...     check_binds(cost, (), {"x": 1, "label": 2}, "step")
+        ... except TypeError as error:
+        ...     print(str(error)[:72])
+        step: cost(model, x, y) cannot take keyword arguments ['label', 'x'] (mi
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to check (a builtin): the call will tell
+        return
+    try:
+        signature.bind(None, *args, **kwargs)
+    except TypeError as error:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        names = ", ".join({p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name
+                          for p in signature.parameters.values())
+        given = " and ".join(part for part in (
+            args and f"{len(args)} positional arguments",
+            kwargs and f"keyword arguments {sorted(kwargs)}") if part) or "no arguments"
+        raise TypeError(
+            f"{where}: {name}({names}) cannot take {given} ({error}). A dict batch is "
+            f"passed by name and a tuple by position: name the data's fields after "
+            f"{name}'s arguments after the model, or give {name} a **kwargs argument for "
+            "fields it does not use") from None
+
+
 def bind_arguments(names: list[str], args: tuple, kwargs: dict,
                    leaf: Callable[[Any], Any]) -> dict[str, Any]:
     """``{argument name: leaf mapped over its value}`` of a call (``args[i]`` past the

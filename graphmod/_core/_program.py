@@ -41,6 +41,7 @@ from graphmod._core._arguments import (
     as_key,
     bind_arguments,
     check_arguments,
+    check_binds,
     check_traceable,
 )
 from graphmod._core._clock import utc_now
@@ -297,6 +298,7 @@ class ProgramCore(VariablesByRole):
                args: tuple, kwargs: dict, record: bool = False, costs: bool = False
                ) -> Frame:
         # graph()'s traces (record=True) neither check against nor change the program.
+        check_binds(self.fn, args, kwargs, f"program.{mode}")
         placement = self._shared.placement
         if mode != "init" and not record:
             check_arguments(self._shared.examples, self._bind(args, kwargs, lambda x: x))

@@ -204,6 +204,24 @@ def test_bad_input_gets_clear_errors(problem: Problem) -> None:
         gm.Loop(problem.step, wrong).run(problem.state())
 
 
+def test_batches_the_function_cannot_take_are_refused_before_any_plugin_writes(
+        problem: Problem, tmp_path: object) -> None:
+    directory = tmp_path / "run"  # type: ignore[operator]
+    renamed = ArraySource({"x": problem.x, "label": problem.y}, 8)
+    with pytest.raises(TypeError, match=r"Loop.run: the data's batches: <lambda>\(m, x, y\) "
+                       r"cannot take keyword arguments \['label', 'x'\].*name the data's "
+                       r"fields after <lambda>'s arguments"):
+        gm.Loop(problem.step, renamed, steps=2,
+                plugins=[gm.plugins.Checkpoint(directory)]).run(problem.state())
+    assert not directory.exists()  # before: step 0 saved, with "continue with: resume"
+    extra = ArraySource({"x": problem.x, "y": problem.y, "index": np.arange(96)}, 8)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'index'"):
+        gm.Loop(problem.step, extra, steps=2).run(problem.state())
+    plain = [{"x": problem.x[:8], "label": problem.y[:8]}]  # not read ahead: the trace tells
+    with pytest.raises(TypeError, match=r"program.train: <lambda>\(m, x, y\) cannot take"):
+        gm.Loop(problem.step, plain, steps=1).run(problem.state())
+
+
 def test_a_plugin_that_raises_stops_the_loop_and_is_named(problem: Problem) -> None:
     seen: list = []
 

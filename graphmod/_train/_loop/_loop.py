@@ -33,6 +33,7 @@ from graphmod._train._loop._steps import (
     bounded,
     call_step,
     cast_like,
+    check_first_batch,
     check_loop_settings,
     check_start_state,
     donated,
@@ -244,6 +245,7 @@ class Loop:
         check_event_types([(e.name, e.template) for e in self._plugins.entries
                            if e.template is not None], self.plugins)
         check_start_state(self.step, state)
+        check_first_batch(self.step, self.data, self.time.epoch, self.position)
         self.state = state
         self._plugins.terminated = False
         step = self._plugins.wrap(self.step)

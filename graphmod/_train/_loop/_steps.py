@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from graphmod._core._arguments import is_key
+from graphmod._core._arguments import check_binds, is_key
 from graphmod._core._sharding import Placement
 from graphmod._train._batch import step_arguments
 from graphmod._train._events import On, Template, Time
@@ -220,6 +220,19 @@ def check_loop_settings(step: Any, data: Any, **counts: int | None) -> None:
     for label, value in counts.items():
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"Loop({label}={value!r}): must be a positive int")
+
+
+def check_first_batch(step: Any, data: Iterable[Any], epoch: int, position: int) -> None:
+    """Refuses data whose batches the step's function cannot take (a dict batch's keys
+    that are not its arguments), before any plugin sets up: nothing is written. Reads the
+    first batch of a resumable source (``iter_epoch``, deterministic by its contract);
+    a plain iterable is not read ahead (the step's own trace names the mismatch)."""
+    if not (isinstance(step, TrainStep) and hasattr(data, "iter_epoch")):
+        return
+    first = next(iter(data.iter_epoch(epoch, start=position)), None)
+    if first is not None:
+        args, kwargs = step_arguments(first)
+        check_binds(step.program.fn, args, kwargs, "Loop.run: the data's batches")
 
 
 def check_start_state(step: Any, state: Any) -> None:
