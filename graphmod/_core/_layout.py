@@ -170,10 +170,15 @@ class Layout:
                 changes.append(f"{path} is new" if path not in self._structure else
                                f"{path} is gone" if path not in now else
                                f"{path} is another {_kind(now[path])}")
+        sown = [path for path, obj in now.items()
+                if path not in self._structure and isinstance(obj, nnx.Intermediate)]
         raise ModelChanged(
             f"{caller}: the model changed since it was compiled: {', '.join(changes[:5])}"
-            f"{f' (and {len(changes) - 5} more)' if len(changes) > 5 else ''}. A program "
-            "holds the modules and variables it was compiled over: compile again after "
+            f"{f' (and {len(changes) - 5} more)' if len(changes) > 5 else ''}. "
+            + (f"{', '.join(sown)}: values a call of the model sowed outside the program; "
+               "take them off with nnx.pop(model, nnx.Intermediate), as Flax's examples "
+               "do. " if sown else "")
+            + "A program holds the modules and variables it was compiled over: compile again after "
             "changing them (graphmod.compile(fn, model)), or change values in place "
             "(nnx.update(model, state), variable[...] = ..., "
             "program.update_model(variables))")

@@ -140,3 +140,30 @@ def test_compiling_again_after_surgery_trains_the_new_module() -> None:
     assert float(last["loss"]) < float(first["loss"])
     grads = jax.grad(lambda v: program.infer(v, X))(variables)
     assert float(jnp.abs(grads["model"]["backbone"]["kernel"]).sum()) > 0
+
+
+class Sowing(nnx.Module):
+    """Sows its hidden activations, as Flax's examples do."""
+
+    def __init__(self) -> None:
+        self.linear = nnx.Linear(6, 3, rngs=nnx.Rngs(0))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = self.linear(x)
+        self.sow(nnx.Intermediate, "hidden", hidden)
+        return hidden
+
+
+def test_values_sown_by_an_eager_call_are_named_with_flaxs_fix() -> None:
+    model = Sowing()
+    program = gm.compile(lambda m, x: jnp.mean(m(x) ** 2), model)
+    variables = program.init(X)
+    model(X)  # an eager look at the model leaves /.hidden on it
+    with pytest.raises(gm.errors.ModelChanged,
+                       match=r"/\.hidden is new\. /\.hidden: values a call of the model sowed "
+                       r"outside the program; take them off with nnx.pop\(model, "
+                       r"nnx.Intermediate\)"):
+        program.train(variables, X, rng=jax.random.key(0))
+    nnx.pop(model, nnx.Intermediate)
+    out, _ = program.train(variables, X, rng=jax.random.key(0))
+    np.testing.assert_allclose(out, jnp.mean(model(X) ** 2), rtol=1e-6)
