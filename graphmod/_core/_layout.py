@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -67,37 +67,36 @@ def _children(node: Any) -> Iterator[tuple[Any, Any]]:
             yield key, child
 
 
-def walk_nodes(node: Any, key: Key, ancestors: frozenset[int]) -> Iterator[tuple[Key, Any]]:
-    """Every (key path, node) below ``node``, aliases included, cycles cut."""
+def walk_nodes(node: Any, key: Key, ancestors: frozenset[int], *, arrays: bool = False
+               ) -> Iterator[tuple[Key, Any]]:
+    """Every (key path, variable or graph node) below ``node``, aliases included, cycles
+    cut; with ``arrays``, also every (key path, array) kept as an attribute."""
     for child_key, child in _children(node):
+        if type(child) in _PLAIN:  # the common static attributes, without Flax's checks
+            continue
         path = (*key, child_key)
         if isinstance(child, nnx.Variable):
             yield path, child
-        elif graphlib.is_node(child) and id(child) not in ancestors:
+        elif graphlib.is_node(child):
+            if id(child) not in ancestors:
+                yield path, child
+                yield from walk_nodes(child, path, ancestors | {id(child)}, arrays=arrays)
+        elif arrays and isinstance(child, jax.Array | np.ndarray):
             yield path, child
-            yield from walk_nodes(child, path, ancestors | {id(child)})
 
 
-def structure(model: nnx.Module) -> dict[str, Any]:
-    """Path -> the module or variable there (None for an array attribute), aliases included:
-    what a program relies on of the model's objects (``Layout.check_unchanged``)."""
+def structure(walked: Iterable[tuple[Key, Any]]) -> dict[str, Any]:
+    """Path -> the module or variable there (None for an array attribute: its value is read
+    at each use), from ``walk_nodes(..., arrays=True)``: what a program relies on of the
+    model's objects (``Layout.check_unchanged``)."""
     out: dict[str, Any] = {}
-
-    def visit(node: Any, key: Key, ancestors: frozenset[int]) -> None:
-        for child_key, child in _children(node):
-            if type(child) in _PLAIN:  # the common static attributes, without Flax's checks
-                continue
-            path = (*key, child_key)
-            if isinstance(child, nnx.Variable):  # an array attribute's value is read per use
-                out[variable_path_string(path)] = None if isinstance(child, ArrayLeaf) else child
-            elif graphlib.is_node(child):
-                if id(child) not in ancestors:
-                    out[brick_path_string(path)] = child
-                    visit(child, path, ancestors | {id(child)})
-            elif isinstance(child, jax.Array | np.ndarray):
-                out[variable_path_string(path)] = None
-
-    visit(model, (), frozenset({id(model)}))
+    for key, node in walked:
+        if isinstance(node, nnx.Variable):
+            out[variable_path_string(key)] = None if isinstance(node, ArrayLeaf) else node
+        elif isinstance(node, jax.Array | np.ndarray):
+            out[variable_path_string(key)] = None
+        else:
+            out[brick_path_string(key)] = node
     return out
 
 
@@ -126,11 +125,13 @@ class Layout:
         canonical = {id(leaves[k][2] if k in leaves else v): k for k, v in flat}
         paths: dict[int, list[Key]] = {}
         objects: dict[int, Any] = {id(leaf): leaf for _, _, leaf in leaves.values()}
-        bricks: dict[int, list[Key]] = {}
+        bricks: dict[int, list[Key]] = {id(model): [()]}
         brick_objects: dict[int, Any] = {id(model): model}
-        bricks[id(model)] = [()]
         node_states = {id(model): (model, adopt_node(model))}
-        for key, node in walk_nodes(model, (), frozenset({id(model)})):
+        walked = list(walk_nodes(model, (), frozenset({id(model)}), arrays=True))
+        for key, node in walked:
+            if isinstance(node, jax.Array | np.ndarray):  # array leaves: found above
+                continue
             node_states.setdefault(id(node), (node, adopt_node(node)))
             if isinstance(node, nnx.Variable):
                 paths.setdefault(id(node), []).append(key)
@@ -152,24 +153,24 @@ class Layout:
         self._bricks = brick_objects
         self._owners = {_spelled(leaf): (module, name) for module, name, leaf in leaves.values()}
         self.marks = self._marks(intercept)
-        self._structure = structure(model)
+        self._structure = structure(walked)
 
     def check_unchanged(self, caller: str) -> None:
         """Raises :class:`~graphmod.errors.ModelChanged` if a module or variable of the model
         was replaced, added or removed since compile (a walk of the model: per trace, not
         per call)."""
-        now = structure(self.model)
+        now = structure(walk_nodes(self.model, (), frozenset({id(self.model)}), arrays=True))
         if len(now) == len(self._structure) and all(
                 self._structure.get(path, ...) is obj for path, obj in now.items()):
             return
-        changes: list[str] = []
-        for path in {**self._structure, **now}:  # one line for a module and what is in it
+        changed: list[str] = []  # one line for a module and what is in it
+        for path in {**self._structure, **now}:
             if self._structure.get(path, ...) is not now.get(path, ...) and not any(
-                    path.startswith(f"{shown.split()[0]}{sep}") for shown in changes
-                    for sep in "./"):
-                changes.append(f"{path} is new" if path not in self._structure else
-                               f"{path} is gone" if path not in now else
-                               f"{path} is another {_kind(now[path])}")
+                    path.startswith(f"{shown}{sep}") for shown in changed for sep in "./"):
+                changed.append(path)
+        changes = [f"{path} is new" if path not in self._structure else
+                   f"{path} is gone" if path not in now else
+                   f"{path} is another {_kind(now[path])}" for path in changed]
         sown = [path for path, obj in now.items()
                 if path not in self._structure and isinstance(obj, nnx.Intermediate)]
         raise ModelChanged(

@@ -15,6 +15,7 @@ from flax import nnx
 
 import graphmod as gm
 import managers
+from tests.integration.test_flax_intermediates import Sowing
 
 
 class Classifier(nnx.Module):
@@ -140,18 +141,6 @@ def test_compiling_again_after_surgery_trains_the_new_module() -> None:
     assert float(last["loss"]) < float(first["loss"])
     grads = jax.grad(lambda v: program.infer(v, X))(variables)
     assert float(jnp.abs(grads["model"]["backbone"]["kernel"]).sum()) > 0
-
-
-class Sowing(nnx.Module):
-    """Sows its hidden activations, as Flax's examples do."""
-
-    def __init__(self) -> None:
-        self.linear = nnx.Linear(6, 3, rngs=nnx.Rngs(0))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        hidden = self.linear(x)
-        self.sow(nnx.Intermediate, "hidden", hidden)
-        return hidden
 
 
 def test_values_sown_by_an_eager_call_are_named_with_flaxs_fix() -> None:
