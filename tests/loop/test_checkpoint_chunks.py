@@ -195,6 +195,41 @@ def test_a_reader_restores_a_checkpoint_of_two_parts_and_names_a_missing_one(
     writer.close()
 
 
+def test_chunks_listed_in_another_order_are_placed_by_their_paths(
+        tmp_path: pathlib.Path, arrays: dict[str, jax.Array],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stored d, c, b, a; restored into a template listing a, b, c, d placed on the mesh.
+    placed = {}
+
+    def local_array(path: str, entry: list, members: list, piece: Any, sharding: Any) -> Any:
+        placed[entry[0]] = sharding  # what a process of a real multi-process run places by
+        return read_region(path, entry, members, piece)
+
+    monkeypatch.setattr(_reader, "local_array", local_array)
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    writer = Checkpointer(tmp_path / "run", keep=None)
+    stored = dict(reversed(arrays.items()))
+    tree = {f"['{name}']": [list(a.shape), str(a.dtype)] for name, a in stored.items()}
+    record = {"run_id": writer.run_id, "step": 1, "tree": tree, **_written(parts, stored)}
+    record["arrays"] = [[f"['{e[0]}']", *e[1:]] for e in record["arrays"]]
+    step = tmp_path / "run" / "1"
+    writer._orbax_save(str(step), record, [])
+    for part in parts.iterdir():
+        part.rename(step / part.name)
+    template = {name: jax.device_put(jnp.zeros(a.shape, a.dtype), a.sharding)
+                for name, a in arrays.items()}
+    restored, _ = writer.restore(template)
+    for name, array in arrays.items():
+        assert placed[f"['{name}']"] == array.sharding, name
+        np.testing.assert_array_equal(restored[name], np.asarray(array))
+    record["arrays"][1][0] = record["arrays"][0][0]  # a path listed twice, one missing
+    writer._orbax_save(str(tmp_path / "run" / "2"), {**record, "step": 2}, [])
+    with pytest.raises(CheckpointError, match="array list does not match its tree"):
+        writer.restore(template, step=2)
+    writer.close()
+
+
 def test_a_region_reads_and_checks_only_the_chunks_that_overlap_it(
         tmp_path: pathlib.Path, arrays: dict[str, jax.Array]) -> None:
     # What a process restoring only its own devices' regions reads (a: rows 8-15 by process 1).

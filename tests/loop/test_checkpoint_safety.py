@@ -14,9 +14,11 @@ import sys
 import time
 import types
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 
@@ -482,3 +484,39 @@ def test_a_graphmod_0_1_checkpoint_resumes_unverified_with_a_warning(
     reason = Checkpointer(directory, keep=None).verify(6)
     assert reason is not None and "cannot be verified" in reason
     assert "cannot be verified" in inspect_run(str(directory))
+
+
+class _VariablesFirst(NamedTuple):
+    """A train state as checkpoints written before 2026-11-27 list it: the same paths
+    (``.variables[...]``, ``.opt_state[...]``, ...), the variables' leaves first."""
+
+    variables: Any
+    opt_state: Any
+    step: Any
+    rng: Any
+    skipped: Any
+
+
+def test_a_state_saved_variables_first_restores_each_leaf_by_its_path(
+        tmp_path: pathlib.Path) -> None:
+    problem = Problem()
+    # SGD's momentum has the parameters' shapes: read by position, the parameters and their
+    # momentum would swap without a shape to tell them apart.
+    step = gm.optimize(problem.program, optax.sgd(0.1, momentum=0.9))
+    state = step.init(problem.variables, jax.random.key(0))
+    for i in range(3):
+        state, _ = step(state, problem.x[8 * i:8 * i + 8], problem.y[8 * i:8 * i + 8])
+    old = _VariablesFirst(*state)
+    assert storable(old)[0].shape == storable(state)[0].shape  # same shapes, other leaves
+    writer = Checkpointer(tmp_path / "run", keep=None)
+    writer.save(3, old, {})
+    writer.wait()
+    restored, _ = writer.restore(jax.tree.map(np.zeros_like, state))
+    writer.close()
+    assert isinstance(restored, gm.TrainState)
+    for field in gm.TrainState._fields:
+        _assert_same_arrays(jax.tree.leaves(getattr(restored, field)),
+                            jax.tree.leaves(getattr(state, field)))
+    momentum = jax.tree.leaves(state.opt_state)
+    assert not all(np.array_equal(m, v) for m, v in
+                   zip(momentum, jax.tree.leaves(state.variables), strict=False))

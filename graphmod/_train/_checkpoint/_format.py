@@ -118,6 +118,27 @@ def stored_specs(template: Any) -> list[tuple[list[int], str]]:
     return [one(leaf) for leaf in jax.tree.leaves(template)]
 
 
+def stored_positions(path: str, entries: list[list[Any]], template: Any) -> list[int]:
+    """The index in the meta record's array list of each leaf of ``template``, found by its
+    path, so a state restores whatever order its pytree listed its leaves in when it was
+    saved (a ``TrainState`` listed its variables before its optimizer state until
+    2026-11-27). Raises a :class:`CheckpointError` unless the list names each leaf once.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from graphmod._train._checkpoint._format import stored_positions
+        >>> entries = [["['b']", [], "float32", "0"], ["['a']", [2], "float32", "0"]]
+        >>> stored_positions("ckpt", entries, {"a": jnp.ones(2), "b": jnp.float32(0)})
+        [1, 0]
+    """
+    index = {entry[0]: i for i, entry in enumerate(entries)}
+    paths = list(leaf_specs(template))
+    if len(index) != len(entries) or sorted(index) != sorted(paths):
+        raise CheckpointError(path, "the meta record's array list does not match its tree "
+                              "of leaves")
+    return [index[leaf] for leaf in paths]
+
+
 def restored(template: Any, leaves: list[np.ndarray]) -> Any:
     """The stored ``leaves`` as a state shaped like ``template`` (keys wrapped again)."""
     def back(want: Any, got: Any) -> Any:

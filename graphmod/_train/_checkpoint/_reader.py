@@ -39,6 +39,7 @@ from graphmod._train._checkpoint._format import (
     check_compatible,
     check_record,
     restored,
+    stored_positions,
     stored_specs,
 )
 
@@ -271,11 +272,16 @@ class CheckpointReader:
         check_compatible(self._path(step), record.get("tree", {}), template)
         if record["format"] == LEGACY_FORMAT:
             return record, self._read_legacy(step, template)
-        listed = [(shape, dtype) for _, shape, dtype, _ in record["arrays"]]
-        if listed != want:
+        entries = record["arrays"]
+        positions = stored_positions(self._path(step), entries, template)
+        if [(entries[i][1], entries[i][2]) for i in positions] != want:
             raise CheckpointError(self._path(step), "the meta record's array list does not "
                                   "match its tree of leaves")
-        return record, self._read_arrays(step, record, shardings)
+        placed: list[Any] = [None] * len(positions)  # each leaf's sharding, in stored order
+        for leaf, i in enumerate(positions):
+            placed[i] = shardings[leaf]
+        arrays = self._read_arrays(step, record, placed)
+        return record, [arrays[i] for i in positions]
 
     def _first(self, load: Callable[[int], Any],
                skipped: Callable[[str], None] | None = None) -> Any:
