@@ -349,6 +349,10 @@ CASES = [
          r"Loop.run\(state\): state is None.*step.init"),
     Case("a loop run on variables", lambda w: _loop(w).run(w.variables), TypeError,
          r"Loop.run\(state\).*TrainState, got dict.*step.init"),
+    Case("data of another feature size to a loop", lambda w: gm.Loop(
+        w.step, ArraySource((w.x[:, :3], w.y), 8), steps=2).run(w.state), ValueError,
+        r"Loop.run: the data's batches do not fit the program: argument 'x': expected shape "
+        r"\(batch, 4\)"),
     Case("a plugin whose setup raises", lambda w: _loop(w, FailingSetup()).run(w.state),
          gm.PluginError, r"plugin 'failing_setup' raised in setup: OSError"),
     Case("a resume from a missing directory", lambda w: gm.Loop.resume(

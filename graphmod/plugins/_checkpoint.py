@@ -43,7 +43,8 @@ class Checkpoint(Plugin):
     a cut-off write; other files stay). A run stopped by Ctrl-C or an error saves its last
     finished step (``on_interrupt``) and prints one line saying how to continue (in a run
     of several processes, where every process takes part in a save, Ctrl-C only: an error
-    stops one process).
+    stops one process); stopped before any of its steps finished (an error in the first
+    step's trace), it saves nothing, so the same run can start again in ``directory``.
 
     Examples:
         >>> import tempfile, graphmod as gm
@@ -76,6 +77,7 @@ class Checkpoint(Plugin):
         self._writer: Checkpointer | None = None
         self._run_id: str | None = None  # made by the first setup, or a resumed run's
         self._saved_step: int | None = None
+        self._first_step: int | None = None  # the step this run started from
         self._inputs: Any = None  # the run's provenance inputs, assembled at the first save
 
     def _wants_resume(self) -> bool:
@@ -83,6 +85,10 @@ class Checkpoint(Plugin):
         return self.resume or (forced is not None and os.path.abspath(forced) == self.directory)
 
     def setup(self, loop: LoopLike) -> None:
+        self._open(loop)
+        self._first_step = loop.time.step  # a stop before any step of this run saves nothing
+
+    def _open(self, loop: LoopLike) -> None:
         # A new run (no run id yet) must not meet another run's checkpoints; a run that
         # goes on keeps its id, so keep=N prunes only what it wrote.
         writer = Checkpointer(self.directory, keep=self.keep, asynchronous=self.asynchronous,
@@ -126,6 +132,14 @@ class Checkpoint(Plugin):
         interrupted = error is None or isinstance(error, KeyboardInterrupt)
         cause = "interrupted" if interrupted else f"stopped by {type(error).__name__}"
         step, where = loop.time.step, shlex.quote(self.directory)
+        if step == self._first_step and self._saved_step != step:
+            # The state is the one the run started from: saving it would only leave a
+            # checkpoint that a new run in this directory must first be told to replace.
+            again = (f"continue with: graphmod resume {where}" if self._writer.steps()
+                     else "run it again from the start")
+            print(f"graphmod: {cause} at step {step}, before this run finished a step: "
+                  f"nothing to save; {again}", file=sys.stderr)
+            return
         if not interrupted and jax.process_count() > 1:
             # Every process takes part in a save; an error stopped this one alone.
             print(f"graphmod: {cause} at step {step} in process {jax.process_index()}; not "

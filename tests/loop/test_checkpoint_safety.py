@@ -419,6 +419,47 @@ def test_an_interrupt_saves_the_last_finished_step_and_says_how_to_continue(
     _assert_same_arrays(storable(resumed), storable(full))
 
 
+def test_a_stop_before_any_step_of_the_run_finished_saves_nothing(
+        tmp_path: pathlib.Path, capsys: pytest.CaptureFixture) -> None:
+    problem = Problem()
+
+    def ctrl_c(event: gm.Event) -> None:
+        raise KeyboardInterrupt
+
+    fresh = gm.Loop(problem.step, problem.source(8), steps=8, plugins=[Checkpoint(tmp_path)])
+    fresh.on(On("begin"), ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        fresh.run(problem.state())
+    assert capsys.readouterr().err.splitlines() == [
+        "graphmod: interrupted at step 0, before this run finished a step: nothing to save; "
+        "run it again from the start"]
+    assert Checkpointer(tmp_path, keep=None).steps() == []
+    gm.Loop(problem.step, problem.source(8), epochs=1,  # 12 steps, in the same directory
+            plugins=[Checkpoint(tmp_path)]).run(problem.state())
+    before = _snapshot(tmp_path)
+    # Resumed, and stopped again before its first step: step 12 is on disk already.
+    again = gm.Loop(problem.step, problem.source(8), epochs=2,
+                    plugins=[Checkpoint(tmp_path, resume=True)])
+    again.on(On("epoch_begin"), ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        again.run(problem.state())
+    assert capsys.readouterr().err.splitlines() == [
+        f"graphmod: interrupted - saved step 12 to {tmp_path}; continue with: graphmod resume "
+        f"{tmp_path} (or graphmod.Loop.resume from Python)"]
+
+    class CtrlC(gm.Plugin):
+        def on_epoch_begin(self, event: gm.Event) -> None:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # the same by Loop.resume
+        gm.Loop.resume(str(tmp_path), problem.step, problem.source(8), epochs=2,
+                       plugins=[Checkpoint(tmp_path), CtrlC()])
+    assert capsys.readouterr().err.splitlines() == [
+        "graphmod: interrupted at step 12, before this run finished a step: nothing to save; "
+        f"continue with: graphmod resume {tmp_path}"]
+    assert _snapshot(tmp_path) == before
+
+
 def test_orbax_reads_finishing_late_are_not_reported(tmp_path: pathlib.Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     reported: list[BaseException] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import threading
 import time
@@ -220,6 +221,32 @@ def test_batches_the_function_cannot_take_are_refused_before_any_plugin_writes(
     plain = [{"x": problem.x[:8], "label": problem.y[:8]}]  # not read ahead: the trace tells
     with pytest.raises(TypeError, match=r"program.train: <lambda>\(m, x, y\) cannot take"):
         gm.Loop(problem.step, plain, steps=1).run(problem.state())
+
+
+def test_batches_of_another_feature_size_are_refused_before_anything_is_written(
+        problem: Problem, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture) -> None:
+    directory, log = tmp_path / "run", tmp_path / "log.csv"
+    wide = ArraySource({"x": np.ones((96, 5), np.float32), "y": problem.y}, 8)
+    chosen = [gm.plugins.Checkpoint(directory), gm.plugins.Logger(str(log))]
+    with pytest.raises(ValueError, match=r"Loop.run: the data's batches do not fit the "
+                       r"program: argument 'x': expected shape \(batch, 4\) and dtype "
+                       r"float32 \(as in init's example\), got shape \(8, 5\)"):
+        gm.Loop(problem.step, wide, steps=2, plugins=chosen).run(problem.state())
+    assert list(tmp_path.iterdir()) == []  # before: step 0 saved, a header logged
+    # A plain iterable is not read ahead: its first step's trace refuses it, and the
+    # Checkpoint saves nothing, since no step of the run finished.
+    plain = [(np.ones((8, 5), np.float32), problem.y[:8])]
+    with pytest.raises(ValueError, match=r"argument 'x': expected shape \(batch, 4\)"):
+        gm.Loop(problem.step, plain, steps=1,
+                plugins=[gm.plugins.Checkpoint(directory)]).run(problem.state())
+    assert "at step 0, before this run finished a step: nothing to save; run it again " \
+        "from the start" in capsys.readouterr().err
+    assert not directory.exists()
+    # The same run, with the data mended, starts in the same directory.
+    fixed = [(problem.x[:8], problem.y[:8])] * 2
+    state = gm.Loop(problem.step, fixed, epochs=1,
+                    plugins=[gm.plugins.Checkpoint(directory)]).run(problem.state())
+    assert int(state.step) == 2 and sorted(p.name for p in directory.iterdir()) == ["2"]
 
 
 def test_a_plugin_that_raises_stops_the_loop_and_is_named(problem: Problem) -> None:

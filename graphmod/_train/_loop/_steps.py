@@ -18,7 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from graphmod._core._arguments import check_binds, is_key
+from graphmod._core._arguments import (
+    argument_names,
+    bind_arguments,
+    check_arguments,
+    check_binds,
+    is_key,
+)
 from graphmod._core._sharding import Placement
 from graphmod._train._batch import step_arguments
 from graphmod._train._events import On, Template, Time
@@ -224,15 +230,26 @@ def check_loop_settings(step: Any, data: Any, **counts: int | None) -> None:
 
 def check_first_batch(step: Any, data: Iterable[Any], epoch: int, position: int) -> None:
     """Refuses data whose batches the step's function cannot take (a dict batch's keys
-    that are not its arguments), before any plugin sets up: nothing is written. Reads the
-    first batch of a resumable source (``iter_epoch``, deterministic by its contract);
-    a plain iterable is not read ahead (the step's own trace names the mismatch)."""
+    that are not its arguments; arrays whose rank, feature size or dtype differ from
+    ``init``'s examples), before any plugin sets up: nothing is written. Reads the first
+    batch of a resumable source (``iter_epoch``, deterministic by its contract); a plain
+    iterable is not read ahead (the step's own trace names the mismatch)."""
     if not (isinstance(step, TrainStep) and hasattr(data, "iter_epoch")):
         return
     first = next(iter(data.iter_epoch(epoch, start=position)), None)
-    if first is not None:
-        args, kwargs = step_arguments(first)
-        check_binds(step.program.fn, args, kwargs, "Loop.run: the data's batches")
+    if first is None:
+        return
+    args, kwargs = step_arguments(first)
+    fn = step.program.fn
+    check_binds(fn, args, kwargs, "Loop.run: the data's batches")
+    examples = step.program.record.examples
+    if examples is not None:
+        try:
+            check_arguments(examples, bind_arguments(argument_names(fn), args, kwargs,
+                                                     lambda leaf: leaf))
+        except ValueError as error:
+            raise ValueError(f"Loop.run: the data's batches do not fit the program: {error}"
+                             ) from None
 
 
 def check_start_state(step: Any, state: Any) -> None:
