@@ -34,6 +34,7 @@ from graphmod._train._plugin import Plugin
 from graphmod._train._program import Program
 from graphmod.metrics._per_example import Output, named_outputs
 from graphmod.plugins._common import template_or
+from graphmod.typing import LoopLike
 
 MetricFn = Callable[[Any, Any], Any]
 """``fn(outputs, batch) -> per-example array``, traced with ``jax.jit`` (use ``jnp``)."""
@@ -53,7 +54,9 @@ class Validation(Plugin):
     ``program.derive(lambda m, x: m(x))`` over ``(x, y)`` batches gets ``x``); metric
     functions get the whole batch. It runs on :func:`graphmod.evaluate`'s engine: one
     jitted function computes each batch's masked sums, and the loop waits on the device
-    once per evaluation. See the module docstring for what is averaged.
+    once per evaluation. In a loop, its first batch is checked against the program when
+    the loop sets up (fields bound to the arguments, shapes, metrics), so data that do not
+    fit stop the run before its first step. See the module docstring for what is averaged.
 
     Args:
         program: an inference program over the trained model, e.g.
@@ -110,6 +113,12 @@ class Validation(Plugin):
         self.prefix = prefix
         self.history: list[tuple[int, dict[str, Any]]] = []
         self._engine: Engine | None = None
+
+    def setup(self, loop: LoopLike) -> None:
+        # Checked on the first batch now, not at the first validation an epoch later: data
+        # that do not fit the program stop the run before it trains (an abstract trace).
+        if self._engine is None:
+            self._engine = self._prepare(_variables(loop.state, self.name))
 
     def __call__(self, event: Event) -> None:
         results = self.evaluate(_variables(event.state, self.name))

@@ -3,6 +3,8 @@ selection, default metrics from a program's outputs, and EarlyStopping wired to 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,3 +163,22 @@ def test_bad_input_is_named(classes: Classes, problem: Problem) -> None:
     with pytest.raises(gm.PluginError, match=r"metric 't' has shape \(2, 8\); expected a "
                                              r"scalar or per-example values"):
         loop.run(problem.state())
+
+
+@pytest.mark.parametrize(("held_out", "message"), [
+    (lambda c: ArraySource((np.ones((30, 5), np.float32), c.yv), 8),
+     r"the data of source 'arrays' do not fit the program's inputs.*argument 'x': "
+     r"expected shape \(batch, 4\)"),
+    (lambda c: ArraySource({"inputs": c.xv, "y": c.yv}, 8),
+     r"the program's inputs \['x'\] are not all fields of the source"),
+])
+def test_held_out_data_that_do_not_fit_stop_the_run_before_its_first_step(
+        classes: Classes, held_out: Callable[[Classes], ArraySource], message: str) -> None:
+    steps: list[int] = []
+    loop = gm.Loop(classes.step, classes.train(), epochs=2, plugins=[
+        Validation(classes.predict, held_out(classes), metrics=["accuracy"])])
+    loop.on(gm.On("step"), lambda event: steps.append(event.time.step))
+    with pytest.raises(gm.PluginError, match=r"plugin 'validation' raised in setup: "
+                                             r"ValueError: validation: " + message):
+        loop.run(classes.state())
+    assert steps == []  # before: refused at the end of the first epoch
