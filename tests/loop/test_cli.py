@@ -51,3 +51,14 @@ def test_inspect_and_resume_of_a_missing_directory(capsys: pytest.CaptureFixture
     assert "no run directory at /nonexistent/run" in capsys.readouterr().err
     assert main(["run", "/nonexistent/script.py"]) == 2
     assert "no script file at /nonexistent/script.py" in capsys.readouterr().err
+
+
+def test_python_dash_m_graphmod_is_the_command() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "graphmod", "inspect", "/nonexistent/run"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert "graphmod inspect: no run directory at /nonexistent/run" in done.stderr
+    usage = subprocess.run([sys.executable, "-m", "graphmod", "--help"], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: graphmod ")
