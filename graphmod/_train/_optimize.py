@@ -64,9 +64,17 @@ class TrainState(NamedTuple):
 # StopGradient and WeightStandardization steps 4-11% faster (benchmarks/manager_costs.py).
 # The fields keep their order and names (``state.variables``, ``state[0]``, keyword
 # construction); checkpoints find each stored leaf by its path, so either order restores.
-jax.tree_util.register_dataclass(
-    TrainState, data_fields=["opt_state", "variables", "step", "rng", "skipped"],
-    meta_fields=[])
+# Flattened by C functions (itemgetter, tuple.__new__) behind two small lambdas: 0.13 µs a
+# call more than a plain NamedTuple, against 0.34 µs for register_dataclass's keywords.
+_FLAT_FIELDS = ("opt_state", "variables", "step", "rng", "skipped")
+_FLAT = operator.itemgetter(*map(TrainState._fields.index, _FLAT_FIELDS))
+_UNFLAT = operator.itemgetter(*map(_FLAT_FIELDS.index, TrainState._fields))
+_KEYS = tuple(map(jax.tree_util.GetAttrKey, _FLAT_FIELDS))
+jax.tree_util.register_pytree_with_keys(
+    TrainState,
+    lambda state: (tuple(zip(_KEYS, _FLAT(state), strict=True)), None),
+    lambda _, children: tuple.__new__(TrainState, _UNFLAT(children)),
+    lambda state: (_FLAT(state), None))
 
 
 def _count(value: Any) -> str:
