@@ -310,6 +310,10 @@ CASES = [
     Case("an unknown metric", lambda w: gm.evaluate(w.program, w.variables, w.data,
                                                     metrics=["acc"]), ValueError,
          r"unknown metric 'acc'.*accuracy"),
+    Case("a misspelt metric", lambda w: gm.evaluate(w.program, w.variables, w.data,
+                                                     metrics=["acuracy"]), ValueError,
+         r"unknown metric 'acuracy' \(did you mean 'accuracy'\?\): use a "
+         r"graphmod.metrics.Metric"),
     Case("a non-callable to derive", lambda w: w.program.derive(3), TypeError,
          r"program.derive\(fn\): fn must be callable"),
     # -- variables against the layout, keys and batches --------------------------------------
@@ -344,7 +348,7 @@ CASES = [
     Case("each(2.5) on the epoch timeline", lambda w: gm.On("epoch_end", epoch=gm.each(2.5)),
          ValueError, r"each\(2\.5\).*epoch timeline"),
     Case("a misspelt event type", lambda w: _run_with(w, gm.On("stpe")), ValueError,
-         r"'stpe'.*Did you mean 'step'"),
+         r"'stpe'.*\(did you mean 'step'\?\)"),
     Case("a loop run on no state", lambda w: _loop(w).run(None), TypeError,
          r"Loop.run\(state\): state is None.*step.init"),
     Case("a loop run on variables", lambda w: _loop(w).run(w.variables), TypeError,

@@ -11,10 +11,10 @@ holds a value (equality), a :class:`~graphmod.Schedule` (evaluated on the range
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from graphmod._core._naming import did_you_mean
 from graphmod._train._schedule import Schedule
 from graphmod.typing import LoopLike
 
@@ -229,14 +229,13 @@ def check_event_types(listeners: Iterable[tuple[str, Template]], plugins: Iterab
         known.update((fires,) if isinstance(fires, str) else fires)
     for name, template in listeners:
         for unknown in sorted(template.unsourced_types() - known):
-            close = difflib.get_close_matches(unknown, sorted(known), n=1)
-            hint = f"Did you mean {close[0]!r}? " if close else ""
             raise ValueError(
                 f"plugin {name!r} listens for {unknown!r} events ({template!r}), which no "
-                f"registered plugin declares it fires and the loop never fires. {hint}"
-                f"Known: {', '.join(sorted(known))}. A plugin that fires its own type "
-                f"declares it (class attribute fires = ({unknown!r},), also settable on a "
-                f"function), or the template names who fires it: On({unknown!r}, issuer=...)")
+                f"registered plugin declares it fires and the loop never fires"
+                f"{did_you_mean(unknown, known)}. Known: {', '.join(sorted(known))}. A "
+                f"plugin that fires its own type declares it (class attribute fires = "
+                f"({unknown!r},), also settable on a function), or the template names who "
+                f"fires it: On({unknown!r}, issuer=...)")
 
 
 def as_template(value: Any, argument: str) -> Template:

@@ -13,6 +13,7 @@ Examples:
 
 from typing import Any
 
+from graphmod._core._naming import did_you_mean
 from graphmod.metrics._base import Metric
 from graphmod.metrics._classification import (
     F1,
@@ -55,8 +56,9 @@ def get(metric: Any) -> Metric:
         named = _NAMED[metric]()
         named.name = metric  # an alias keys its results as the caller wrote it
         return named
-    raise ValueError(f"unknown metric {metric!r}: use a graphmod.metrics.Metric or one of "
-                     f"{', '.join(sorted(_NAMED))}")
+    hint = did_you_mean(metric, _NAMED) if isinstance(metric, str) else ""
+    raise ValueError(f"unknown metric {metric!r}{hint}: use a graphmod.metrics.Metric or one "
+                     f"of {', '.join(sorted(_NAMED))}")
 
 
 __all__ = [

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from graphmod._core._naming import did_you_mean
 from graphmod._core._numbers import is_real_number, is_whole_number
 from graphmod._train._events import AnyOf, Event, On, Template
 from graphmod._train._plugin import Plugin
@@ -146,7 +147,7 @@ class EarlyStopping(Plugin):
         else:
             have = sorted(metrics)
             raise ValueError(f"{self.name}: the {event.type!r} event has no metric "
-                           f"{self.metric!r}; it has {have}")
+                             f"{self.metric!r}{did_you_mean(self.metric, have)}; it has {have}")
         result = host_value(value)
         if not isinstance(result, float):
             raise ValueError(f"{self.name}: metric {self.metric!r} is not a scalar "

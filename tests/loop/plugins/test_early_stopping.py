@@ -87,8 +87,9 @@ def test_a_missing_metric_and_bad_arguments_are_named(problem: Problem) -> None:
     loop = gm.Loop(problem.step, problem.source(32), epochs=1,
                    plugins=[EarlyStopping("valid/acc")])
     loop.on("epoch_end", fire_scores([0.5], metric="valid/accuracy"))
-    with pytest.raises(gm.PluginError, match=r"'validated' event has no metric 'valid/acc'; "
-                                             r"it has \['valid/accuracy'\]"):
+    with pytest.raises(gm.PluginError, match=r"'validated' event has no metric 'valid/acc' "
+                                             r"\(did you mean 'valid/accuracy'\?\); it has "
+                                             r"\['valid/accuracy'\]"):
         loop.run(problem.state())
     with pytest.raises(ValueError, match=r"EarlyStopping\(mode='median'\)"):
         EarlyStopping("loss", mode="median")
