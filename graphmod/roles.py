@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from graphmod._core._naming import did_you_mean
+
 __all__ = [
     "AUXILIARY",
     "BIAS",
@@ -145,7 +147,8 @@ def get_role(name: str) -> Role:
         return _REGISTRY[name]
     except KeyError:
         raise ValueError(
-            f"unknown role {name!r}; known roles: {', '.join(sorted(_REGISTRY))}"
+            f"unknown role {name!r}{did_you_mean(name, _REGISTRY)}; known roles: "
+            f"{', '.join(sorted(_REGISTRY))}"
         ) from None
 
 

@@ -37,5 +37,7 @@ def test_users_add_sub_roles() -> None:
         roles.add_role("TEST_GATE_WEIGHT", roles.BIAS)
     with pytest.raises(ValueError, match="unknown role 'NOPE'"):
         roles.get_role("NOPE")
+    with pytest.raises(ValueError, match=r"unknown role 'WIEGHT' \(did you mean 'WEIGHT'\?\)"):
+        roles.get_role("WIEGHT")
     with pytest.raises(TypeError, match="parent of 'X' must be a Role"):
         roles.add_role("X", "WEIGHT")  # type: ignore[arg-type]

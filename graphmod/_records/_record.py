@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from graphmod._core._naming import did_you_mean
 from graphmod._core._numbers import is_whole_number
 from graphmod._records._frozen import (
     FrozenDict,
@@ -119,7 +120,8 @@ class Provenance:
             return self._inputs[field]
         if field in self._derived:
             return self._derived[field]
-        raise KeyError(f"{self._kind} provenance has no field {field!r}; inputs: "
+        raise KeyError(f"{self._kind} provenance has no field {field!r}"
+                       f"{did_you_mean(field, [*self._inputs, *self._derived])}; inputs: "
                        f"{', '.join(self._inputs)}; derived: {', '.join(self._derived)}")
 
     def get(self, field: str, default: Any = None) -> Any:

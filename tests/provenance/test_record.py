@@ -125,3 +125,11 @@ def test_records_print_as_a_summary_and_html() -> None:
     assert "dropout = managers.Dropout(rate=dynamic(0.1)" in text
     assert "fingerprint" in text and "jax 0." in text
     assert "<table>" in prov._repr_html_() and "Provenance(kind='program'" in repr(prov)
+
+
+def test_a_missing_field_is_named_with_the_closest_one() -> None:
+    prov = gm.Provenance("program", {"seeds": {"init": [0, 0]}}, {"fingerprint": None})
+    with pytest.raises(KeyError, match=r"program provenance has no field 'seed' \(did you "
+                                       r"mean 'seeds'\?\); inputs: seeds; derived: "
+                                       r"fingerprint"):
+        prov["seed"]
