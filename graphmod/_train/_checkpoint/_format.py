@@ -29,7 +29,7 @@ import concurrent.futures
 import math
 import os
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -118,21 +118,20 @@ def stored_specs(template: Any) -> list[tuple[list[int], str]]:
     return [one(leaf) for leaf in jax.tree.leaves(template)]
 
 
-def stored_positions(path: str, entries: list[list[Any]], template: Any) -> list[int]:
-    """The index in the meta record's array list of each leaf of ``template``, found by its
-    path, so a state restores whatever order its pytree listed its leaves in when it was
-    saved (a ``TrainState`` listed its variables before its optimizer state until
-    2026-11-27). Raises a :class:`CheckpointError` unless the list names each leaf once.
+def stored_positions(path: str, entries: list[list[Any]], paths: Sequence[str]) -> list[int]:
+    """The index in the meta record's array list of each of a template's leaf ``paths``
+    (the keys of its :func:`leaf_specs`, in its order), so a state restores whatever order
+    its pytree listed its leaves in when it was saved (a ``TrainState`` listed its variables
+    before its optimizer state until 2026-11-27). Raises a :class:`CheckpointError` unless
+    the list names each leaf once.
 
     Examples:
-        >>> import jax.numpy as jnp
         >>> from graphmod._train._checkpoint._format import stored_positions
         >>> entries = [["['b']", [], "float32", "0"], ["['a']", [2], "float32", "0"]]
-        >>> stored_positions("ckpt", entries, {"a": jnp.ones(2), "b": jnp.float32(0)})
+        >>> stored_positions("ckpt", entries, ["['a']", "['b']"])
         [1, 0]
     """
     index = {entry[0]: i for i, entry in enumerate(entries)}
-    paths = list(leaf_specs(template))
     if len(index) != len(entries) or sorted(index) != sorted(paths):
         raise CheckpointError(path, "the meta record's array list does not match its tree "
                               "of leaves")
@@ -174,9 +173,10 @@ def array_entries(paths: list[str], arrays: list[np.ndarray]) -> list[list[Any]]
             for p, a, c in zip(paths, arrays, checksums(arrays), strict=True)]
 
 
-def check_compatible(directory: str, saved: Mapping[str, Any], template: Any) -> None:
-    """Raises naming the differing leaf paths if ``template`` is not the saved state's."""
-    want = leaf_specs(template)
+def check_compatible(directory: str, saved: Mapping[str, Any],
+                     want: Mapping[str, list[Any]]) -> None:
+    """Raises naming the differing leaf paths unless ``want`` (a template's
+    :func:`leaf_specs`) is the saved state's."""
     differing = sorted(
         [f"{p} (missing in the checkpoint)" for p in want if p not in saved]
         + [f"{p} (only in the checkpoint)" for p in saved if p not in want]

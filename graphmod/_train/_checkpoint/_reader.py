@@ -38,6 +38,7 @@ from graphmod._train._checkpoint._format import (
     check_arrays,
     check_compatible,
     check_record,
+    leaf_specs,
     restored,
     stored_positions,
     stored_specs,
@@ -249,8 +250,8 @@ class CheckpointReader:
         # Placed as the template is: in a run of several processes, each reads its own.
         shardings = [None if is_key(leaf) else getattr(leaf, "sharding", None)
                      for leaf in jax.tree.leaves(template)]
-        load = functools.partial(self._load, template=template, want=stored_specs(template),
-                                 shardings=shardings)
+        load = functools.partial(self._load, template=template, specs=leaf_specs(template),
+                                 want=stored_specs(template), shardings=shardings)
         if any(s is not None and not s.is_fully_addressable for s in shardings):
             load = _agreed(load, self._path)
         if step is not None:
@@ -264,16 +265,18 @@ class CheckpointReader:
                               stacklevel=2)
         return restored(template, arrays), record
 
-    def _load(self, step: int, *, template: Any, want: list[tuple[list[int], str]],
-              shardings: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+    def _load(self, step: int, *, template: Any, specs: dict[str, list[Any]],
+              want: list[tuple[list[int], str]], shardings: list[Any]
+              ) -> tuple[dict[str, Any], list[Any]]:
         """``step``'s meta record and verified arrays, for a state shaped like ``template``
-        (whose leaves are stored as ``want`` and placed by ``shardings``)."""
+        (its ``leaf_specs`` ``specs``; its leaves stored as ``want`` and placed by
+        ``shardings``)."""
         record = self._read_meta(step, legacy=True)
-        check_compatible(self._path(step), record.get("tree", {}), template)
+        check_compatible(self._path(step), record.get("tree", {}), specs)
         if record["format"] == LEGACY_FORMAT:
             return record, self._read_legacy(step, template)
         entries = record["arrays"]
-        positions = stored_positions(self._path(step), entries, template)
+        positions = stored_positions(self._path(step), entries, list(specs))
         if [(entries[i][1], entries[i][2]) for i in positions] != want:
             raise CheckpointError(self._path(step), "the meta record's array list does not "
                                   "match its tree of leaves")
