@@ -5,7 +5,8 @@ tracer), possibly rewritten by the managers of the innermost application call, a
 to the program's output instead of the stored array. The redirection lives in
 :class:`Tracked`: ``get_value``/``set_value`` consult the current frame, and ``__getattr__``
 forwards array attributes (``W.T``, ``W.reshape``, ``W.astype``, ``W.sum()``) to the
-redirected value, since Flax forwards them to the raw array otherwise.
+redirected value, since Flax forwards them to the raw array otherwise. ``W.shape``,
+``W.ndim`` and ``W.size`` are the stored array's: reading them runs no manager.
 
 graphmod's own types (:class:`Parameter`, :class:`Weight`, :class:`Bias`, :class:`Filter`,
 :class:`State`) are tracked by construction. Plain Flax variables of a model are *marked*
@@ -24,9 +25,11 @@ back the non-parameter state they update. Their copies of a variable read their 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from flax import nnx
 from flax.nnx import graphlib, tracers
 from flax.typing import MISSING
@@ -101,11 +104,25 @@ class Tracked:
         else:
             super().update_from_state(variable_state)  # type: ignore[misc]
 
+    # The shape describes the stored array, which no manager changes: reading it (a parent's
+    # ``self.layer.kernel.shape``, as Gemma's attention reads its heads) runs no manager, so
+    # SpectralNorm does not iterate once more and nothing is recorded as a read.
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if current_frame() is None:
+            return super().shape  # type: ignore[misc]
+        return tuple(np.shape(self._raw_value))
+
     def __getattr__(self, name: str) -> Any:
         metadata = object.__getattribute__(self, "_var_metadata")
         if name in metadata:
             return metadata[name]
+        if name in _OF_SHAPE and current_frame() is not None:
+            return _OF_SHAPE[name](self.shape)
         return getattr(self.get_value(), name)
+
+
+_OF_SHAPE = {"ndim": len, "size": math.prod}  # array attributes the shape alone answers
 
 
 _RAW_VALUE = nnx.Variable._raw_value  # the slot a Variable keeps its array in
