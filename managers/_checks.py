@@ -36,18 +36,3 @@ def default_filter(kwargs: dict[str, Any], **defaults: Any) -> dict[str, Any]:
     if any(kwargs.get(field) is not None for field in _FILTER_FIELDS):
         return kwargs
     return {**kwargs, **defaults}
-
-
-def fan_in_axes(manager: gm.Manager, call: gm.ApplicationCall, name: str,
-                value: Any) -> tuple[int, ...]:
-    """The axes of a weight feeding one output unit: all but the last (a Linear's
-    ``(in, out)``, a convolution's ``(..., in, out)``). Raises naming the manager and the
-    parameter if ``value`` is not floating or has fewer than two axes (a bias)."""
-    require_floating(manager, call, name, value)
-    if jnp.ndim(value) < 2:
-        raise ValueError(
-            f"{type(manager).__name__} {manager.name!r} selected {name!r} of shape "
-            f"{jnp.shape(value)} at {call.parameter or call.path}: it rewrites weights with an "
-            "output axis last and at least one input axis. Narrow its filter (e.g. "
-            "roles=[graphmod.roles.WEIGHT]) to leave this variable out.")
-    return tuple(range(jnp.ndim(value) - 1))

@@ -3,7 +3,10 @@
 Sharp edges
     LoRA freezes nothing by itself: pass ``trainable=[lora]`` to ``graphmod.optimize`` or
     the base weights train too. A convolution's kernel ``(..., in, out)`` gets ``A`` of
-    shape ``(fan_in, rank)``, the product reshaped to the kernel. A tied weight has one
+    shape ``(fan_in, rank)``, the product reshaped to the kernel. An ``nnx.Einsum`` kernel
+    whose contracted axes are not its first (Gemma's query ``NDH``, contracting ``D``) gets
+    ``B`` of shape ``(rank, *kernel shape)`` with the contracted axes 1, so the stored
+    pair says which axes are the inputs (``managers._layout``). A tied weight has one
     adapter, applied in each application that reads it, and :meth:`LoRA.merge` folds it
     in once.
 """
@@ -20,13 +23,15 @@ import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import fan_in_axes
+from managers._layout import WeightLayout, weight_layout
 
 
 class LoRA(gm.Manager):
-    """``W + (alpha / rank) * A @ B`` for each selected weight ``W`` of shape ``(..., out)``
-    (``A``: ``(fan_in, rank)``, ``B``: ``(rank, out)``, the product reshaped to ``W``'s
-    shape), at read time.
+    """``W + (alpha / rank) * A @ B`` for each selected weight ``W``, read as a matrix
+    ``(fan_in, units)`` (``A``: ``(fan_in, rank)``, ``B``: ``(rank, units)``, the product
+    in ``W``'s shape), at read time. A weight's units are its last axis (``Linear``'s
+    ``(in, out)``), an ``nnx.LinearGeneral``'s output axes, or the axes an ``nnx.Einsum``
+    does not contract.
 
     The manager owns ``A`` (normal, scaled by ``1/sqrt(fan_in)``, drawn from ``seed`` and
     the weight's path) and ``B`` (zeros, so the model is unchanged at init) as PARAMETERs at
@@ -70,15 +75,15 @@ class LoRA(gm.Manager):
 
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
-        fan_in_axes(self, call, name, value)
-        fan_in, out = math.prod(value.shape[:-1]), value.shape[-1]
+        layout = weight_layout(self, call, name, value)
+        fan_in = math.prod(value.shape[axis] for axis in layout.fan_in)
         seed = zlib.crc32(f"{self.seed}:{call.parameter}".encode()) & 0x7FFFFFFF
         a = call.variable("a", lambda: jax.random.normal(jax.random.key(seed), (
             fan_in, self.rank)) / math.sqrt(fan_in), role=roles.PARAMETER)
-        b = call.variable("b", lambda: jnp.zeros((self.rank, out)), role=roles.PARAMETER)
+        b = call.variable("b", lambda: jnp.zeros(_b_shape(layout, self.rank)),
+                          role=roles.PARAMETER)
         scale = jnp.asarray(self.hp("alpha"), jnp.float32) / self.rank
-        update = (scale * (a.value @ b.value)).reshape(value.shape)
-        return value + update.astype(value.dtype)
+        return value + (scale * _product(a.value, b.value, value.shape)).astype(value.dtype)
 
     def merge(self, variables: dict) -> dict:
         """``variables`` with every adapter folded into its weight and this manager's
@@ -111,10 +116,28 @@ class LoRA(gm.Manager):
                 parent = _node(model, path)
                 base = parent[weight]
                 update = (jnp.asarray(alpha, jnp.float32) / self.rank
-                          * (adapter["a"] @ adapter["b"])).reshape(base.shape)
+                          * _product(adapter["a"], adapter["b"], base.shape))
                 parent[weight] = base + update.astype(base.dtype)
         others = {k: v for k, v in variables["managers"].items() if k != self.name}
         return {"model": model, "managers": others}
+
+
+def _b_shape(layout: WeightLayout, rank: int) -> tuple[int, ...]:
+    """``B``'s shape: ``(rank, units)`` when the weight's fan-in axes come first, else
+    ``(rank, *shape)`` with the fan-in axes 1, so that the stored pair says where they are
+    and :meth:`LoRA.merge` needs no model."""
+    if layout.leading:
+        return (rank, math.prod(layout.units_shape))
+    return (rank, *(1 if a in layout.fan_in else n for a, n in enumerate(layout.shape)))
+
+
+def _product(a: jax.Array, b: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``A @ B`` in the weight's ``shape``, ``B`` shaped by :func:`_b_shape`."""
+    if b.ndim == 2:  # (rank, units): a reshape
+        return (a @ b).reshape(shape)
+    # An axis of size 1 in B is a fan-in axis, or a unit axis of size 1 (either way).
+    fan_in = tuple(axis for axis, n in enumerate(b.shape[1:]) if n == 1)
+    return WeightLayout(tuple(shape), fan_in).from_matrix(a @ b.reshape(b.shape[0], -1))
 
 
 def _node(model: dict, path: str) -> Any:

@@ -2,9 +2,11 @@
 straight-through gradient.
 
 Weights (``rewrite_parameter``) are quantized symmetrically per output unit (the last
-axis: one scale per channel), activations (``rewrite_input``/``rewrite_output``) per
-tensor, each scale ``max |x| / (2 ** (bits - 1) - 1)`` of the values at hand (dynamic
-range, as Qwix's and AQT's default for training). The forward pass sees
+axis: one scale per channel; an ``nnx.LinearGeneral``'s output axes, the axes an
+``nnx.Einsum`` does not contract: ``managers._layout``), activations
+(``rewrite_input``/``rewrite_output``) per tensor, each scale
+``max |x| / (2 ** (bits - 1) - 1)`` of the values at hand (dynamic range, as Qwix's and
+AQT's default for training). The forward pass sees
 ``round(x / scale) * scale`` clipped to the integer range; the backward pass sees the
 identity (the straight-through estimator), so the stored weights train in full precision.
 
@@ -21,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 import graphmod as gm
-from managers._checks import fan_in_axes, require_floating
+from managers._checks import require_floating
+from managers._layout import weight_layout
 
 
 def fake_quant(value: jax.Array, bits: int, axes: tuple[int, ...] | None) -> jax.Array:
@@ -65,7 +68,7 @@ class FakeQuant(gm.Manager):
 
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
-        return fake_quant(value, self.bits, fan_in_axes(self, call, name, value))
+        return fake_quant(value, self.bits, weight_layout(self, call, name, value).fan_in)
 
     def _activation(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
         require_floating(self, call, name, value)

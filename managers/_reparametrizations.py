@@ -7,6 +7,10 @@ manager's own variables), so removing the manager gives back the raw weights.
 Sharp edges
     The output axis of a weight is its last one (``Linear``'s ``W`` is ``(in, out)``, a
     convolution's ``(..., in, out)``); the norms are over the other axes, per output unit.
+    Flax's ``nnx.LinearGeneral`` has several output axes (its ``out_features``) and an
+    ``nnx.Einsum`` kernel's inputs are the axes its equation contracts (Gemma's query
+    ``BTD,NDH->BTNH``: one norm over ``D`` per head and feature, ``g`` of shape ``(N, H)``):
+    see ``managers._layout``.
     A weight read by two applications (tied weights) is rewritten in each of them:
     ``SpectralNorm`` then runs its power iteration once per call. ``SpectralNorm``'s
     gradient holds the iteration's vectors constant (as Flax does). ``MaxNorm`` clips at
@@ -16,6 +20,7 @@ Sharp edges
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -24,7 +29,7 @@ import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import fan_in_axes
+from managers._layout import weight_layout
 
 
 def _positive(cls: str, argument: str, value: Any) -> None:
@@ -68,10 +73,10 @@ class WeightNorm(gm.Manager):
 
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
-        axes = fan_in_axes(self, call, name, value)
-        norm = lambda w: _norm(w, axes, self.epsilon).reshape(w.shape[-1])
+        layout = weight_layout(self, call, name, value)
+        norm = lambda w: _norm(w, layout.fan_in, self.epsilon).reshape(layout.units_shape)
         g = call.variable("g", norm, role=roles.PARAMETER)
-        return value * (g.value / norm(value)).astype(value.dtype)
+        return value * layout.per_unit(g.value / norm(value)).astype(value.dtype)
 
 
 class WeightStandardization(gm.Manager):
@@ -103,19 +108,21 @@ class WeightStandardization(gm.Manager):
 
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
-        axes = fan_in_axes(self, call, name, value)
-        mean = value.mean(axes, keepdims=True)
-        var = value.var(axes, keepdims=True)  # one jitted jnp.var, as written by hand
+        layout = weight_layout(self, call, name, value)
+        mean = value.mean(layout.fan_in, keepdims=True)
+        var = value.var(layout.fan_in, keepdims=True)  # one jitted jnp.var, as by hand
         scale = jax.lax.rsqrt(var + self.epsilon)
         if self.gain:
-            gain = call.variable("gain", lambda: jnp.ones(value.shape[-1]), role=roles.PARAMETER)
-            scale = scale * gain.value
+            gain = call.variable("gain", lambda: jnp.ones(layout.units_shape),
+                                 role=roles.PARAMETER)
+            scale = scale * layout.per_unit(gain.value)
         return ((value - mean) * scale).astype(value.dtype)
 
 
 class SpectralNorm(gm.Manager):
     """Spectral normalization (Miyato et al., 2018): ``W / sigma``, ``sigma`` the largest
-    singular value of ``W`` (reshaped to ``(fan_in, out)``), estimated by power iteration.
+    singular value of ``W`` (read as a matrix ``(fan_in, units)``), estimated by power
+    iteration.
 
     Owns, per weight, the iteration's vector ``u`` and the estimate ``sigma`` (STATE). A
     training step runs ``steps`` iterations from the stored ``u`` (no gradient through
@@ -144,13 +151,13 @@ class SpectralNorm(gm.Manager):
 
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
-        fan_in_axes(self, call, name, value)
-        out = value.shape[-1]
+        layout = weight_layout(self, call, name, value)
+        out = math.prod(layout.units_shape)
         u = call.variable("u", lambda: jnp.full((1, out), out ** -0.5, jnp.float32))
         sigma = call.variable("sigma", lambda: jnp.ones((), jnp.float32))
         if not call.training:
             return value / sigma.value.astype(value.dtype)
-        matrix = value.reshape(-1, out).astype(jnp.float32)
+        matrix = layout.matrix(value).astype(jnp.float32)
         normalize = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x) + self.epsilon)
         vector = u.value
         for _ in range(self.steps):
@@ -167,9 +174,10 @@ class MaxNorm(gm.Manager):
     is scaled down to norm ``max_norm`` when it is longer, at read time.
 
     ``axis`` (an int or a tuple of ints) names the axes each norm runs over, as Keras'
-    ``MaxNorm(axis=)``; the default, None, is every axis but the last (a Linear's inputs, a
-    convolution's window and inputs), one norm per output unit. ``max_norm`` may be
-    :func:`graphmod.dynamic`. The gradient flows through the rescaling (a read-time
+    ``MaxNorm(axis=)``; the default, None, is the weight's inputs (every axis but the last:
+    a Linear's inputs, a convolution's window and inputs; an ``nnx.Einsum``'s contracted
+    axes), one norm per output unit. ``max_norm`` may be :func:`graphmod.dynamic`. The
+    gradient flows through the rescaling (a read-time
     constraint, not a projection of the stored weight after each step as Keras does).
 
     Examples:
@@ -199,7 +207,7 @@ class MaxNorm(gm.Manager):
 
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
-        axes = fan_in_axes(self, call, name, value)
+        axes = weight_layout(self, call, name, value).fan_in
         if self.axis is not None:
             axes = _given_axes(self, name, value, self.axis)
         norms = _norm(value, axes, 0.0)
