@@ -45,8 +45,9 @@ class Brick(nnx.Module):
 
     def sow(self, variable_type: Any, name: str, value: Any, *args: Any, **kwargs: Any
             ) -> bool:
-        """``nnx.Module.sow``; inside a program each array of ``value`` is a monitorable
-        auxiliary variable of the current application call instead (nothing is stored).
+        """``nnx.Module.sow``; inside a program each array of ``value`` is also a monitorable
+        auxiliary variable of the current application call (what the function leaves on
+        the brick is dropped when the trace ends).
 
         Examples:
             >>> import jax, jax.numpy as jnp, graphmod as gm

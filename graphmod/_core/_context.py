@@ -91,9 +91,9 @@ _TRACE_TOKEN = _jax_config.string_or_object_state(
 )
 
 
-# (id(module), name) -> module, for each attribute a model's module gained in the trace in
-# progress (see note_new_attribute).
-_NEW_ATTRIBUTES: contextvars.ContextVar[dict[tuple[int, str], Any] | None] = (
+# (id(module), name) -> (module, whether sown), for each attribute a model's module gained
+# in the trace in progress (see note_new_attribute).
+_NEW_ATTRIBUTES: contextvars.ContextVar[dict[tuple[int, str], tuple[Any, bool]] | None] = (
     contextvars.ContextVar("graphmod_new_attributes", default=None))
 
 # id(object) -> [object, the function undoing its marks, number of traces holding them]
@@ -151,7 +151,17 @@ def note_new_attribute(module: Any, name: str) -> None:
     (``graphmod._core._intercept.assign_in_program``): it must be gone when it ends."""
     added = _NEW_ATTRIBUTES.get()
     assert added is not None, "a new attribute noted outside a program's trace"
-    added[id(module), name] = module
+    added[id(module), name] = (module, False)
+
+
+def note_sown(module: Any, name: str) -> None:
+    """Notes that ``Module.sow`` stored ``name`` on ``module``, as Flax does, for the
+    function to pop: if the trace gave the module that attribute, one the function leaves
+    is dropped when the trace ends, not refused (a monitorable auxiliary variable all the
+    same)."""
+    added = _NEW_ATTRIBUTES.get()
+    if added is not None and (id(module), name) in added:
+        added[id(module), name] = (module, True)
 
 
 @contextlib.contextmanager
@@ -160,7 +170,7 @@ def tracing(frame: Frame, *, isolated: bool) -> Iterator[Frame]:
     the model's modules without the attributes they gained meanwhile, and raises
     :class:`~graphmod.errors.AttributeOutlivesTrace` if the traced function left any."""
     token = _FRAME.set(frame)
-    added: dict[tuple[int, str], Any] = {}
+    added: dict[tuple[int, str], tuple[Any, bool]] = {}
     added_token = _NEW_ATTRIBUTES.set(added)
     frame.layout.reset_node_states()  # NNX lifted transforms rebuild them (_variables)
     try:
@@ -176,19 +186,21 @@ def tracing(frame: Frame, *, isolated: bool) -> Iterator[Frame]:
                 _SHARED_IN.reset(shared_token)
                 _TOKENS.reset(tokens_token)
     finally:
-        left = [(module, name) for (_, name), module in added.items() if name in vars(module)]
-        for module, name in left:
+        left = [(module, name, sown) for (_, name), (module, sown) in added.items()
+                if name in vars(module)]
+        for module, name, _ in left:
             delattr(module, name)  # Flax's own delete: its record of the attribute goes too
         _NEW_ATTRIBUTES.reset(added_token)
         frame.layout.reset_node_states()
         popped = _FRAME.get()
         _FRAME.reset(token)
         assert popped is frame, "frame stack corrupted: traces exited out of order"
-    if left:
+    assigned = [(module, name) for module, name, sown in left if not sown]
+    if assigned:
         raise AttributeOutlivesTrace("\n".join(
             f"{type(module).__name__}.{name} (the module at "
             f"{frame.layout.brick_path(module)!r}) was assigned while the program traced and "
-            "was still there when the function returned" for module, name in left)
+            "was still there when the function returned" for module, name in assigned)
             + ". A program's variables are fixed when it is compiled, so the model is left "
             "as it was: take the value off again in the function (nnx.pop(model, ...), as "
             "Flax's examples do), or return it with self.sow(...) to monitor it")

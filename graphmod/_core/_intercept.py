@@ -173,8 +173,9 @@ def sow_in_program(self: nnx.Module, variable_type: Any, name: str, value: Any, 
          **kwargs: Any) -> bool:
     """``Module.sow`` in a program: each array of ``value`` is an auxiliary variable
     ``name`` (``name_0``, ``name_1``, ... for several) of the innermost application call,
-    monitorable; nothing is stored on the module (``init_fn``/``reduce_fn`` are unused),
-    except into an ``nnx.capture`` in progress in the function, which gets it as in Flax."""
+    monitorable, and is stored as Flax stores it: into an ``nnx.capture`` in progress in the
+    function, or on the module for the function to ``nnx.pop`` (what it leaves there is
+    dropped when the trace ends: the model stays as it was)."""
     frame = _context.current_frame()
     if frame is None or frame.layout.brick_path(self) is None:
         return nnx.Module.sow(self, variable_type, name, value, *args, **kwargs)
@@ -187,9 +188,10 @@ def sow_in_program(self: nnx.Module, variable_type: Any, name: str, value: Any, 
     elif not capturing:
         raise RuntimeError(f"{type(self).__name__}.sow({name!r}) outside any application "
                            "call: sow inside a module method, or return the value from fn")
-    if capturing:
-        return nnx.Module.sow(self, variable_type, name, value, *args, **kwargs)
-    return True
+    stored = nnx.Module.sow(self, variable_type, name, value, *args, **kwargs)
+    if not capturing:
+        _context.note_sown(self, name)
+    return stored
 
 
 def _innermost() -> Chain:

@@ -2,8 +2,9 @@
 module in its call and popping it in the loss (``self.kl_loss = Loss(...)``,
 ``nnx.pop(model, Loss)``: Flax's VAE example; the model below is written for this test in
 that example's style, an encoder that keeps its own ``nnx.Rngs`` stream for the
-reparametrization noise), ``nnx.capture`` of what modules ``sow``, and gradients of
-``perturb``-ed intermediates."""
+reparametrization noise), ``nnx.capture`` of what modules ``sow``, what they ``sow`` popped
+with ``nnx.pop`` (Flax's idiom before ``nnx.capture``), and gradients of ``perturb``-ed
+intermediates."""
 
 from __future__ import annotations
 
@@ -199,6 +200,42 @@ def test_nnx_capture_of_method_outputs_in_a_program_gets_what_flax_gets() -> Non
     assert jax.tree.structure(captured) == jax.tree.structure(eager)
     assert {"__call__", "features", "hidden", "linear"} <= set(eager)  # methods and sows
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), captured, eager)
+
+
+class SowingTwice(Sowing):
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.tanh(self.features(x)).sum() + self.features(2 * x).sum()
+
+
+def sown_and_popped(model: nnx.Module, x: jax.Array) -> tuple[jax.Array, dict]:
+    """Flax's idiom before ``nnx.capture``: sow in the call, pop in the function."""
+    out = model(x)
+    return out, nnx.to_pure_dict(nnx.pop(model, nnx.Intermediate))
+
+
+@pytest.mark.filterwarnings(r"ignore:Using 'Module.sow\(\)' outside:DeprecationWarning")
+def test_values_sown_and_popped_in_the_function_are_what_flax_pops() -> None:
+    model = SowingTwice()
+    monitor = gm.VariableFilter(roles=[roles.AUXILIARY])
+    program = gm.compile(sown_and_popped, model, monitor=monitor)
+    variables = program.init(X)
+    eager_out, eager = sown_and_popped(nnx.clone(model), X)
+    assert len(eager["hidden"]) == 2  # one per call: Flax's tuple
+    (out, popped), written, monitored = program.train(variables, X, rng=KEY)
+    (inferred_out, inferred), _ = program.infer(variables, X)
+    for got in (popped, inferred):  # before: {} (nothing stored on the module)
+        assert jax.tree.structure(got) == jax.tree.structure(eager)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, eager)
+    np.testing.assert_allclose(out, eager_out, rtol=1e-6)
+    np.testing.assert_allclose(inferred_out, eager_out, rtol=1e-6)
+    assert list(monitored) == ["/.apply.hidden"]  # monitorable too
+    assert jax.tree.structure(written) == jax.tree.structure(variables)
+    # Left unpopped, they are monitorable and then dropped: the model stays as it was.
+    unpopped = gm.compile(lambda m, x: m(x), model, monitor=monitor)
+    out, _, monitored = unpopped.train(unpopped.init(X), X, rng=KEY)
+    np.testing.assert_allclose(out, eager_out, rtol=1e-6)
+    assert list(monitored) == ["/.apply.hidden"]
+    assert not hasattr(model, "hidden")
 
 
 def test_gradients_of_perturbed_intermediates_in_a_program_equal_flax() -> None:
