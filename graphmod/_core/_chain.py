@@ -65,6 +65,7 @@ class Chain:
         )
         self.call = ApplicationCall(brick, spec.name, path, self.call_id, frame.training,
                                     _runner=self)
+        self.auxiliary_names: dict[str, int] = {}  # name -> times this call tagged it
 
     def bound(self, manager: Manager, role: _roles.Role | None = None,
               name: str | None = None, parameter: tuple[str, Any] | None = None
@@ -83,10 +84,13 @@ class Chain:
         return f"{self.path}.{self.application}{call}.{name}"
 
     def auxiliary(self, value: Any, role: _roles.Role, name: str) -> None:
-        """Tags ``value`` as auxiliary variable ``name``: recorded and monitorable."""
+        """Tags ``value`` as auxiliary variable ``name``: recorded and monitorable. A name
+        the call tags again (a ``sow`` in a loop) is monitored as ``name#1``, ``name#2``..."""
         tag = self.tag(role, name)
         self.frame.record(tag, value, None)
-        self.frame.collect(tag, value, self.monitor_key(name))
+        again = self.auxiliary_names.get(name, 0)
+        self.auxiliary_names[name] = again + 1
+        self.frame.collect(tag, value, self.monitor_key(f"{name}#{again}" if again else name))
 
     def note_rewrite(self, by: str, tag: Tag, before: Any, after: Any) -> None:
         self.frame.note_rewrite(by, tag, before, after)

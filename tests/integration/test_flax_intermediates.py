@@ -228,13 +228,16 @@ def test_values_sown_and_popped_in_the_function_are_what_flax_pops() -> None:
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, eager)
     np.testing.assert_allclose(out, eager_out, rtol=1e-6)
     np.testing.assert_allclose(inferred_out, eager_out, rtol=1e-6)
-    assert list(monitored) == ["/.apply.hidden"]  # monitorable too
+    # Monitorable too, each value: before, the second sow's replaced the first's.
+    assert list(monitored) == ["/.apply.hidden", "/.apply.hidden#1"]
+    for key, value in zip(monitored, eager["hidden"], strict=True):
+        np.testing.assert_allclose(monitored[key], value, rtol=1e-6)
     assert jax.tree.structure(written) == jax.tree.structure(variables)
     # Left unpopped, they are monitorable and then dropped: the model stays as it was.
     unpopped = gm.compile(lambda m, x: m(x), model, monitor=monitor)
     out, _, monitored = unpopped.train(unpopped.init(X), X, rng=KEY)
     np.testing.assert_allclose(out, eager_out, rtol=1e-6)
-    assert list(monitored) == ["/.apply.hidden"]
+    assert list(monitored) == ["/.apply.hidden", "/.apply.hidden#1"]
     assert not hasattr(model, "hidden")
 
 
