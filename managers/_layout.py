@@ -58,13 +58,19 @@ class WeightLayout:
         """Whether the fan-in axes come first: the matrix is a reshape, no transpose."""
         return self.fan_in == tuple(range(len(self.fan_in)))
 
+    # Where the fan-in axes lead (Linear, convolutions) a layout is a reshape or nothing:
+    # no transpose or broadcast shape is traced, so those steps compile as before layouts.
     def matrix(self, weight: jax.Array) -> jax.Array:
         """``weight`` as ``(fan_in, units)``."""
         fan_in = math.prod(self.shape[a] for a in self.fan_in)
-        return jnp.transpose(weight, self.fan_in + self.units).reshape(fan_in, -1)
+        if not self.leading:
+            weight = jnp.transpose(weight, self.fan_in + self.units)
+        return weight.reshape(fan_in, -1)
 
     def from_matrix(self, matrix: jax.Array) -> jax.Array:
         """The inverse of :meth:`matrix`: a ``(fan_in, units)`` matrix in the weight's shape."""
+        if self.leading:
+            return matrix.reshape(self.shape)
         order = self.fan_in + self.units
         grouped = matrix.reshape(tuple(self.shape[a] for a in order))
         return jnp.transpose(grouped, tuple(order.index(a) for a in range(len(order))))
@@ -72,6 +78,8 @@ class WeightLayout:
     def per_unit(self, values: jax.Array) -> jax.Array:
         """``values``, one per output unit (any shape of that size), shaped to broadcast
         against the weight."""
+        if self.leading:  # the units trail: broadcasting puts them in place
+            return values.reshape(self.units_shape)
         return values.reshape(tuple(1 if a in self.fan_in else n
                                     for a, n in enumerate(self.shape)))
 
