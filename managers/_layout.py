@@ -6,7 +6,9 @@ their inputs first and their outputs last (``Linear``'s ``(in, out)``, a convolu
 ``(..., in, out)``). Flax's ``nnx.LinearGeneral`` ends with several output axes (a query
 projection's ``(features, heads, head_dim)``), and an ``nnx.Einsum`` kernel's inputs are the
 axes its equation contracts, anywhere (Gemma's ``BTD,NDH->BTNH``: ``D``, between the heads
-``N`` and ``H``). Qwix reads an einsum's kernel the same way.
+``N`` and ``H``). Qwix's LoRA splits an einsum's kernel the same way, by the axes its
+equation contracts (it keeps a batch axis, one in all three operands, with the inputs;
+here it is an output unit's).
 
 Sharp edges
     The layout is the layer's when the weight is read by the layer that owns it (an
