@@ -56,6 +56,16 @@ class WeightLayout:
         return tuple(self.shape[a] for a in self.units)
 
     @property
+    def fan_in_size(self) -> int:
+        """The matrix's rows: the inputs feeding one output unit."""
+        return math.prod(self.shape[a] for a in self.fan_in)
+
+    @property
+    def units_size(self) -> int:
+        """The matrix's columns: the output units."""
+        return math.prod(self.units_shape)
+
+    @property
     def leading(self) -> bool:
         """Whether the fan-in axes come first: the matrix is a reshape, no transpose."""
         return self.fan_in == tuple(range(len(self.fan_in)))
@@ -64,10 +74,9 @@ class WeightLayout:
     # no transpose or broadcast shape is traced, so those steps compile as before layouts.
     def matrix(self, weight: jax.Array) -> jax.Array:
         """``weight`` as ``(fan_in, units)``."""
-        fan_in = math.prod(self.shape[a] for a in self.fan_in)
         if not self.leading:
             weight = jnp.transpose(weight, self.fan_in + self.units)
-        return weight.reshape(fan_in, -1)
+        return weight.reshape(self.fan_in_size, self.units_size)
 
     def from_matrix(self, matrix: jax.Array) -> jax.Array:
         """The inverse of :meth:`matrix`: a ``(fan_in, units)`` matrix in the weight's shape."""

@@ -76,7 +76,7 @@ class LoRA(gm.Manager):
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
         layout = weight_layout(self, call, name, value)
-        fan_in = math.prod(value.shape[axis] for axis in layout.fan_in)
+        fan_in = layout.fan_in_size
         seed = zlib.crc32(f"{self.seed}:{call.parameter}".encode()) & 0x7FFFFFFF
         a = call.variable("a", lambda: jax.random.normal(jax.random.key(seed), (
             fan_in, self.rank)) / math.sqrt(fan_in), role=roles.PARAMETER)
@@ -127,7 +127,7 @@ def _b_shape(layout: WeightLayout, rank: int) -> tuple[int, ...]:
     ``(rank, *shape)`` with the fan-in axes 1, so that the stored pair says where they are
     and :meth:`LoRA.merge` needs no model."""
     if layout.leading:
-        return (rank, math.prod(layout.units_shape))
+        return (rank, layout.units_size)
     return (rank, *(1 if a in layout.fan_in else n for a, n in enumerate(layout.shape)))
 
 

@@ -20,7 +20,6 @@ Sharp edges
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any
 
@@ -152,7 +151,7 @@ class SpectralNorm(gm.Manager):
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
         layout = weight_layout(self, call, name, value)
-        out = math.prod(layout.units_shape)
+        out = layout.units_size
         u = call.variable("u", lambda: jnp.full((1, out), out ** -0.5, jnp.float32))
         sigma = call.variable("sigma", lambda: jnp.ones((), jnp.float32))
         if not call.training:
