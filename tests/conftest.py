@@ -15,7 +15,18 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
+# The tests' programs are tiny: XLA's backend optimizations cost them more than they save
+# (a third of the suite's time), the case JAX's flag is for. Set in the environment too, so
+# that the runs tests start in subprocesses compute as the tests comparing with them do
+# (JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the suite optimized). The notebooks (executed by
+# the docs build) and the benchmarks keep XLA's defaults.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
 import jax
+
+# Read by JAX at import; set here too in case a plugin imported JAX first.
+if os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1":
+    jax.config.update("jax_disable_most_optimizations", True)
 
 # Tests build many programs that lower to the same XLA computations (a new jitted function
 # per program, so JAX's in-memory caches miss): each test process keeps JAX's persistent

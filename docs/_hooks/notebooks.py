@@ -1,18 +1,31 @@
-"""mkdocs hook: every notebook in ``notebooks/`` becomes a page ``tutorials/<name>.ipynb``.
+"""mkdocs hook: every notebook in ``notebooks/`` becomes a page ``tutorials/<name>.ipynb``,
+executed top to bottom.
 
-The notebooks stay where CI executes them (``notebooks/``, at the repository root). This hook
-adds them to the site's files as documentation pages backed by the original files, after
-mkdocs-jupyter's own ``on_files`` (whose wrapper only handles files inside ``docs/``);
-mkdocs-jupyter then executes and renders them like notebooks in ``docs/``.
+The notebooks stay where CI executes them (``notebooks/``, at the repository root, kept
+without outputs). At each build this hook executes them, several at once (one kernel each,
+working in ``notebooks/``, as Jupyter would), into a temporary folder, and adds the executed
+copies to the site's files as documentation pages, after mkdocs-jupyter's own ``on_files``
+(whose wrapper only handles files inside ``docs/``); mkdocs-jupyter then renders them
+(``execute: false`` in ``mkdocs.yml``: it would run them one after the other). A cell that
+raises fails the build with its traceback.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import nbformat
 from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.exceptions import PluginError
 from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File, Files
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
@@ -24,9 +37,27 @@ class NotebookPage(File):
         return True
 
 
+def _execute(notebook: Path, into: Path) -> Path:
+    """Runs ``notebook`` in a fresh kernel started in ``notebooks/``; writes it, with its
+    outputs and widgets' state (the progress bars), to ``into``."""
+    executed = nbformat.read(notebook, as_version=4)
+    try:
+        NotebookClient(executed, resources={"metadata": {"path": str(NOTEBOOKS)}},
+                       store_widget_state=True).execute()
+    except CellExecutionError as error:
+        raise PluginError(f"notebooks/{notebook.name}: a cell raised\n{error}") from error
+    nbformat.write(executed, into / notebook.name)
+    return into / notebook.name
+
+
 @event_priority(-100)  # after mkdocs-jupyter's on_files
 def on_files(files: Files, config: MkDocsConfig) -> Files:
-    for notebook in sorted(NOTEBOOKS.glob("*.ipynb")):
-        files.append(NotebookPage.generated(config, f"tutorials/{notebook.name}",
-                                            abs_src_path=str(notebook)))
+    into = Path(tempfile.mkdtemp(prefix="graphmod-notebooks-"))
+    atexit.register(shutil.rmtree, into, ignore_errors=True)  # read while pages render
+    notebooks = sorted(NOTEBOOKS.glob("*.ipynb"))
+    with ThreadPoolExecutor(max_workers=min(len(notebooks), os.cpu_count() or 1)) as pool:
+        executed = list(pool.map(_execute, notebooks, [into] * len(notebooks)))
+    for path in executed:
+        files.append(NotebookPage.generated(config, f"tutorials/{path.name}",
+                                            abs_src_path=str(path)))
     return files

@@ -23,6 +23,9 @@ from graphmod._train._checkpoint._parts import read_part, write_part
 from tests.distributed import multiprocess_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+# One pytest-xdist worker runs this module (.ci/run's --dist loadgroup), so that the
+# module-scoped run `whole` is made once, not once per worker.
+pytestmark = pytest.mark.xdist_group("distributed")
 
 
 def graphmod_command(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
