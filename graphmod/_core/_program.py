@@ -56,7 +56,7 @@ from graphmod._core._program_checks import check_strict, check_variables, warn_h
 from graphmod._core._program_record import ProgramRecord, Shared, abstract
 from graphmod._core._program_variables import VariablesByRole
 from graphmod._core._rewrites import Rewrites, RewriteTrace
-from graphmod._core._sharding import Placement
+from graphmod._core._sharding import Placement, put
 
 __all__ = ["ProgramCore", "ProgramRecord"]
 
@@ -193,8 +193,7 @@ class ProgramCore(VariablesByRole):
             example_args, example_kwargs, key, probe=False)
         placement = self._shared.placement
         if placement is not None:  # checked against the rules before anything is kept
-            variables = jax.device_put(variables, placement.variables(
-                variables, self._shared.layout))
+            variables = put(variables, placement.variables(variables, self._shared.layout))
         # Kept only once the variables exist: a failed init changes nothing.
         self._shared.examples.update(self._bind(example_args, example_kwargs, jax.typeof))
         self._shared.owned_roles = owned_roles

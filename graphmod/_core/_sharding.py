@@ -21,6 +21,10 @@ Sharp edges
     evaluation batch) is replicated, not refused: the result is the same, only slower.
     A batch committed to devices other than the mesh's is refused by JAX ("incompatible
     devices"): NumPy and uncommitted arrays are split as they are passed.
+    With several processes, every process must pass the same batch (the loop's data sources,
+    seeded alike, do): each cuts its own devices' rows from its copy (:func:`put`). The
+    loop compares the first batch of a run across processes; later ones are not compared,
+    which would cost an all-gather of every batch.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from graphmod._core._filter import VariableFilter
@@ -37,7 +42,7 @@ from graphmod._core._layout import Layout
 from graphmod._core._owned_layout import map_leaves
 from graphmod._core._selection import stored_tag
 
-__all__ = ["Placement"]
+__all__ = ["Placement", "put"]
 
 Rule = tuple[VariableFilter, PartitionSpec]
 _RULES = "compile(rules=[(VariableFilter(...), PartitionSpec(...)), ...])"
@@ -149,9 +154,11 @@ class Placement:
             return self._whole
         return self._split[dim]
 
-    def put_batch(self, tree: Any, *, stacked: bool = False) -> Any:
+    def put_batch(self, tree: Any, *, stacked: bool = False, compare: bool = False) -> Any:
         """``tree``'s arrays put on the mesh, split along the batch axis; a batch already
-        placed so (the loop's, put ahead) is returned as it is, at the cost of a look."""
+        placed so (the loop's, put ahead) is returned as it is, at the cost of a look.
+        ``compare``: with several processes, check that each passed the same batch first
+        (see :func:`put`)."""
         split = self._split[int(stacked)]
         # Split by this placement already (device_put keeps the sharding object): the look
         # costs 1 µs instead of 4-6.
@@ -163,7 +170,7 @@ class Placement:
             if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) \
                     and leaf.sharding == sharding:
                 return leaf
-            return jax.device_put(leaf, sharding)
+            return put_leaf(leaf, sharding, compare=compare)
 
         return jax.tree.map(put, tree)
 
@@ -178,6 +185,54 @@ class Placement:
         """The placement of a leaf no rule names (the step count, the key, the optimizer's
         counters)."""
         return self._whole
+
+
+def put(tree: Any, shardings: Any) -> Any:
+    """``tree`` placed leaf by leaf as ``shardings`` (a tree of its structure) says, by
+    :func:`put_leaf`.
+
+    Examples:
+        >>> import jax, numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> whole = NamedSharding(jax.make_mesh((1,), ("data",)), P())
+        >>> put({"x": np.ones(2)}, {"x": whole})["x"].sharding == whole
+        True
+    """
+    return jax.tree.map(put_leaf, tree, shardings)
+
+
+def put_leaf(leaf: Any, sharding: NamedSharding, *, compare: bool = False) -> Any:
+    """``jax.device_put(leaf, sharding)``, without an all-gather across processes.
+
+    For a sharding over several processes' devices, ``jax.device_put`` of a host value
+    (NumPy, a scalar, an array on this process's devices) first checks that every process
+    passed the same value: an all-gather of all of it, which waits for every process, at
+    every call. Unless ``compare`` asks for that check, each process here cuts its own
+    devices' pieces from its copy, as ``jax.make_array_from_callback`` does, so every
+    process must pass the same value. On one process this is ``jax.device_put``.
+
+    Examples:
+        >>> import jax, numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> split = NamedSharding(jax.make_mesh((1,), ("data",)), P("data"))
+        >>> put_leaf(np.arange(4.0), split).sharding == split
+        True
+    """
+    if compare or sharding.is_fully_addressable or not _cuttable(leaf):
+        return jax.device_put(leaf, sharding)
+    host = np.asarray(leaf)
+    return jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
+
+
+def _cuttable(leaf: Any) -> bool:
+    """Whether each process can cut its pieces of ``leaf`` from a NumPy copy and get what
+    ``jax.device_put`` gives: NumPy arrays and arrays on this process's devices, but not
+    keys, tracers, Python scalars (weakly typed in JAX) or arrays already across processes."""
+    if isinstance(leaf, np.ndarray | np.generic):
+        return True
+    return (isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+            and leaf.is_fully_addressable and not leaf.weak_type
+            and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
 
 
 def misfit(spec: Sequence[Any], shape: Sequence[int], mesh: Mesh) -> str | None:

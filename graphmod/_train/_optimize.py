@@ -17,6 +17,7 @@ from graphmod._core._arguments import as_key
 from graphmod._core._construction import key_record
 from graphmod._core._role_tree import select
 from graphmod._core._selection import as_selectors, selected
+from graphmod._core._sharding import put
 from graphmod._core._show import VariablesTable, size_text
 from graphmod._records._collect import training_provenance
 from graphmod._records._optimizer import optimizer_record
@@ -187,7 +188,7 @@ class TrainStep:
         whole arrays whatever mesh saved it. The loop places the state it starts from."""
         if self.program.placement is None:
             return state
-        return jax.device_put(state, self._shardings(state))
+        return put(state, self._shardings(state))
 
     def _shardings(self, state: TrainState) -> TrainState:
         """The placement of every leaf of ``state`` on the program's mesh: the variables by

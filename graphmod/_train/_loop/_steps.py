@@ -66,11 +66,15 @@ def _placement(step: Any) -> Placement | None:
 
 def batch_placer(step: Any) -> Callable[[Any, bool], Any] | None:
     """How the loop puts batches on the devices ahead of ``step``: split over the mesh of
-    a step whose program has one, on the default accelerator otherwise, not at all on the
-    CPU (there the device is the host: jit takes NumPy batches faster than a put)."""
+    a step whose program has one (with several processes, the first batch is compared
+    across them, the rest are not: see ``Placement.put_batch``), on the default accelerator
+    otherwise, not at all on the CPU (there the device is the host: jit takes NumPy batches
+    faster than a put)."""
     placement = _placement(step)
     if placement is not None:
-        return lambda batch, stacked: placement.put_batch(batch, stacked=stacked)
+        calls = itertools.count()
+        return lambda batch, stacked: placement.put_batch(batch, stacked=stacked,
+                                                          compare=next(calls) == 0)
     if jax.default_backend() != "cpu":
         return lambda batch, stacked: jax.device_put(batch)
     return None
