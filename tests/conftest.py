@@ -16,10 +16,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
 # The tests' programs are tiny: XLA's backend optimizations cost them more than they save
-# (a third of the suite's time), the case JAX's flag is for. Set in the environment too, so
-# that the runs tests start in subprocesses compute as the tests comparing with them do
-# (JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the suite optimized). The notebooks (executed by
-# the docs build) and the benchmarks keep XLA's defaults.
+# (a third of the time of the tests that compile in their own process), the case JAX's
+# flag is for. Set in the environment too, so that the runs tests start in subprocesses
+# compute as the tests comparing with them do (JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the
+# suite optimized). The notebooks (executed by the docs build) and the benchmarks keep
+# XLA's defaults.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax
