@@ -108,14 +108,16 @@ class WeightStandardization(gm.Manager):
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
         layout = weight_layout(self, call, name, value)
-        mean = value.mean(layout.fan_in, keepdims=True)
+        # Centred before the variance, as by hand: XLA orders that step's fusions as the
+        # hand-written one's; variance first ran 4% slower, same flops and fusions.
+        centred = value - value.mean(layout.fan_in, keepdims=True)
         var = value.var(layout.fan_in, keepdims=True)  # one jitted jnp.var, as by hand
         scale = jax.lax.rsqrt(var + self.epsilon)
         if self.gain:
             gain = call.variable("gain", lambda: jnp.ones(layout.units_shape),
                                  role=roles.PARAMETER)
             scale = scale * layout.per_unit(gain.value)
-        return ((value - mean) * scale).astype(value.dtype)
+        return (centred * scale).astype(value.dtype)
 
 
 class SpectralNorm(gm.Manager):

@@ -31,7 +31,9 @@ class LabelSmoothing(gm.Manager):
     Selects every ``TARGET`` input by default (``graphmod.bricks.SoftmaxCrossEntropy``'s
     ``targets``). Probability targets keep their shape; integer labels become smoothed
     one-hot rows over ``num_classes`` (then required: integer labels do not say how many
-    classes there are). Inference is the identity; ``alpha`` may be
+    classes there are). Labels tagged twice on their way (an application with
+    ``targets=["y"]`` around its cost brick, as ``Mixup`` needs) are smoothed once, where
+    they are first selected (``once``). Inference is the identity; ``alpha`` may be
     :func:`graphmod.dynamic`.
 
     Examples:
@@ -46,6 +48,7 @@ class LabelSmoothing(gm.Manager):
     """
 
     hparams = ("alpha",)
+    once = True  # targets passed from a classifier's application into its cost: smoothed once
 
     def __init__(self, alpha: float | gm.Dynamic, *, num_classes: int | None = None,
                  **kwargs: Any) -> None:

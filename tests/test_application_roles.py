@@ -121,3 +121,24 @@ def test_bad_declarations_are_named() -> None:
             @gm.application(inputs=["x"], targets=["labels"], outputs=["y"])
             def apply(self, x: jax.Array) -> jax.Array:
                 return x
+
+
+def test_label_smoothing_smooths_labels_tagged_twice_once() -> None:
+    # Classifier's y is a TARGET and so is its cost brick's: the default filter selects both
+    program = gm.compile(lambda m, x, y: m(x, y), Classifier(),
+                         managers=[managers.LabelSmoothing(0.2, num_classes=4)])
+    x = jax.random.normal(jax.random.key(1), (6, 3))
+    variables = program.init(x, LABELS)
+    out, _ = program.train(variables, x, LABELS, rng=jax.random.key(0))
+    weights = variables["model"]["linear"]
+    logits = x @ weights["W"] + weights["b"]
+    np.testing.assert_allclose(
+        out, optax.softmax_cross_entropy(logits, optax.smooth_labels(ONE_HOT, 0.2)).mean(),
+        rtol=1e-6)
+    assert [(r.path, r.name) for r in program.rewrites.train] == [("/", "y")]
+    # a value the manager did not make is still its own in a nested call
+    twice = gm.compile(lambda m, x, y: m(x, y) + m.cost(m.linear(x), y), Classifier(),
+                       managers=[managers.LabelSmoothing(0.2, num_classes=4)])
+    twice.train(twice.init(x, LABELS), x, LABELS, rng=jax.random.key(0))
+    assert [(r.path, r.name) for r in twice.rewrites.train] == [("/", "y"),
+                                                                  ("/cost", "targets")]

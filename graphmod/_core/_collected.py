@@ -52,3 +52,5 @@ class Collected:
     matches: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
     # (brick path, application, call id, variable path) -> the manager rewriting it alone
     exclusive: dict[tuple[Any, ...], str] = dataclasses.field(default_factory=dict)
+    # what each manager's rewrites returned: a value passed on into a nested call is its own
+    outputs: dict[str, list[Any]] = dataclasses.field(default_factory=dict)

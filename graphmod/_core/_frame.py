@@ -97,8 +97,7 @@ class Frame:
     owned_roles = property(lambda self: self._owned.roles, doc="Owned variables' roles.")
     owned_updated = property(lambda self: self._owned.updated, doc="Owned keys written.")
     out = property(lambda self: self._out, doc="What the traced function returned.")
-    held_off = property(lambda self: self._held_off,
-                        doc="Flax layers kept in eval mode in training by a module flag.")
+    held_off = property(lambda self: self._held_off, doc="Layers a module flag held in eval.")
 
     def returned(self, out: Any) -> None:
         """Keeps what the traced function returned (``frame.out``)."""
@@ -289,6 +288,11 @@ class Frame:
             *shape_and_dtype(before), *shape_and_dtype(after),
         ))
         self.record(tag, after, by)
+        self._seen.outputs.setdefault(by, []).append(after)
+
+    def rewritten_by(self, by: str, value: Any) -> bool:
+        """Whether ``value`` is what a rewrite by ``by`` returned earlier in this trace."""
+        return any(v is value for v in self._seen.outputs.get(by, ()))
 
     def note_held_off(self, path: str, flag: str) -> None:
         """Notes that the Flax layer at ``path`` stays in eval mode in a training trace

@@ -208,7 +208,9 @@ class Manager:
     returns the new value) or ``wrap``. Hyperparameters that may be :func:`dynamic` are
     listed in ``hparams`` and read with ``self.hp(name)`` inside hooks. Constructing a
     manager records its configuration for provenance (bricks it names are recorded by path
-    at compile).
+    at compile). A class with ``once = True`` rewrites a value once: the value one of its
+    rewrites returned, passed on into a nested application's selected variable (a
+    classifier's labels into its cost brick), is left as it is there.
 
     Examples:
         >>> import jax, jax.numpy as jnp, graphmod as gm
@@ -229,6 +231,7 @@ class Manager:
     """
 
     exclusive: ClassVar[bool] = False
+    once: ClassVar[bool] = False
     hparams: ClassVar[tuple[str, ...]] = ()
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Manager:
