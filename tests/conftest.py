@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 # Eight virtual CPU devices for the multi-device tests (read when JAX's backend starts,
@@ -63,3 +66,14 @@ def primitives(jaxpr: Any) -> list[str]:
 
 def has_random(jaxpr: Any) -> bool:
     return bool(RANDOM_PRIMITIVES & set(primitives(jaxpr)))
+
+
+def load_docs_hook(name: str) -> ModuleType:
+    """The docs build's hook ``docs/_hooks/<name>.py``, imported from its file (``docs/_hooks``
+    is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "docs" / "_hooks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"docs_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

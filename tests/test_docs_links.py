@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
+from tests.conftest import load_docs_hook
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _crawler():  # docs/_hooks is not a package: import the file
-    spec = importlib.util.spec_from_file_location("docs_links", ROOT / "docs/_hooks/links.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_broken_files_and_anchors_are_found_and_good_ones_pass(tmp_path: Path) -> None:
@@ -30,7 +23,7 @@ def test_broken_files_and_anchors_are_found_and_good_ones_pass(tmp_path: Path) -
         '<a href="assets/logo.png">ok</a>')
     (tmp_path / "assets").mkdir()
     (tmp_path / "assets" / "logo.png").write_bytes(b"")
-    assert _crawler().broken_links(tmp_path) == [
+    assert load_docs_hook("links").broken_links(tmp_path) == [
         "guide/index.html: ../api/#missing", "index.html: guide/#fusing",
         "index.html: nowhere.html"]
 
@@ -53,5 +46,5 @@ def test_private_names_on_api_and_tutorial_pages_are_found(tmp_path: Path) -> No
         (tmp_path / folder).mkdir(parents=True)
         (tmp_path / folder / "index.html").write_text(
             f"<p>{text}</p><script>var _Private = 1;</script>")
-    assert _crawler().private_names(tmp_path) == [
+    assert load_docs_hook("links").private_names(tmp_path) == [
         "api/index.html: _AdditiveNoise", "tutorials/04/index.html: from graphmod._cli"]

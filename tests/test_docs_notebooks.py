@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -11,16 +10,9 @@ import nbformat
 import pytest
 from mkdocs.exceptions import PluginError
 
+from tests.conftest import load_docs_hook
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _hook():  # docs/_hooks is not a package: import the file
-    spec = importlib.util.spec_from_file_location("docs_notebooks",
-                                                  ROOT / "docs/_hooks/notebooks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _notebook(path: Path, *sources: str) -> Path:
@@ -36,7 +28,7 @@ def test_an_executed_copy_keeps_its_outputs_and_ran_in_the_notebooks_folder(
     source = _notebook(tmp_path / "good.ipynb", "import os\nprint(os.getcwd())")
     into = tmp_path / "executed"
     into.mkdir()
-    executed = nbformat.read(_hook()._execute(source, into), as_version=4)
+    executed = nbformat.read(load_docs_hook("notebooks")._execute(source, into), as_version=4)
     assert executed.cells[0].outputs[0]["text"].strip() == str(ROOT / "notebooks")
     assert not nbformat.read(source, as_version=4).cells[0].outputs  # the source untouched
 
@@ -46,5 +38,5 @@ def test_a_raising_cell_fails_the_build_naming_the_notebook(tmp_path: Path) -> N
     into = tmp_path / "executed"
     into.mkdir()
     with pytest.raises(PluginError, match=r"notebooks/bad\.ipynb: a cell raised(.|\n)*boom"):
-        _hook()._execute(source, into)
+        load_docs_hook("notebooks")._execute(source, into)
     assert os.listdir(into) == []  # nothing half-run is rendered
