@@ -229,6 +229,12 @@ CASES = [
     Case("a variable holding a dict", lambda w: gm.compile(_cost, _Holding(nnx.Variable(
         {"n": jnp.zeros(3)}))), TypeError,
         r"variable /\.held holds a dict, not an array.*one Variable per array"),
+    Case("a model of hijax variables", lambda w: gm.compile(_cost, _Holding(nnx.Param(
+        jnp.zeros(3), hijax=True))), TypeError,
+        r"variable /\.held is a hijax variable.*nnx\.with_vars\(model, hijax=False\)"),
+    Case("a model of ref variables", lambda w: gm.compile(_cost, _Holding(nnx.Param(
+        jnp.zeros(3), ref=True))), TypeError,
+        r"variable /\.held is a ref variable.*nnx\.with_vars\(model, ref=False\)"),
     Case("a variable replaced after compile", lambda w: _after_compile(
         lambda m: setattr(m, "held", nnx.Param(jnp.ones(3)))), ValueError,
         r"program.init: the model changed since it was compiled: /\.held is another Param"

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from flax.nnx import graphlib
+from flax.nnx import graphlib, variablelib
 
 from graphmod import roles as _roles
 from graphmod._core._array_leaves import ArrayLeaf, array_leaves, leaf_role, mark_array_leaf
@@ -100,6 +100,27 @@ def structure(walked: Iterable[tuple[Key, Any]]) -> dict[str, Any]:
     return out
 
 
+def _flat_variables(model: nnx.Module) -> list[tuple[Key, Any]]:
+    """The model's variables by key path. Raises naming the first hijax or ref variable
+    (made under ``nnx.var_defaults(hijax=True)`` or ``(ref=True)``): a program reads and
+    rewrites variables of NNX's default kind, which hold arrays."""
+    flat = list(nnx.to_flat_state(nnx.state(model)))
+    for key, value in flat:
+        if isinstance(value, variablelib.HijaxVariable):
+            kind = "hijax"
+        elif isinstance(value, nnx.Variable) and variablelib.is_array_ref(value.get_raw_value()):
+            kind = "ref"
+        else:
+            continue
+        raise TypeError(
+            f"compile(fn, model): the model's variable {variable_path_string(key)} is a {kind} "
+            f"variable (made under nnx.var_defaults({kind}=True)); graphmod reads and rewrites "
+            "NNX's default variables. Compile a copy with regular ones instead, model = "
+            f"nnx.with_vars(model, {kind}=False), and name that copy's modules in managers' "
+            "filters.")
+    return flat
+
+
 def brick_token(brick: Any) -> str | None:
     return vars(brick).get(_TOKEN)
 
@@ -120,7 +141,7 @@ class Layout:
             raise TypeError(f"compile(fn, model): model must be a flax.nnx.Module (a brick), "
                             f"got {type(model).__name__}")
         self.model = model
-        flat = list(nnx.to_flat_state(nnx.state(model)))
+        flat = _flat_variables(model)
         leaves = array_leaves(model, flat)  # arrays kept as module attributes
         canonical = {id(leaves[k][2] if k in leaves else v): k for k, v in flat}
         paths: dict[int, list[Key]] = {}
