@@ -46,6 +46,7 @@ from train_step import (
     cross_entropy,
     environment,
     functional,
+    initial_weights,
     interleave,
     write_results,
 )
@@ -235,19 +236,9 @@ def graphmod_variant(case: Case, seed: int, batch: tuple, dims: Sequence[int] = 
     trainable = {"trainable": list(chosen)} if case.frozen_base else {}
     step = graphmod.optimize(program, optax.adam(LR), **trainable)
     state = step.init(program.init(*batch), jax.random.key(seed))
-    weights = layer_weights(state)  # read before the first step donates the state
+    weights = initial_weights(state)  # read before the first step donates the state
     call, holder = functional(step, state)
     return Variant("graphmod", call, compiler(step, holder, batch)), weights
-
-
-def layer_weights(state: Any) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``(W, b)`` of each linear layer of a graphmod train state, in path order, wherever
-    the layers sit (in a :class:`Classifier`, as a ``Residual``'s branch)."""
-    layers: dict[tuple, dict] = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state.variables["model"]):
-        *parent, name = (getattr(k, "key", getattr(k, "idx", k)) for k in path)
-        layers.setdefault(tuple(parent), {})[name] = np.asarray(leaf)
-    return [(layer["W"], layer["b"]) for layer in layers.values() if "W" in layer]
 
 
 def work(variant: Variant) -> tuple[float, float]:

@@ -111,10 +111,14 @@ def graphmod_step(dims: Sequence[int], rates: Rates | None, seed: int, batch: Ba
 
 
 def initial_weights(state: Any) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``(W, b)`` of each linear layer of a graphmod train state, as numpy arrays."""
-    layers = state.variables["model"]["linear_layers"]
-    return [(np.asarray(layers[i]["W"]), np.asarray(layers[i]["b"]))
-            for i in range(len(layers))]
+    """``(W, b)`` of each linear layer of a graphmod train state, as numpy arrays, in path
+    order, wherever the layers sit (an MLP's ``linear_layers``, inside another brick, as a
+    ``Residual``'s branch)."""
+    layers: dict[tuple, dict] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state.variables["model"]):
+        *parent, name = (getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        layers.setdefault(tuple(parent), {})[name] = np.asarray(leaf)
+    return [(layer["W"], layer["b"]) for layer in layers.values() if "W" in layer]
 
 
 # -- by hand over plain dicts -----------------------------------------------------------------

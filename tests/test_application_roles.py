@@ -142,3 +142,12 @@ def test_label_smoothing_smooths_labels_tagged_twice_once() -> None:
     twice.train(twice.init(x, LABELS), x, LABELS, rng=jax.random.key(0))
     assert [(r.path, r.name) for r in twice.rewrites.train] == [("/", "y"),
                                                                   ("/cost", "targets")]
+    # whatever another manager makes of the labels on the way in, outside or inside it
+    for smoothing_first in (True, False):
+        chosen = [managers.LabelSmoothing(0.2, num_classes=4),
+                  managers.Mixup(0.4, num_classes=4, bricks=[Classifier])]
+        mixed = gm.compile(lambda m, x, y: m(x, y), Classifier(),
+                           managers=chosen if smoothing_first else chosen[::-1])
+        mixed.train(mixed.init(x, LABELS), x, LABELS, rng=jax.random.key(0))
+        assert [(r.path, r.name) for r in mixed.rewrites.train
+                if r.manager == "label_smoothing"] == [("/", "y")]

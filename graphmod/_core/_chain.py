@@ -104,8 +104,8 @@ class Chain:
         self.frame.note_match(manager)
         if manager.exclusive:
             self.frame.claim_exclusive(tag, manager)
-        if manager.once and self.frame.rewritten_by(manager.name, value):
-            return value  # its own rewrite of an enclosing call's variable, passed on
+        if manager.once and self.frame.rewrote_around(manager.name):
+            return value  # it rewrote the enclosing call's values: these come from them
         bound = self.bound(manager, tag.role, tag.name, parameter)
         new = getattr(manager, hook)(bound, tag.name, value)
         if new is value:  # the manager left it alone (e.g. dropout in inference)

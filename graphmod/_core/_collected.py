@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import zlib
+from collections.abc import Iterable
 from typing import Any
 
 from graphmod._core._filter import Tag
@@ -52,5 +53,16 @@ class Collected:
     matches: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
     # (brick path, application, call id, variable path) -> the manager rewriting it alone
     exclusive: dict[tuple[Any, ...], str] = dataclasses.field(default_factory=dict)
-    # what each manager's rewrites returned: a value passed on into a nested call is its own
-    outputs: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    # manager -> the (brick path, application, call id) of the calls it rewrote a value of
+    rewritten_calls: dict[str, set[tuple[str, str, int]]] = dataclasses.field(
+        default_factory=dict)
+
+    def note_rewritten_call(self, by: str, tag: Tag) -> None:
+        """Notes that ``by`` rewrote a value of the call ``tag`` belongs to."""
+        self.rewritten_calls.setdefault(by, set()).add(
+            (tag.brick_path, tag.application, tag.call_id))
+
+    def rewrote_in(self, by: str, calls: Iterable[Any]) -> bool:
+        """Whether ``by`` rewrote a value of one of ``calls`` (chain runners)."""
+        done = self.rewritten_calls.get(by, ())
+        return any((c.path, c.application, c.call_id) in done for c in calls)

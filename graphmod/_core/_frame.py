@@ -288,11 +288,11 @@ class Frame:
             *shape_and_dtype(before), *shape_and_dtype(after),
         ))
         self.record(tag, after, by)
-        self._seen.outputs.setdefault(by, []).append(after)
+        self._seen.note_rewritten_call(by, tag)
 
-    def rewritten_by(self, by: str, value: Any) -> bool:
-        """Whether ``value`` is what a rewrite by ``by`` returned earlier in this trace."""
-        return any(v is value for v in self._seen.outputs.get(by, ()))
+    def rewrote_around(self, by: str) -> bool:
+        """Whether ``by`` rewrote a value of an application call in progress around this."""
+        return self._seen.rewrote_in(by, self._calls)
 
     def note_held_off(self, path: str, flag: str) -> None:
         """Notes that the Flax layer at ``path`` stays in eval mode in a training trace

@@ -208,9 +208,9 @@ class Manager:
     returns the new value) or ``wrap``. Hyperparameters that may be :func:`dynamic` are
     listed in ``hparams`` and read with ``self.hp(name)`` inside hooks. Constructing a
     manager records its configuration for provenance (bricks it names are recorded by path
-    at compile). A class with ``once = True`` rewrites a value once: the value one of its
-    rewrites returned, passed on into a nested application's selected variable (a
-    classifier's labels into its cost brick), is left as it is there.
+    at compile). A class with ``once = True`` leaves alone what it selects inside an
+    application call whose own values it rewrote: values passed on from them (a
+    classifier's labels into its cost brick) are rewritten once.
 
     Examples:
         >>> import jax, jax.numpy as jnp, graphmod as gm
