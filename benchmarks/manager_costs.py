@@ -226,12 +226,9 @@ def graphmod_variant(case: Case, seed: int, batch: tuple, dims: Sequence[int] = 
     mlp = graphmod.bricks.MLP(list(dims), activation=jax.nn.relu, rngs=nnx.Rngs(seed))
     if case.branch:
         mlp.linear_layers[1] = graphmod.bricks.Residual(mlp.linear_layers[1])
-    if case.targets:
-        program = graphmod.compile(lambda m, x, y: m(x, y), Classifier(mlp),
-                                   managers=case.make(mlp))
-    else:
-        program = graphmod.compile(lambda m, x, y: cross_entropy(m(x), y), mlp,
-                                   managers=case.make(mlp))
+    model, cost = (Classifier(mlp), lambda m, x, y: m(x, y)) if case.targets \
+        else (mlp, lambda m, x, y: cross_entropy(m(x), y))
+    program = graphmod.compile(cost, model, managers=case.make(mlp))
     chosen = program.managers
     trainable = {"trainable": list(chosen)} if case.frozen_base else {}
     step = graphmod.optimize(program, optax.adam(LR), **trainable)

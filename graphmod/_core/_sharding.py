@@ -158,21 +158,21 @@ class Placement:
         """``tree``'s arrays put on the mesh, split along the batch axis; a batch already
         placed so (the loop's, put ahead) is returned as it is, at the cost of a look.
         ``compare``: with several processes, check that each passed the same batch first
-        (see :func:`put`)."""
+        (see :func:`put_leaf`)."""
         split = self._split[int(stacked)]
         # Split by this placement already (device_put keeps the sharding object): the look
         # costs 1 µs instead of 4-6.
         if all(getattr(leaf, "sharding", None) is split for leaf in jax.tree.leaves(tree)):
             return tree
 
-        def put(leaf: Any) -> Any:
+        def place(leaf: Any) -> Any:  # not the module's put: one batch leaf, looked at first
             sharding = self._batch_leaf(leaf, int(stacked))
             if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) \
                     and leaf.sharding == sharding:
                 return leaf
             return put_leaf(leaf, sharding, compare=compare)
 
-        return jax.tree.map(put, tree)
+        return jax.tree.map(place, tree)
 
     def constrain_batch(self, tree: Any, *, stacked: bool = False) -> Any:
         """``tree`` (traced batch arguments) constrained to the placement :meth:`put_batch`
