@@ -12,6 +12,11 @@ Apache License, Version 2.0 (http://www.apache.org/licenses/LICENSE-2.0).
     ``TransformerLM`` and ``TransformerConfig``: the NNX lm1b decoder-only Transformer of
     ``examples/lm1b_nnx/models.py`` (``nnx.MultiHeadAttention``, ``nnx.Embed`` tied through
     ``attend``, ``nnx.LayerNorm``, ``nnx.Dropout``, the decode cache).
+``gemma``
+    ``transformer.Transformer``: Gemma's text decoder of ``examples/gemma`` (a package here:
+    ``nnx.Einsum`` projections, grouped-query sliding-window and global attention, a
+    key-value cache passed in and returned, ``nnx.Embed`` tied through ``attend``), its
+    sibling imports made relative.
 ``scan_over_layers``
     ``ScanMLP`` of ``Block``: the scan-over-layers MLP of
     ``examples/nnx_toy_examples/06_scan_over_layers.py`` (``nnx.vmap`` at construction,

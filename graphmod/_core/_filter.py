@@ -198,9 +198,11 @@ class VariableFilter:
         if bricks is not None:
             for brick in bricks:
                 if not isinstance(brick, type | nnx.Module):
+                    fix = (f"; to select by path, give path={brick!r}"
+                           if isinstance(brick, str) else "")
                     raise TypeError(
                         f"VariableFilter(bricks=...): {brick!r} is neither a Brick instance "
-                        "nor a brick class (any flax.nnx.Module instance or class)"
+                        f"nor a brick class (any flax.nnx.Module instance or class){fix}"
                     )
         set_("bricks", bricks)
         apps = _as_tuple(self.applications)

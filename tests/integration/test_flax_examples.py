@@ -1,6 +1,7 @@
 """Flax's own example models, unmodified (``examples/flax_nnx``), under graphmod's managers.
 
-Each model — the MNIST CNN, a tiny lm1b TransformerLM (tied ``Embed.attend``), the
+Each model — the MNIST CNN, a tiny lm1b TransformerLM (tied ``Embed.attend``), a tiny
+Gemma 3 (``nnx.Einsum`` projections, sliding-window and global attention), the
 scan-over-layers MLP and a classifier around ``nnx.RNN(nnx.LSTMCell)`` — is compiled as
 published under ``Dropout`` + ``WeightNoise`` + ``GaussianNoise`` + a LoRA manager written
 here (owned variables per parameter), with its own ``nnx.Dropout``/``nnx.BatchNorm``. With
@@ -27,6 +28,8 @@ from flax import nnx
 import graphmod as gm
 import managers
 from examples.flax_nnx import lm1b, mnist, scan_over_layers
+from examples.flax_nnx.gemma import transformer as gemma_lib
+from examples.flax_nnx.gemma import transformer_cfg as gemma_cfg
 from graphmod import roles
 from tests.conftest import RANDOM_PRIMITIVES, primitives
 from tests.integration.test_flax_transforms import assert_trees_close
@@ -88,6 +91,26 @@ def transformer_lm() -> lm1b.TransformerLM:
     return model
 
 
+def gemma() -> gemma_lib.Transformer:
+    """A tiny Gemma 3: a local sliding-window and a global attention layer, four query heads
+    sharing one key-value head, QK norm, its own dropout 0.1."""
+    attention = gemma_cfg.AttentionType
+    config = gemma_cfg.TransformerConfig.gemma3_270m(
+        num_layers=2, num_embed=32, embed_dim=16, hidden_dim=32, num_heads=4, head_dim=4,
+        num_kv_heads=1, sliding_window_size=4, dropout_rate=0.1,
+        attention_types=(attention.LOCAL_SLIDING, attention.GLOBAL))
+    with nnx.use_eager_sharding(False):  # its sharding annotations, without a mesh
+        return gemma_lib.Transformer(config, rngs=nnx.Rngs(0))
+
+
+def gemma_loss(model: gemma_lib.Transformer, tokens: jax.Array) -> jax.Array:
+    """Next-token loss, Gemma called as its trainer calls it: positions and the causal
+    mask made from the tokens, no cache."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    logits, _ = model(tokens, positions, None, gemma_lib.make_causal_attn_mask(tokens > 0))
+    return cross_entropy(logits[:, :-1], tokens[:, 1:])
+
+
 class RNNClassifier(nnx.Module):
     """The last output of ``nnx.RNN(nnx.LSTMCell)`` (its carry drawn from its stored
     stream), Flax's Dropout, and a linear read-out."""
@@ -105,6 +128,9 @@ LSTM = [f"/rnn/cell/{gate}" for gate in ("ii", "if_", "ig", "io", "hi", "hf", "h
 BLOCKS = [f"/decoder/encoderdecoderblock_{i}" for i in range(2)]
 PROJECTIONS = [f"{b}/attention/{p}" for b in BLOCKS for p in ("query", "key", "value", "out")]
 MLPS = [f"{b}/mlp/{linear}" for b in BLOCKS for linear in ("linear1", "linear2")]
+GEMMA_BLOCKS = ["/layers/0", "/layers/1"]
+GEMMA_MLPS = {f"{b}/mlp/{p}" for b in GEMMA_BLOCKS for p in ("gate_proj", "up_proj", "down_proj")}
+GEMMA_EINSUMS = {f"{b}/attn/{p}_einsum" for b in GEMMA_BLOCKS for p in ("q", "kv", "attn_vec")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +164,12 @@ CASES = {
          "nnx.Dropout": {"/decoder/dropout", *(f"{b}/dropout" for b in BLOCKS),
                          *(f"{b}/mlp/dropout" for b in BLOCKS),
                          *(f"{b}/attention" for b in BLOCKS)}}),
+    "gemma": Case(
+        gemma, gemma_loss, (TOKENS,),
+        {"dropout": GEMMA_MLPS, "gaussian_noise": GEMMA_MLPS, "lora": GEMMA_MLPS,
+         "weight_noise": {*GEMMA_MLPS, *GEMMA_EINSUMS, "/embedder", "/embedder.attend"},
+         "nnx.Dropout": {"/final_dropout", *(f"{b}/{d}" for b in GEMMA_BLOCKS for d in (
+             "dropout", "attn/dropout", "mlp/dropout"))}}),
     "scan_mlp": Case(
         lambda: scan_over_layers.ScanMLP(4, n_layers=3, rngs=nnx.Rngs(0)),
         lambda m, x: (m(x) ** 2).mean(), (FEATURES,),
