@@ -20,6 +20,11 @@ class StochasticDepth(gm.Manager):
     ``residual`` application by default (every residual block: a ``TransformerBlock`` has
     two), one draw per example along axis 0. ``rate`` may be :func:`graphmod.dynamic`.
 
+    On a Flax model, select the modules whose outputs a block adds to its residual stream,
+    not the block: ``bricks=[modules.Attention, modules.FeedForward]`` for Flax's Gemma,
+    whose ``Block`` returns the stream itself (dropping that would drop every earlier
+    layer's work for the example).
+
     Examples:
         >>> import jax, jax.numpy as jnp, graphmod as gm, managers
         >>> from flax import nnx

@@ -88,8 +88,10 @@ def method_applications(applications: Any) -> dict[type, tuple[str, ...]]:
 
 def interceptor(applications: Any) -> Callable[[type], type | None]:
     """For ``compile(..., applications=...)`` (checked here, before anything changes): the
-    class a plain Flax module class is switched to while a program traces, None for bricks
-    and modules without applications."""
+    class a plain Flax module class is switched to while a program traces, None for bricks.
+    A module without applications (an ``nnx.List`` of layers) is switched too: its
+    ``__setattr__`` and ``sow`` follow the program (``nnx.capture`` sets an attribute on
+    every module)."""
     checked = method_applications(applications)
 
     def intercept(cls: type) -> type | None:
@@ -99,7 +101,7 @@ def interceptor(applications: Any) -> Callable[[type], type | None]:
         for base, extra in checked.items():
             if issubclass(cls, base):
                 names += [name for name in extra if name not in names]
-        return intercepting_class(cls, tuple(names)) if names else None
+        return intercepting_class(cls, tuple(names))
 
     return intercept
 

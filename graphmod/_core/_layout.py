@@ -157,7 +157,7 @@ class Layout:
             if isinstance(node, nnx.Variable):
                 paths.setdefault(id(node), []).append(key)
                 objects[id(node)] = node
-            elif isinstance(node, nnx.Module) and not isinstance(node, nnx.List | nnx.Dict):
+            elif isinstance(node, nnx.Module):  # containers too: nnx.capture writes them
                 bricks.setdefault(id(node), []).append(key)
                 brick_objects[id(node)] = node
         self.node_states = tuple(item for item in node_states.values() if item[1] is not None)
@@ -168,8 +168,8 @@ class Layout:
         self.by_key = {info.key: info for info in self.variables}
         self.brick_paths = {_spelled(brick_objects[i]): brick_path_string(keys[0])
                             for i, keys in bricks.items()}  # token -> path
-        self.bricks_at = {brick_path_string(keys[0]): brick_objects[i]
-                          for i, keys in bricks.items()}  # path -> brick, for filters
+        self.bricks_at = {brick_path_string(keys[0]): brick_objects[i] for i, keys in bricks.items()
+                          if not isinstance(brick_objects[i], nnx.List | nnx.Dict)}  # filters
         self.instance_paths: dict[int, str] = {}
         self._bricks = brick_objects
         self._owners = {_spelled(leaf): (module, name) for module, name, leaf in leaves.values()}

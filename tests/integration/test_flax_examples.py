@@ -91,16 +91,16 @@ def transformer_lm() -> lm1b.TransformerLM:
     return model
 
 
-def gemma() -> gemma_lib.Transformer:
+def gemma(**kwargs: Any) -> gemma_lib.Transformer:
     """A tiny Gemma 3: a local sliding-window and a global attention layer, four query heads
-    sharing one key-value head, QK norm, its own dropout 0.1."""
+    sharing one key-value head, QK norm, its own dropout 0.1 (``kwargs``: ``sow_config``)."""
     attention = gemma_cfg.AttentionType
     config = gemma_cfg.TransformerConfig.gemma3_270m(
         num_layers=2, num_embed=32, embed_dim=16, hidden_dim=32, num_heads=4, head_dim=4,
         num_kv_heads=1, sliding_window_size=4, dropout_rate=0.1,
         attention_types=(attention.LOCAL_SLIDING, attention.GLOBAL))
     with nnx.use_eager_sharding(False):  # its sharding annotations, without a mesh
-        return gemma_lib.Transformer(config, rngs=nnx.Rngs(0))
+        return gemma_lib.Transformer(config, rngs=nnx.Rngs(0), **kwargs)
 
 
 def gemma_loss(model: gemma_lib.Transformer, tokens: jax.Array) -> jax.Array:

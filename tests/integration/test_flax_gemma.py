@@ -4,7 +4,9 @@ own layouts (the query ``NDH`` contracts ``D``, the key-value ``CKDH`` its third
 gated MLP's ``nnx.Linear`` layers and the embedding, tied with ``attend`` for the logits —
 train alone; then the fine-tuned program decodes through Gemma's own key-value cache (passed
 in and returned by its ``__call__``, as Gemma's sampler does) token by token, as eager Gemma
-with the adapters merged into its weights by ``LoRA.merge`` does.
+with the adapters merged into its weights by ``LoRA.merge`` does. Gemma's own intermediates
+(``sow_lib.SowConfig``: sown on its ``nnx.List`` of blocks' modules) come out of a program by
+``nnx.capture`` as out of eager Gemma.
 
 The model and its loss are ``test_flax_examples``'s (where Gemma also runs every regularizer
 and equals eager Flax with rates 0).
@@ -22,6 +24,8 @@ from flax import nnx
 
 import graphmod as gm
 import managers
+from examples.flax_nnx.gemma import sow_lib
+from examples.flax_nnx.gemma import transformer as gemma_lib
 from graphmod import roles
 from tests.integration.test_flax_examples import (
     GEMMA_EINSUMS,
@@ -90,3 +94,22 @@ def test_the_fine_tuned_program_decodes_with_gemmas_cache_as_merged_eager_gemma(
     token, at, mask, logits = first
     untuned, _ = decoder.infer(initial, token, at, empty, mask)
     assert np.abs(np.asarray(untuned) - np.asarray(logits)).max() > 1e-2
+
+
+def test_gemmas_sown_intermediates_come_out_of_a_program_by_nnx_capture_as_in_flax() -> None:
+    def captured(model: gemma_lib.Transformer, tokens: jax.Array) -> tuple[jax.Array, dict]:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        (logits, _), sown = nnx.capture(model, nnx.Intermediate)(
+            tokens, positions, None, gemma_lib.make_causal_attn_mask(tokens > 0))
+        return logits, nnx.to_pure_dict(sown)
+
+    model = gemma(sow_config=sow_lib.SowConfig(
+        embeddings=True, rs_after_attention=True, mlp_hidden_topk=2, attn_logits_topk=2))
+    program = gm.compile(captured, model, managers=[LORA])
+    logits, sown = program.infer(program.init(TOKENS), TOKENS)
+    model.eval()
+    eager_logits, eager = captured(model, TOKENS)
+    assert set(eager["layers"][1]) == {"attn", "mlp", "rs_after_attention"}
+    assert set(eager["layers"][1]["attn"]) == {"logits_topk_values", "logits_topk_indices"}
+    np.testing.assert_allclose(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert_trees_close(sown, eager)

@@ -202,6 +202,35 @@ def test_nnx_capture_of_method_outputs_in_a_program_gets_what_flax_gets() -> Non
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), captured, eager)
 
 
+class Containers(nnx.Module):
+    """Layers in ``nnx.List`` and ``nnx.Dict`` (as Gemma keeps its blocks), each sowing."""
+
+    def __init__(self) -> None:
+        self.blocks = nnx.List([Sowing(), Sowing()])
+        self.heads = nnx.Dict(first=nnx.Linear(6, 3, rngs=nnx.Rngs(1)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return sum(block(x) for block in self.blocks) + self.heads["first"](x).sum()
+
+
+def test_nnx_capture_writes_nnx_list_and_dict_containers_in_a_program_as_in_flax() -> None:
+    # nnx.capture sets an attribute on every module, containers included: a program lets
+    # it, for the trace, as it lets the model's other modules.
+    def captured(model: Containers, x: jax.Array) -> tuple[jax.Array, dict]:
+        out, sown = nnx.capture(model, nnx.Intermediate)(x)
+        return out, nnx.to_pure_dict(sown)
+
+    model = Containers()
+    program = gm.compile(captured, model)
+    (out, sown), _ = program.train(program.init(X), X, rng=KEY)
+    eager_out, eager = captured(nnx.clone(model), X)
+    assert set(eager["blocks"]) == {0, 1}  # what each block in the list sowed
+    np.testing.assert_allclose(out, eager_out, rtol=1e-6)
+    assert jax.tree.structure(sown) == jax.tree.structure(eager)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), sown, eager)
+    assert not any(hasattr(m, "__captures__") for _, m in nnx.iter_modules(model))
+
+
 class SowingTwice(Sowing):
     def __call__(self, x: jax.Array) -> jax.Array:
         return jnp.tanh(self.features(x)).sum() + self.features(2 * x).sum()
