@@ -137,6 +137,13 @@ def _wider(w: World) -> dict:
     return program.init(w.x[:2], w.y[:2])
 
 
+def _donated(w: World) -> Any:
+    """A state a step call took over (a copy of the world's, so the world's stays)."""
+    state = jax.tree.map(jnp.copy, w.state)
+    w.step(state, w.x[:8], w.y[:8])
+    return state
+
+
 def _loop(w: World, *plugs: Any, **settings: Any) -> gm.Loop:
     return gm.Loop(w.step, w.data, steps=2, plugins=plugs, **settings)
 
@@ -361,6 +368,10 @@ CASES = [
          r"Loop.run\(state\): state is None.*step.init"),
     Case("a loop run on variables", lambda w: _loop(w).run(w.variables), TypeError,
          r"Loop.run\(state\).*TrainState, got dict.*step.init"),
+    Case("a loop run on a state an earlier step took", lambda w: _loop(w).run(
+        _donated(w)), ValueError, r"Loop.run\(state\): the state's arrays were donated to an "
+        r"earlier step call \(state\.opt_state\[0\]\.count, and 23 more\).*start from the "
+        r"state that run or call returned.*jnp.copy"),
     Case("data of another feature size to a loop", lambda w: gm.Loop(
         w.step, ArraySource((w.x[:, :3], w.y), 8), steps=2).run(w.state), ValueError,
         r"Loop.run: the data's batches do not fit the program: argument 'x': expected shape "

@@ -41,6 +41,32 @@ def test_brick_instances_match_their_own_applications_not_their_childrens() -> N
     assert {r.tag.brick_path for r in by_class} == {"/"}
 
 
+class Held(nnx.Module):
+    """Layers in an ``nnx.List`` and a head in an ``nnx.Dict`` (as Flax's Gemma holds its
+    blocks)."""
+
+    def __init__(self) -> None:
+        self.layers = nnx.List([nnx.Linear(3, 3, rngs=nnx.Rngs(i)) for i in range(2)])
+        self.heads = nnx.Dict(out=nnx.Linear(3, 1, rngs=nnx.Rngs(2)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = layer(x)
+        return self.heads["out"](x)
+
+
+def test_an_nnx_list_or_dict_in_bricks_stands_for_the_modules_it_holds() -> None:
+    model = Held()
+    assert gm.VariableFilter(bricks=[model.layers, model.heads]).bricks == (
+        *model.layers, model.heads["out"])
+    assert gm.VariableFilter(bricks=model.heads).bricks == (model.heads["out"],)
+    program = gm.compile(lambda m, x: m(x).sum(), model, managers=[
+        managers.Dropout(0.5, bricks=[model.layers], roles=[roles.INPUT])])
+    x = jnp.ones((2, 3))
+    program.train(program.init(x), x, rng=jax.random.key(0))
+    assert [r.path for r in program.rewrites["train"]] == ["/layers/0", "/layers/1"]
+
+
 def test_name_regex_path_glob_applications_and_call_id() -> None:
     cg, _ = _graph()
     assert len(cg.filter(gm.VariableFilter(name="W"))) == 3

@@ -44,6 +44,18 @@ def _as_tuple(value: Any) -> tuple[Any, ...] | None:
     return tuple(value)
 
 
+def _members(bricks: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``bricks`` with each ``nnx.List`` or ``nnx.Dict`` among them replaced by its modules
+    (``bricks=[model.layers, model.head]``): a container has no application of its own."""
+    out: list[Any] = []
+    for brick in bricks:
+        if isinstance(brick, nnx.List | nnx.Dict):
+            out += _members(tuple(brick.values() if isinstance(brick, nnx.Dict) else brick))
+        else:
+            out.append(brick)
+    return tuple(out)
+
+
 def application_name(value: Any) -> str:
     """The name of an application given by name or as the decorated method."""
     if isinstance(value, str):
@@ -161,7 +173,8 @@ class VariableFilter:
         roles: roles to match; a variable matches if its role is one of them or a sub-role
             (with ``each_role=True`` it must be a sub-role of every one).
         bricks: brick instances (matched by their path in the model: a parent matches its
-            own applications, not its children's) or brick classes (``isinstance``).
+            own applications, not its children's; an ``nnx.List`` or ``nnx.Dict`` of them
+            stands for its members) or brick classes (``isinstance``).
         applications: application names or the methods: an unbound brick application
             (``Linear.apply``) matches that application of every instance by name, an
             unbound Flax method (``nnx.Linear.__call__``) every instance of that class, a
@@ -196,6 +209,7 @@ class VariableFilter:
             set_("roles", _roles.as_roles(self.roles, argument="VariableFilter(roles=...)"))
         bricks = _as_tuple(self.bricks)
         if bricks is not None:
+            bricks = _members((self.bricks,) if isinstance(self.bricks, nnx.Dict) else bricks)
             for brick in bricks:
                 if not isinstance(brick, type | nnx.Module):
                     fix = (f"; to select by path, give path={brick!r}"

@@ -200,10 +200,12 @@ def cast_like(new: Any, old: Any, who: str) -> Any:
     return jax.tree.map(cast, new, old)
 
 
-def donated(state: Any) -> bool:
-    """Whether a state's buffers were donated to a step call that never returned."""
-    return any(isinstance(leaf, jax.Array) and leaf.is_deleted()
-               for leaf in jax.tree.leaves(state))
+def donated(state: Any) -> list[str]:
+    """The paths of a state's arrays donated to a step call (``[0]``, ``.variables['model']``
+    ...): that call took over their buffers, or never returned."""
+    return [jax.tree_util.keystr(path) for path, leaf in
+            jax.tree_util.tree_flatten_with_path(state)[0]
+            if isinstance(leaf, jax.Array) and leaf.is_deleted()]
 
 
 def fused_steps(step: Callable[..., Any], own: Callable[..., Any]) -> Callable[..., Any]:
@@ -265,3 +267,11 @@ def check_start_state(step: Any, state: Any) -> None:
         raise TypeError(f"Loop.run(state): a graphmod.optimize step takes a "
                         f"graphmod.TrainState, got {type(state).__name__}; make one with "
                         "state = step.init(variables, jax.random.key(0))")
+    deleted = donated(state)
+    if deleted:
+        raise ValueError(
+            f"Loop.run(state): the state's arrays were donated to an earlier step call "
+            f"(state{deleted[0]}, and {len(deleted) - 1} more): a graphmod.optimize step "
+            "takes over the buffers of the state it is given, also in a Loop; start from "
+            "the state that run or call returned, or keep a copy made before it, "
+            "jax.tree.map(jnp.copy, state)")
