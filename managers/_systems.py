@@ -85,9 +85,10 @@ class Remat(gm.Manager):
     ``"dots_saveable"``: keep matrix products, recompute the rest); None saves nothing.
 
     With no filter it matches every application; name the blocks to rematerialize, e.g.
-    ``Remat(bricks=[TransformerBlock])``. It rewrites no value, so ``program.rewrites``
-    does not list it: the regions are the ``checkpoint`` equations of the traced step
-    (``jax.make_jaxpr``); a filter that matches no call raises when the program traces.
+    ``Remat(bricks=[TransformerBlock])``, or by path, ``Remat(path="/layers/*")`` (globbed
+    over the call's path, ``/layers/0.apply``). It rewrites no value: ``program.rewrites``
+    lists the calls it wrapped (role ``CALL``), and a filter that matches no call raises
+    when the program traces.
 
     Examples:
         >>> import jax, jax.numpy as jnp, graphmod as gm, managers

@@ -60,8 +60,8 @@ class Chain:
         self.call_id = frame.next_call_id(path, spec.name)
         self.managers = tuple(
             m for m in frame.chain()
-            if m.filter.matches_application(brick, path, spec.name, self.call_id,
-                                            frame.layout.instance_paths)
+            if (m.filter.matches_call if m.wraps_only else m.filter.matches_application)(
+                brick, path, spec.name, self.call_id, frame.layout.instance_paths)
         )
         self.call = ApplicationCall(brick, spec.name, path, self.call_id, frame.training,
                                     _runner=self)
@@ -175,8 +175,9 @@ class Chain:
     def run(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Runs ``method`` inside the chain of managers (see the module docstring)."""
         for manager in self.managers:
-            if not manager.filter.selects_variables and manager.has_hook("wrap"):
-                self.frame.note_match(manager)  # a pure middleware matches the application
+            if manager.wraps_only or (
+                    not manager.filter.selects_variables and manager.has_hook("wrap")):
+                self.frame.note_match(manager)  # a middleware matches the application
         parent = self.frame.calls[-1] if self.frame.calls else None
 
         def innermost(*args: Any, **kwargs: Any) -> Any:
@@ -224,6 +225,8 @@ def _wrapping(manager: Manager, chain: Chain, next: Callable[..., Any],
     """The layer of a manager with a ``wrap``: the wrap around its rewrites and ``next``
     (so a wrap sees the call's arguments as they came)."""
     rewritten = functools.partial(_rewriting, (manager,), chain, next)
+    if manager.wraps_only:  # the others' rewrites are in the trace
+        chain.frame.note_wrap(manager.name, chain.path, chain.application, chain.call_id)
     return manager.wrap(chain.bound(manager), rewritten, args, kwargs)
 
 

@@ -304,6 +304,16 @@ class VariableFilter:
             )
         return True
 
+    def matches_call(self, brick: Any, brick_path: str, application: str, call_id: int,
+                     instance_paths: dict[int, str]) -> bool:
+        """Whether an application call is selected as a whole, for a manager that only
+        wraps calls: its application matches, ``path`` (if any) globs the call's path
+        (``/layers/0.apply``), and no field selects variables (roles, names)."""
+        return self.matches_application(brick, brick_path, application, call_id,
+                                        instance_paths) and (
+            self.roles is None and self.name is None and self.name_regex is None) and (
+            self.path is None or fnmatch.fnmatchcase(f"{brick_path}.{application}", self.path))
+
     def matches_variable(self, tag: Tag) -> bool:
         """Whether a tagged variable of an already selected application is selected."""
         if self.roles is not None:

@@ -281,14 +281,14 @@ class Frame:
             self._seen.records.append(Recorded(tag, *shape_and_dtype(value), manager))
 
     def note_rewrite(self, by: str, tag: Tag, before: Any, after: Any) -> None:
-        """Notes a rewrite of ``tag`` by ``by`` (a manager, or ``nnx.Dropout`` following the
-        program) in the rewrite trace and, marked with it, in the computation graph."""
-        self._seen.rewrites.append(Rewrite(
-            by, tag.brick_path, tag.application, tag.call_id, tag.role.name, tag.name,
-            *shape_and_dtype(before), *shape_and_dtype(after),
-        ))
+        """Notes ``by``'s rewrite of ``tag`` (``by``: a manager, or ``nnx.Dropout``)."""
+        self._seen.rewrites.append(Rewrite.of(by, tag, before, after))
         self.record(tag, after, by)
         self._seen.note_rewritten_call(by, tag)
+
+    def note_wrap(self, by: str, path: str, application: str, call_id: int) -> None:
+        """Notes in the rewrite trace that ``by``'s ``wrap`` ran around an application call."""
+        self._seen.rewrites.append(Rewrite.wrap(by, path, application, call_id))
 
     def rewrote_around(self, by: str) -> bool:
         """Whether ``by`` rewrote a value of an application call in progress around this."""

@@ -369,5 +369,12 @@ class Manager:
     def has_hook(self, hook: str) -> bool:
         return _overrides(self, hook)
 
+    @property
+    def wraps_only(self) -> bool:
+        """Whether ``wrap`` is the manager's only hook (``Remat``): it selects calls, not
+        variables (see :meth:`VariableFilter.matches_call`)."""
+        return self.has_hook("wrap") and not any(self.has_hook(h) for h in (
+            "rewrite_input", "rewrite_output", "rewrite_parameter"))
+
     def selects(self, tag: Tag) -> bool:
         return self.filter.matches_variable(tag)

@@ -25,7 +25,8 @@ _HEADERS = ("#", "manager", "path", "application", "call", "role", "variable", "
 
 @dataclasses.dataclass(frozen=True)
 class Rewrite:
-    """One rewrite of one tagged variable by one manager."""
+    """One rewrite of one tagged variable by one manager, or (role ``CALL``, no variable)
+    one application call wrapped by a manager whose only hook is ``wrap`` (``Remat``)."""
 
     manager: str
     path: str
@@ -38,7 +39,21 @@ class Rewrite:
     shape_out: tuple[int, ...]
     dtype_out: str
 
+    @classmethod
+    def of(cls, by: str, tag: Any, before: Any, after: Any) -> Rewrite:
+        """``by``'s rewrite of tagged variable ``tag`` from ``before`` to ``after``."""
+        return cls(by, tag.brick_path, tag.application, tag.call_id, tag.role.name, tag.name,
+                   *shape_and_dtype(before), *shape_and_dtype(after))
+
+    @classmethod
+    def wrap(cls, by: str, path: str, application: str, call_id: int) -> Rewrite:
+        """``by``'s wrap around call ``call_id`` of ``application`` at ``path``."""
+        return cls(by, path, application, call_id, "CALL", "", (), "", (), "")
+
     def row(self, index: int) -> tuple[Any, ...]:
+        if self.role == "CALL":
+            return (index, self.manager, self.path, self.application, self.call_id,
+                    self.role, "-", "-", "-")
         shape = (str(self.shape_in) if self.shape_in == self.shape_out
                  else f"{self.shape_in}->{self.shape_out}")
         dtype = (self.dtype_in if self.dtype_in == self.dtype_out

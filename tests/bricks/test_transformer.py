@@ -106,10 +106,12 @@ def test_lora_dropout_precision_remat_and_stochastic_depth_on_a_transformer() ->
         after = state.variables["model"]["layers"][0]["attention"]["branch"][name]["W"]
         np.testing.assert_array_equal(before, after)
     order = [(r.manager, r.path, r.application) for r in program.rewrites.train]
-    # In the order the model runs: the attention's projections (LoRA), its weights
-    # (dropout), the branch (stochastic depth), then the MLP's casts (Precision).
+    # In the order the model runs: the block Remat wraps, the attention's projections
+    # (LoRA), its weights (dropout), the branch (stochastic depth), then the MLP's casts
+    # (Precision).
     assert list(dict.fromkeys(m for m, _, _ in order)) == [
-        "lora", "dropout", "stochastic_depth", "precision"]
+        "remat", "lora", "dropout", "stochastic_depth", "precision"]
+    assert [p for m, p, _ in order if m == "remat"] == ["/layers/0", "/layers/1"]
     assert ("stochastic_depth", "/layers/1/mlp", "residual") in order
     merged = lora.merge(state.variables)
     plain = gm.compile(lambda m, x: jnp.mean(m(x) ** 2), model,

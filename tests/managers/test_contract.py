@@ -51,8 +51,9 @@ MAKERS: dict[str, Callable[..., gm.Manager]] = {
 # only optimize adds, a gradient-only or memory-only change).
 IDENTITY_AT_INIT = {"weight_norm", "lora", "l2", "weight_decay", "stop_gradient", "remat",
                     "activation_stats"}
-# Middleware and costs leave the values as they are: nothing in the rewrite trace.
-UNTRACED = {"remat", "l2", "weight_decay", "activation_stats"}
+# Costs and measurements leave the values as they are: nothing in the rewrite trace (a
+# middleware's wrap, Remat's, is a CALL row).
+UNTRACED = {"l2", "weight_decay", "activation_stats"}
 # Gradients that are not the forward pass's derivative, by design: the straight-through
 # estimator, and power-iteration vectors held constant (as flax.nnx.SpectralNorm does).
 NOT_DERIVATIVES = {"fake_quant", "spectral_norm"}

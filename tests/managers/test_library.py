@@ -188,6 +188,42 @@ def test_remat_gives_the_same_gradients_and_keeps_fewer_activations() -> None:
     assert remat_peak < plain_peak / 2  # about 1.30 MB against 0.46 MB
 
 
+def test_the_rewrite_trace_lists_each_call_remat_wrapped_before_the_rewrites_inside() -> None:
+    mlp = gm.bricks.MLP([3, 4, 1], activation=jnp.tanh, rngs=nnx.Rngs(0))
+    program = gm.compile(mean_square, mlp, managers=[
+        managers.Remat(bricks=mlp.linear_layers),
+        managers.Precision("bfloat16", bricks=mlp.linear_layers[:1], roles=[roles.INPUT])])
+    x = normal(5, 2, 3)
+    program.train(program.init(x), x, rng=key(0))
+    assert [(r.manager, r.path, r.role, r.name) for r in program.rewrites["train"]] == [
+        ("remat", "/linear_layers/0", "CALL", ""),
+        ("precision", "/linear_layers/0", "INPUT", "input_"),
+        ("remat", "/linear_layers/1", "CALL", "")]
+    table = str(program.rewrites["train"])
+    assert "remat      /linear_layers/1  apply        0     CALL   -         -" in table
+
+
+def test_remat_selects_calls_by_their_path_and_wraps_no_other() -> None:
+    mlp = gm.bricks.MLP([3, 4, 1], activation=jnp.tanh, rngs=nnx.Rngs(0))
+    x = normal(5, 2, 3)
+
+    def wrapped(remat: gm.Manager) -> list[str]:
+        program = gm.compile(mean_square, mlp, managers=[remat])
+        program.train(program.init(x), x, rng=key(0))
+        jaxpr = str(jax.make_jaxpr(lambda v: jax.grad(lambda v: program.train(
+            v, x, rng=key(0))[0])(v))(program.init(x)))
+        assert ("checkpoint" in jaxpr or "remat" in jaxpr) == bool(program.rewrites["train"])
+        return [r.path for r in program.rewrites["train"]]
+
+    assert wrapped(managers.Remat(path="/linear_layers/1*")) == ["/linear_layers/1"]
+    assert wrapped(managers.Remat(path="*.apply")) == ["/", "/linear_layers/0",
+                                                       "/linear_layers/1"]
+    # A variable's path (".W") or role names no call: nothing is wrapped, and it says so.
+    assert wrapped(managers.Remat(path="*.W", strict=False)) == []
+    with pytest.raises(gm.errors.ManagerMatchedNothing, match=r"'remat'.*matched nothing"):
+        wrapped(managers.Remat(roles=[roles.WEIGHT]))
+
+
 def test_precision_computes_in_bf16_and_keeps_the_stored_parameters_f32() -> None:
     lin = linear()
     program = gm.compile(mean_square, lin, managers=[managers.Precision("bfloat16")])
