@@ -85,10 +85,12 @@ class Remat(gm.Manager):
     ``"dots_saveable"``: keep matrix products, recompute the rest); None saves nothing.
 
     With no filter it matches every application; name the blocks to rematerialize, e.g.
-    ``Remat(bricks=[TransformerBlock])``, or by path, ``Remat(path="/layers/*")`` (globbed
-    over the call's path, ``/layers/0.apply``). It rewrites no value: ``program.rewrites``
-    lists the calls it wrapped (role ``CALL``), and a filter that matches no call raises
-    when the program traces.
+    ``Remat(bricks=[TransformerBlock])`` or, on a Flax model, ``Remat(bricks=[model.layers])``
+    (an ``nnx.List`` stands for its modules). ``path=`` globs the call's path
+    (``/layers/0.apply``), and ``*`` crosses ``/``: ``path="/layers/*"`` also wraps every call
+    nested in those layers. It rewrites no value: ``program.rewrites`` lists the calls it
+    wrapped (role ``CALL``), and a filter that matches no call raises when the program
+    traces.
 
     Examples:
         >>> import jax, jax.numpy as jnp, graphmod as gm, managers

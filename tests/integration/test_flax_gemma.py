@@ -6,7 +6,8 @@ train alone; then the fine-tuned program decodes through Gemma's own key-value c
 in and returned by its ``__call__``, as Gemma's sampler does) token by token, as eager Gemma
 with the adapters merged into its weights by ``LoRA.merge`` does. Gemma's own intermediates
 (``sow_lib.SowConfig``: sown on its ``nnx.List`` of blocks' modules) come out of a program by
-``nnx.capture`` as out of eager Gemma.
+``nnx.capture`` as out of eager Gemma, and ``Remat(bricks=[model.layers])`` rematerializes
+each of its blocks with the gradients (and dropout masks) of the program without it.
 
 The model and its loss are ``test_flax_examples``'s (where Gemma also runs every regularizer
 and equals eager Flax with rates 0).
@@ -113,3 +114,23 @@ def test_gemmas_sown_intermediates_come_out_of_a_program_by_nnx_capture_as_in_fl
     assert set(eager["layers"][1]["attn"]) == {"logits_topk_values", "logits_topk_indices"}
     np.testing.assert_allclose(logits, eager_logits, rtol=1e-5, atol=1e-5)
     assert_trees_close(sown, eager)
+
+
+def test_remat_of_gemmas_blocks_named_by_its_list_wraps_them_and_keeps_the_gradients() -> None:
+    model = gemma()  # its dropout on: recomputed, each mask must be the one drawn first
+
+    def gradients(chosen: list) -> tuple[dict, list]:
+        program = gm.compile(gemma_loss, model, managers=chosen)
+        variables = program.init(TOKENS)
+        grads = jax.grad(lambda v: program.train(v, TOKENS, rng=jax.random.key(0))[0])(
+            variables)
+        return grads["model"], [(r.manager, r.path) for r in program.rewrites["train"]]
+
+    plain, _ = gradients([])
+    rematerialized, wrapped = gradients([managers.Remat(bricks=[model.layers])])
+    assert [path for manager, path in wrapped if manager == "remat"] == [
+        "/layers/0", "/layers/1"]
+    assert wrapped.index(("remat", "/layers/1")) > wrapped.index(
+        ("nnx.Dropout", "/layers/0/dropout"))  # in the order Gemma runs
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 rematerialized, plain)
