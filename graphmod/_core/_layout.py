@@ -131,8 +131,8 @@ class Layout:
     Building one touches nothing of the model but the NNX nodes' trace state (see
     ``graphmod._core._variables.adopt_node``); its ``marks`` are applied while a program
     traces.
-    ``intercept`` gives the class a plain Flax module is switched to while a program traces,
-    or None for no applications (``graphmod._core._intercept.interceptor``).
+    ``intercept`` gives the class a plain Flax module (containers too) is switched to while
+    a program traces, or None for bricks (``graphmod._core._intercept.interceptor``).
     """
 
     def __init__(self, model: nnx.Module,
