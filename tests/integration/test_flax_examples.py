@@ -103,11 +103,16 @@ def gemma(**kwargs: Any) -> gemma_lib.Transformer:
         return gemma_lib.Transformer(config, rngs=nnx.Rngs(0), **kwargs)
 
 
-def gemma_loss(model: gemma_lib.Transformer, tokens: jax.Array) -> jax.Array:
-    """Next-token loss, Gemma called as its trainer calls it: positions and the causal
-    mask made from the tokens, no cache."""
+def gemma_inputs(tokens: jax.Array) -> tuple[jax.Array, None, jax.Array]:
+    """Gemma's arguments after the tokens as its trainer makes them: positions, no cache,
+    the causal mask."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    logits, _ = model(tokens, positions, None, gemma_lib.make_causal_attn_mask(tokens > 0))
+    return positions, None, gemma_lib.make_causal_attn_mask(tokens > 0)
+
+
+def gemma_loss(model: gemma_lib.Transformer, tokens: jax.Array) -> jax.Array:
+    """Next-token loss, Gemma called as its trainer calls it."""
+    logits, _ = model(tokens, *gemma_inputs(tokens))
     return cross_entropy(logits[:, :-1], tokens[:, 1:])
 
 

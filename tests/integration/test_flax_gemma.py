@@ -33,6 +33,7 @@ from tests.integration.test_flax_examples import (
     GEMMA_MLPS,
     TOKENS,
     gemma,
+    gemma_inputs,
     gemma_loss,
 )
 from tests.integration.test_flax_transforms import assert_trees_close
@@ -99,9 +100,7 @@ def test_the_fine_tuned_program_decodes_with_gemmas_cache_as_merged_eager_gemma(
 
 def test_gemmas_sown_intermediates_come_out_of_a_program_by_nnx_capture_as_in_flax() -> None:
     def captured(model: gemma_lib.Transformer, tokens: jax.Array) -> tuple[jax.Array, dict]:
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        (logits, _), sown = nnx.capture(model, nnx.Intermediate)(
-            tokens, positions, None, gemma_lib.make_causal_attn_mask(tokens > 0))
+        (logits, _), sown = nnx.capture(model, nnx.Intermediate)(tokens, *gemma_inputs(tokens))
         return logits, nnx.to_pure_dict(sown)
 
     model = gemma(sow_config=sow_lib.SowConfig(
