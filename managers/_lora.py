@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
+from managers._checks import weights_by_default
 from managers._layout import WeightLayout, weight_layout
 
 
@@ -38,7 +39,9 @@ class LoRA(gm.Manager):
     ``variables["managers"]["lora"][<brick path>][<weight name>]``. Train only them with
     ``graphmod.optimize(program, tx, trainable=[lora])``: the base weights get no gradient
     and no optimizer state. :meth:`merge` folds the adapters into the weights for export.
-    ``alpha`` may be :func:`graphmod.dynamic`.
+    ``alpha`` may be :func:`graphmod.dynamic`. Unless its filter chooses variables (``roles=``,
+    ``path=``, ``variable_name=``, ``name_regex=``, ``filter=``) it adapts the weights (role
+    ``WEIGHT``) of the applications it selects.
 
     Examples:
         >>> import jax.numpy as jnp, graphmod as gm, managers
@@ -60,7 +63,7 @@ class LoRA(gm.Manager):
                  **kwargs: Any) -> None:
         if "manager_name" not in kwargs and "name" not in kwargs:
             kwargs["manager_name"] = "lora"  # not the class name's snake case, lo_r_a
-        super().__init__(**kwargs)
+        super().__init__(**weights_by_default(kwargs))
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"LoRA(rank={rank!r}): must be a positive int")
         number = alpha.value if isinstance(alpha, gm.Dynamic) else alpha

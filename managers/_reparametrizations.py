@@ -2,7 +2,10 @@
 
 ``WeightNorm``, ``WeightStandardization``, ``SpectralNorm`` and ``MaxNorm`` rewrite a weight
 each time an application reads it; the optimizer keeps training the stored weight (and the
-manager's own variables), so removing the manager gives back the raw weights.
+manager's own variables), so removing the manager gives back the raw weights. Unless their
+filter chooses variables (``roles=``, ``path=``, ``variable_name=``, ``name_regex=`` or
+``filter=``) they rewrite the weights (role ``WEIGHT``) of the applications it selects:
+``WeightNorm(bricks=[nnx.Conv])`` normalizes every convolution's kernel, not its bias.
 
 Sharp edges
     The output axis of a weight is its last one (``Linear``'s ``W`` is ``(in, out)``, a
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
+from managers._checks import weights_by_default
 from managers._layout import weight_layout
 
 
@@ -66,7 +70,7 @@ class WeightNorm(gm.Manager):
     """
 
     def __init__(self, *, epsilon: float = 1e-12, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(**weights_by_default(kwargs))
         _positive("WeightNorm", "epsilon", epsilon)
         self.epsilon = epsilon
 
@@ -98,7 +102,7 @@ class WeightStandardization(gm.Manager):
     """
 
     def __init__(self, *, epsilon: float = 1e-5, gain: bool = False, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(**weights_by_default(kwargs))
         _positive("WeightStandardization", "epsilon", epsilon)
         if not isinstance(gain, bool):
             raise TypeError(f"WeightStandardization(gain={gain!r}): expected True or False")
@@ -143,7 +147,7 @@ class SpectralNorm(gm.Manager):
     """
 
     def __init__(self, *, steps: int = 1, epsilon: float = 1e-12, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(**weights_by_default(kwargs))
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"SpectralNorm(steps={steps!r}): must be a positive int")
         _positive("SpectralNorm", "epsilon", epsilon)
@@ -197,7 +201,7 @@ class MaxNorm(gm.Manager):
 
     def __init__(self, max_norm: float | gm.Dynamic, *,
                  axis: int | tuple[int, ...] | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(**weights_by_default(kwargs))
         _positive("MaxNorm", "max_norm", max_norm)
         axes = (axis,) if isinstance(axis, int) else axis
         if axis is not None and not (isinstance(axes, tuple | list) and axes and all(

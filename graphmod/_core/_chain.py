@@ -75,9 +75,10 @@ class Chain:
         return dataclasses.replace(self.call, manager=manager, role=role, name=name,
                                    parameter=path, parameter_value=value)
 
-    def tag(self, role: _roles.Role, name: str, path: str | None = None) -> Tag:
+    def tag(self, role: _roles.Role, name: str, path: str | None = None,
+            aliases: tuple[str, ...] = ()) -> Tag:
         return Tag(role, name, path or f"{self.path}.{self.application}.{name}",
-                   self.path, self.application, self.call_id, self.brick)
+                   self.path, self.application, self.call_id, self.brick, aliases)
 
     def monitor_key(self, name: str) -> str:
         call = f"#{self.call_id}" if self.call_id else ""
@@ -143,7 +144,7 @@ class Chain:
             return base
 
         def rewritten() -> Any:
-            tag = self.tag(info.role, info.name, info.path)
+            tag = self.tag(info.role, info.name, info.path, info.aliases)
             self.frame.record(tag, base, None)
             value = base
             for manager in self.managers:

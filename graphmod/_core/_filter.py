@@ -34,6 +34,19 @@ class Tag:
     application: str
     call_id: int
     brick: Any = dataclasses.field(default=None, repr=False, compare=False)
+    aliases: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    @property
+    def label(self) -> str:
+        """The variable as tables show it: its name, or for a model variable the call reads
+        from below its module (a Linen module's ``Dense_0.kernel`` under Flax's ``ToNNX``,
+        a child's weight) its path from there, or from elsewhere its whole path."""
+        paths = (self.path, *self.aliases)  # a tied weight is also the module's own
+        if {f"{self.brick_path}.{self.name}",
+                f"{self.brick_path}.{self.application}.{self.name}"} & set(paths):
+            return self.name
+        below = self.brick_path.rstrip("/") + "/"
+        return next((p[len(below):] for p in paths if p.startswith(below)), self.path)
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...] | None:

@@ -92,7 +92,7 @@ class ComputationGraph:
 
 
 def _rows(records: Iterable[Recorded]) -> list[tuple[Any, ...]]:
-    return [(r.tag.role, r.tag.brick_path, r.tag.application, r.tag.call_id, r.tag.name,
+    return [(r.tag.role, r.tag.brick_path, r.tag.application, r.tag.call_id, r.tag.label,
              r.shape, r.dtype, r.manager or "") for r in records]
 
 

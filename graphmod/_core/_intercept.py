@@ -44,6 +44,7 @@ from graphmod import roles as _roles
 from graphmod._core import _context
 from graphmod._core._array_leaves import ArrayLeaf
 from graphmod._core._chain import Chain
+from graphmod._core._rebound import write_rebound
 from graphmod._core._spec import MethodSpec, is_array
 
 # Methods besides ``__call__`` that are applications of every program's Flax modules.
@@ -134,16 +135,22 @@ def assign_in_program(module: nnx.Module, assign: Callable[[Any, str, Any], None
     inside a trace), which must be gone when the traced function returns (Flax's examples
     store intermediates so, ``self.kl_loss = Loss(...)``, and ``nnx.pop`` them in the loss;
     see ``graphmod._core._context.tracing``). Rebinding an array attribute (Flax's array
-    leaves, ``self.count += 1``) writes the program's value (``graphmod._core._array_leaves``);
-    rebinding another stays Flax's to refuse: the module's new value could not outlive the
-    trace."""
+    leaves, ``self.count += 1``) writes the program's value (``graphmod._core._array_leaves``),
+    as rebinding a container of model variables to one with variables at the same places
+    does (Flax's ``ToNNX``: ``graphmod._core._rebound``); rebinding another stays Flax's to
+    refuse: the module's new value could not outlive the trace."""
     frame = _context.current_frame()
     held = vars(module).get(name)
     if frame is not None and isinstance(held, ArrayLeaf):  # also a transform's copy of one
         held.set_value(value)
         return
-    if frame is None or name in vars(module) or frame.layout.brick_path(module) is None:
+    if frame is None or frame.layout.brick_path(module) is None:
         assign(module, name, value)
+        return
+    if name in vars(module):
+        owner = f"{frame.layout.brick_path(module).rstrip('/')}/{name}"
+        if not write_rebound(frame, owner, held, value):
+            assign(module, name, value)
         return
     state = module._pytree__state
     adopted = state.trace_state

@@ -42,7 +42,7 @@ class Rewrite:
     @classmethod
     def of(cls, by: str, tag: Any, before: Any, after: Any) -> Rewrite:
         """``by``'s rewrite of tagged variable ``tag`` from ``before`` to ``after``."""
-        return cls(by, tag.brick_path, tag.application, tag.call_id, tag.role.name, tag.name,
+        return cls(by, tag.brick_path, tag.application, tag.call_id, tag.role.name, tag.label,
                    *shape_and_dtype(before), *shape_and_dtype(after))
 
     @classmethod

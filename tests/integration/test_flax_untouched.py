@@ -1,5 +1,5 @@
-"""A compiled model stays the user's own outside programs, and Linen modules brought into
-NNX with Flax's bridge (``nnx.bridge.ToNNX``) work in programs.
+"""A compiled model stays the user's own outside programs (Linen modules brought into NNX
+with Flax's bridge: ``test_flax_bridge.py``).
 
 graphmod marks a model's variables (a tracked class, an identity) and modules (a token, an
 intercepting class) only while a program traces it. Before, the marks stayed: the graph
@@ -13,18 +13,14 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import linen as nn
 from flax import nnx
-from flax.nnx import bridge
 
 import graphmod as gm
 import managers
 from graphmod import roles
-from graphmod._core._collected import crc32
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 X = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
@@ -117,63 +113,3 @@ def test_marks_are_held_while_any_trace_over_the_model_runs() -> None:
     np.testing.assert_allclose(out, 2 * inner.infer(inner_variables, X), **TOL)
     assert seen[0] is not nnx.Param and seen[0] == nnx.Param  # marked, and equal to it
     assert looks(model) == before
-
-
-class LinenMLP(nn.Module):
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return nn.Dense(3)(nn.relu(nn.Dense(8)(x)))
-
-
-class Bridged(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs) -> None:
-        self.body = bridge.ToNNX(LinenMLP(), rngs=rngs)
-        self.head = nnx.Linear(3, 2, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.head(self.body(x))
-
-
-def bridged() -> Bridged:
-    model = Bridged(nnx.Rngs(0))
-    bridge.lazy_init(model.body, X)
-    return model
-
-
-def test_linen_modules_through_the_nnx_bridge_take_managers_like_nnx_modules() -> None:
-    model = bridged()
-    noise = managers.WeightNoise(0.1, roles=[roles.WEIGHT])
-    program = gm.compile(loss, model, managers=[noise])
-    variables = program.init(X)
-    out, _ = program.train(variables, X, rng=KEY)
-    assert sorted((r.path, r.role, r.shape_in) for r in program.rewrites["train"]) == [
-        ("/body", "WEIGHT", (4, 8)), ("/body", "WEIGHT", (8, 3)), ("/head", "WEIGHT", (3, 2))]
-
-    # By hand: Flax's own model with the same noise on its kernels, then eagerly as before.
-    noisy = nnx.clone(model)
-    for path, kernel in (("/body/Dense_0.kernel", noisy.body.Dense_0["kernel"]),
-                         ("/body/Dense_1.kernel", noisy.body.Dense_1["kernel"]),
-                         ("/head.kernel", noisy.head.kernel)):
-        key = jax.random.fold_in(KEY, crc32(f"weight_noise|{path}||WEIGHT|kernel#0"))
-        kernel[...] += 0.1 * jax.random.normal(key, kernel.shape)
-    np.testing.assert_allclose(out, loss(noisy, X), **TOL)
-    np.testing.assert_allclose(program.infer(variables, X), loss(model, X), **TOL)
-
-
-def test_a_bridged_linen_model_trains_and_writes_back_into_the_nnx_module() -> None:
-    model = bridged()
-    program = gm.compile(loss, model, managers=[
-        managers.Dropout(0.2, bricks=[model.body], roles=[roles.INPUT])])
-    variables = program.init(X)
-    step = gm.optimize(program, optax.adam(3e-2))
-    state = step.init(variables, KEY)
-    first = float(program.infer(variables, X))
-    for _ in range(20):
-        state, _ = step(state, X)
-    trained = float(program.infer(state.variables, X))
-    assert trained < 0.5 * first
-    program.update_model(state.variables)
-    np.testing.assert_allclose(loss(model, X), trained, **TOL)  # eagerly, through Linen
-    np.testing.assert_array_equal(model.body.Dense_0["kernel"][...],
-                                  state.variables["model"]["body"]["Dense_0"]["kernel"])
-    assert jnp.isfinite(trained)

@@ -130,9 +130,3 @@ def test_annealing_alpha_scales_the_update_without_retracing() -> None:
 def test_bad_arguments_name_the_argument(make: Any, message: str) -> None:
     with pytest.raises((ValueError, TypeError), match=message):
         make()
-
-
-def test_a_bias_is_refused_with_the_fix() -> None:
-    program = gm.compile(lambda m, x: m(x), mlp(), managers=[managers.LoRA(2)])
-    with pytest.raises(ValueError, match=r"LoRA 'lora' selected 'b'.*roles=\[graphmod.roles"):
-        program.init(X)

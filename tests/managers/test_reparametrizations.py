@@ -210,13 +210,38 @@ def test_bad_arguments_name_the_argument(make: Any, message: str) -> None:
         make()
 
 
-@pytest.mark.parametrize("make", [
-    lambda: managers.WeightNorm(), lambda: managers.WeightStandardization(),
-    lambda: managers.SpectralNorm(), lambda: managers.MaxNorm(1.0),
-])
+REPARAMETRIZATIONS = [
+    lambda **f: managers.WeightNorm(**f), lambda **f: managers.WeightStandardization(**f),
+    lambda **f: managers.SpectralNorm(**f), lambda **f: managers.MaxNorm(1.0, **f),
+    lambda **f: managers.LoRA(2, **f),
+]
+
+
+@pytest.mark.parametrize("make", REPARAMETRIZATIONS)
 def test_a_bias_is_refused_with_the_fix(make: Any) -> None:
     with pytest.raises(ValueError, match=r"'b' of shape \(4,\).*roles=\[graphmod.roles.WEIGHT"):
-        read_weight(linear(), make(), X)
+        read_weight(linear(), make(roles=[roles.PARAMETER]), X)
+
+
+@pytest.mark.parametrize("make", REPARAMETRIZATIONS)
+def test_without_roles_the_weights_of_the_selected_applications_are_rewritten(make: Any
+                                                                              ) -> None:
+    class Net(nnx.Module):
+        def __init__(self) -> None:
+            self.conv = nnx.Conv(2, 3, (3, 3), rngs=nnx.Rngs(0))
+            self.linear = nnx.Linear(3, 2, rngs=nnx.Rngs(1))
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.linear(self.conv(x).mean((1, 2)))
+
+    images = np.ones((2, 5, 5, 2), np.float32)
+    for manager, expected in [(make(bricks=[nnx.Conv]), [("/conv", "kernel")]),
+                              (make(), [("/conv", "kernel"), ("/linear", "kernel")])]:
+        assert manager.filter.roles == (roles.WEIGHT,)
+        program = gm.compile(lambda m, x: m(x).sum(), Net(), managers=[manager])
+        program.init(images)
+        assert [(r.path, r.name) for r in program.rewrites["init"]] == expected
+    assert make(path="*").filter.roles is None  # a filter that chooses variables is kept
 
 
 @pytest.mark.parametrize(("make", "attribute", "value"), [
