@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+from flax import nnx
 
 from graphmod._core._codec import construct
 from graphmod._core._filter import VariableFilter
@@ -48,7 +49,8 @@ class Rebuilt:
     """What :func:`rebuild` constructed from a record.
 
     Attributes:
-        model: the root brick, built with the recorded arguments and RNG key data.
+        model: the root brick, built with the recorded arguments and RNG key data (or
+            the model given to ``rebuild(..., model=...)``).
         managers: the managers, in the recorded chain order, their bricks resolved by path.
         optimizer: the optax transformation, or None when the record does not say how to
             make it (see ``provenance.optimizer``).
@@ -162,14 +164,18 @@ def _verify(record: Provenance, model: Any, decoder: RecordDecoder) -> None:
             "after construction, or did a library change?):\n  " + "\n  ".join(problems[:20]))
 
 
-def rebuild(provenance: Provenance | str, *, allow: Iterable[str] = (),
-            allow_factories: Iterable[str] = (), verify: bool = True) -> Rebuilt:
+def rebuild(provenance: Provenance | str, *, model: nnx.Module | None = None,
+            allow: Iterable[str] = (), allow_factories: Iterable[str] = (),
+            verify: bool = True) -> Rebuilt:
     """Constructs the model, managers and optimizer a provenance record describes.
 
     The root brick is constructed with its recorded arguments (RNG streams restored with
     their recorded key data and counts, so its parameters come out the same), then each
     manager (bricks it names resolved by path in the new model), then the optimizer if it
     was recorded. Compiling the same function over them gives the same graph fingerprint.
+    A model whose construction is not recorded (an unmodified Flax model: graphmod records
+    how bricks are made, not other modules) is yours to construct and pass as ``model=``;
+    it is checked against the record like a rebuilt one, and the rest is rebuilt for it.
 
     A record is data and may be crafted: rebuild constructs only public graphmod bricks and
     managers, and calls only the factories of ``graphmod.provenance.DEFAULT_FACTORIES``
@@ -182,6 +188,8 @@ def rebuild(provenance: Provenance | str, *, allow: Iterable[str] = (),
     Args:
         provenance: a program, training or evaluation record (for an evaluation, its
             model's), or its JSON text.
+        model: the model to use instead of constructing the recorded root brick (the
+            same model as recorded, e.g. constructed by your code as before).
         allow: top-level packages to trust besides graphmod, managers, jax, flax and optax
             (e.g. the package defining your bricks): their public classes and functions may
             be named.
@@ -232,11 +240,17 @@ def rebuild(provenance: Provenance | str, *, allow: Iterable[str] = (),
     root = check.mapping(inputs.get("bricks") or {}, "bricks").get("/")
     if root is None:
         raise RebuildError("rebuild: the record holds no root brick (bricks['/'])")
+    if model is not None and not isinstance(model, nnx.Module):
+        raise TypeError("rebuild(model=...): expected the flax.nnx.Module the record "
+                        f"describes, got {type(model).__name__}")
     # 1. Check everything to be constructed, importing nothing.
-    construct(root, check, "bricks['/']", "brick")
+    if model is None:
+        construct(root, check, "bricks['/']", "brick",
+                  fix="construct the model yourself and pass it, rebuild(record, model=model)")
     _the_rest(inputs, check)
     # 2. Construct.
-    model = construct(root, RecordDecoder(rules, None, dry=False), "bricks['/']", "brick")
+    if model is None:
+        model = construct(root, RecordDecoder(rules, None, dry=False), "bricks['/']", "brick")
     if verify:
         _verify(provenance, model, check)
     built, monitor, tx, seeds = _the_rest(inputs, RecordDecoder(rules, modules(model),

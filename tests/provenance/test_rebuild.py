@@ -139,6 +139,45 @@ def test_opaque_values_cannot_be_rebuilt_and_the_error_says_where() -> None:
         gm.rebuild(program.provenance)
 
 
+class FlaxMLP(nnx.Module):
+    """A plain Flax model: graphmod records its modules and parameters, not how it is made."""
+
+    def __init__(self, hidden: int, rngs: nnx.Rngs) -> None:
+        self.linear1 = nnx.Linear(3, hidden, rngs=rngs)
+        self.linear2 = nnx.Linear(hidden, 2, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear2(nnx.relu(self.linear1(x)))
+
+
+def test_a_flax_model_is_passed_to_rebuild_and_the_rest_is_rebuilt_for_it() -> None:
+    model = FlaxMLP(4, nnx.Rngs(0))
+    fn = lambda m, x: (m(x) ** 2).mean()
+    drop = managers.Dropout(0.3, bricks=[model.linear2], roles=[roles.INPUT])
+    program = gm.compile(fn, model, managers=[drop, managers.WeightNoise(0.1)])
+    program.init(jnp.ones((5, 3)))
+    record = gm.Provenance.from_json(program.provenance.to_json())
+    with pytest.raises(RebuildError, match=r"bricks\['/'\] \(tests\.provenance\.test_rebuild\."
+                       r"FlaxMLP\) cannot be rebuilt: its construction was not recorded.*; "
+                       r"construct the model yourself and pass it, rebuild\(record, "
+                       r"model=model\)"):
+        gm.rebuild(record)
+    mine = FlaxMLP(4, nnx.Rngs(0))
+    again = gm.rebuild(record, model=mine)
+    assert again.model is mine
+    dropout, noise = again.managers
+    assert dropout.filter.bricks == (mine.linear2,) and noise.std == 0.1
+    twin = again.compile(fn)
+    twin.init(*again.example_arguments()[0])
+    assert twin.provenance.fingerprint == program.provenance.fingerprint
+    with pytest.raises(RebuildError, match=r"/linear1\.kernel: shape recorded \[3, 4\], "
+                                           r"rebuilt \[3, 5\]"):
+        gm.rebuild(record, model=FlaxMLP(5, nnx.Rngs(0)))
+    with pytest.raises(TypeError, match=r"rebuild\(model=\.\.\.\): expected the flax\.nnx"
+                                        r"\.Module the record describes, got dict"):
+        gm.rebuild(record, model={"linear1": None})
+
+
 def test_a_model_changed_after_construction_is_caught() -> None:
     mlp = gm.bricks.MLP([3, 4, 2], rngs=nnx.Rngs(0))
     mlp.linear_layers[1] = gm.bricks.Linear(4, 6, rngs=nnx.Rngs(1))

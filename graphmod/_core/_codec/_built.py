@@ -44,14 +44,15 @@ class Dynamic(Tag):
         return f"dynamic({text(inner)})"
 
 
-def construct(config: Any, decoding: Decoding, where: str, kind: str) -> Any:
+def construct(config: Any, decoding: Decoding, where: str, kind: str, fix: str = "") -> Any:
     """A brick or manager from its recorded configuration (None when dry, after checking
-    its class path and arguments)."""
+    its class path and arguments); ``fix`` is said when it cannot be."""
     config = decoding.mapping(config, where)
     if config.get("recorded") is False or "error" in config or "arguments" not in config:
         reason = config.get("error") or "its construction was not recorded (not a graphmod " \
                                         "Brick or Manager)"
-        decoding.fail(f"rebuild: {where} ({config.get('class')}) cannot be rebuilt: {reason}")
+        decoding.fail(f"rebuild: {where} ({config.get('class')}) cannot be rebuilt: {reason}"
+                      + (f"; {fix}" if fix else ""))
     cls = decoding.lookup(config.get("class"), "class", f"{where}.class")
     arguments = {k: decoding(v, f"{where}.arguments.{k}") for k, v in
                  decoding.mapping(config["arguments"], f"{where}.arguments").items()}
@@ -72,7 +73,10 @@ class Brick(Tag):
     name = "$brick"
 
     def encode(self, value: Any, encode: Encoding) -> Any:
-        if getattr(value, "__graphmod_brick__", False) and not isinstance(value, type):
+        # Any module: one a manager names is recorded by its path (a Flax model's too);
+        # given to a brick, only a brick's construction can be.
+        if isinstance(value, nnx.Module) or (getattr(value, "__graphmod_brick__", False)
+                                             and not isinstance(value, type)):
             return encode.brick(value)
         return SKIP
 
