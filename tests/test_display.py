@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 import graphmod as gm
 import managers
-from graphmod import roles
+from graphmod import plugins, roles
+from graphmod.data import ArraySource
 
 
 def regularized_program() -> tuple[gm.Program, gm.bricks.MLP]:
@@ -78,3 +80,30 @@ def test_a_filter_names_brick_instances_briefly() -> None:
     text = repr(gm.VariableFilter(bricks=[lin], roles=[roles.WEIGHT]))
     assert text.startswith("VariableFilter(roles=(WEIGHT,), bricks=(<Linear at 0x")
     assert "Weight" not in text  # not the module's own (long) repr
+
+
+def test_a_loop_shows_its_length_data_plugins_step_and_program() -> None:
+    program, mlp = regularized_program()
+    program.init(jnp.ones((4, 3)))
+    lora = managers.LoRA(2)
+    step = gm.optimize(gm.compile(lambda m, x: jnp.mean(m(x) ** 2), mlp, managers=[lora]),
+                       gm.provenance.optimizer("adam", 1e-3), trainable=[lora],
+                       skip_nonfinite=True)
+    assert repr(step).splitlines()[:2] == [
+        "TrainStep: trains the parameters of lora, skip_nonfinite",
+        "  optimizer: adam(learning_rate=0.001)"]
+    assert "not recorded (optax." in repr(gm.optimize(program, optax.sgd(0.1)))
+    source = ArraySource({"x": np.ones((10, 3), np.float32)}, 4, shuffle=True, seed=5)
+    assert repr(source) == ("ArraySource(arrays, 10 rows, batch 4, shuffled (seed 5), shapes [3] "
+                            "float32; 2 batches an epoch)")
+    loop = gm.Loop(step, source, epochs=3, steps_per_call=2,
+                   plugins=[plugins.ProgressBar(), plugins.Checkpoint("unused", every=gm.On(
+                       "epoch_end"))])
+    text = repr(loop)
+    assert text.splitlines()[:3] == [
+        "Loop: 3 epochs, at step 0, steps_per_call=2", f"  data: {source!r}",
+        "  plugins: progress_bar at On('step') | On('terminate'), checkpoint at "
+        "On('epoch_end')"]
+    assert text.splitlines()[3] == "  TrainStep: trains the parameters of lora, skip_nonfinite"
+    assert "\n    Program " in text and "\n      0. lora: LoRA, VariableFilter(roles=(WEIGHT,))" \
+        in text and "at 0x" not in text

@@ -56,7 +56,8 @@ def _model_line(inputs: Mapping[str, Any]) -> str | None:
             f"{numbers:,} numbers")
 
 
-def _data_line(data: Mapping[str, Any]) -> str:
+def data_text(data: Mapping[str, Any]) -> str:
+    """A data source's description (``ArraySource.describe()``) in one line."""
     if data.get("described") is False:
         return f"{data.get('name')} (not described)"
     parts = [str(data.get("name")), f"{data.get('size')} rows"]
@@ -71,6 +72,16 @@ def _data_line(data: Mapping[str, Any]) -> str:
     if data.get("sha256"):
         parts.append(f"sha256:{str(data['sha256'])[:12]}…")
     return ", ".join(parts)
+
+
+def optimizer_text(opt: Mapping[str, Any], hint: bool = False) -> str:
+    """A recorded optimizer (``optimizer_record``) in one line; with ``hint``, how one not
+    recorded would be."""
+    if opt.get("name"):
+        return call_text(opt.get("name"), opt.get("arguments", {}))
+    return f"not recorded ({opt.get('type')})" + (
+        ": made with graphmod.provenance.optimizer('adam', learning_rate=...) it would be"
+        if hint else "")
 
 
 def summary_lines(prov: Any) -> list[tuple[str, str]]:
@@ -96,11 +107,9 @@ def _configuration_lines(inputs: Mapping[str, Any]) -> list[tuple[str, str]]:
         lines.append(("managers", f"{name} = " + call_text(manager.get("class"),
                                                            manager.get("arguments", {}), 140)))
     if "optimizer" in inputs:
-        opt = inputs["optimizer"]
-        lines.append(("optimizer", call_text(opt.get("name"), opt.get("arguments", {}))
-                      if opt.get("name") else f"not recorded ({opt.get('type')})"))
+        lines.append(("optimizer", optimizer_text(inputs["optimizer"], hint=True)))
     if isinstance(inputs.get("data"), Mapping):
-        lines.append(("data", _data_line(inputs["data"])))
+        lines.append(("data", data_text(inputs["data"])))
     if inputs.get("metrics"):
         lines.append(("metrics", ", ".join(str(m.get("name")) for m in inputs["metrics"])))
     seeds = inputs.get("seeds") or {}

@@ -15,12 +15,14 @@ import optax
 from graphmod import roles as _roles
 from graphmod._core._arguments import as_key
 from graphmod._core._construction import key_record
+from graphmod._core._manager import Manager
 from graphmod._core._role_tree import select
 from graphmod._core._selection import as_selectors, selected
 from graphmod._core._sharding import put
 from graphmod._core._show import VariablesTable, size_text
 from graphmod._records._collect import training_provenance
 from graphmod._records._optimizer import optimizer_record
+from graphmod._records._summary import optimizer_text
 from graphmod._train._batch import step_arguments
 from graphmod._train._program import Program
 
@@ -135,6 +137,15 @@ class TrainStep:
         self.train_seed: dict | None = None
         self._step = jax.jit(self._train_step, donate_argnums=0)
         self._steps = jax.jit(self._scanned, donate_argnums=0)
+
+    def __repr__(self) -> str:
+        chosen = "every parameter" if self.trainable is None else "the parameters of " + \
+            ", ".join(s.name if isinstance(s, Manager) else repr(s) for s in self.trainable)
+        flags = "".join(f", {name}" for name, on in (("skip_nonfinite", self.skip_nonfinite),
+                                                     ("grad_norms", self.grad_norms)) if on)
+        return (f"TrainStep: trains {chosen}{flags}\n  optimizer: "
+                f"{optimizer_text(self.optimizer_record)}\n  "
+                + repr(self.program).replace("\n", "\n  "))
 
     # ``step(state, *batch)`` calls the jitted step itself, found by a property made of C
     # functions: no Python frame and no look at the batch before JAX's C++ dispatch. A small

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from graphmod._core._codec import hash_array
+from graphmod._records._summary import data_text
 
 
 class ArraySource:
@@ -29,6 +30,8 @@ class ArraySource:
         [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
         >>> len(source), source.size
         (2, 10)
+        >>> source
+        ArraySource(arrays, 10 rows, batch 4, shapes [] float64; 2 batches an epoch)
     """
 
     def __init__(self, arrays: Any, batch_size: int, *, shuffle: bool = False, seed: int = 0,
@@ -108,6 +111,9 @@ class ArraySource:
         digest = hashlib.sha256()
         for leaf in self._leaves:
             hash_array(digest, leaf, str((leaf.shape, leaf.dtype.str)))
+        return {**self._settings(), "sha256": digest.hexdigest()}
+
+    def _settings(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "size": self.size,
@@ -117,5 +123,7 @@ class ArraySource:
             "drop_remainder": self.drop_remainder,
             "shapes": [list(leaf.shape[1:]) for leaf in self._leaves],
             "dtypes": [leaf.dtype.name for leaf in self._leaves],
-            "sha256": digest.hexdigest(),
         }
+
+    def __repr__(self) -> str:
+        return f"ArraySource({data_text(self._settings())}; {len(self)} batches an epoch)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -52,6 +53,9 @@ def test_unrecorded_optimizers_and_explicit_configs() -> None:
     program.init(np.ones((1, 2), np.float32))
     plain = gm.optimize(program, optax.sgd(0.1)).provenance["optimizer"]
     assert plain["name"] is None and plain["source"] == "unrecorded"
+    assert re.search(r"optimizer +not recorded \(optax\.\S+\): made with graphmod\.provenance"
+                     r"\.optimizer\('adam', learning_rate=\.\.\.\) it would be",
+                     str(gm.optimize(program, optax.sgd(0.1)).provenance))
     explicit = gm.optimize(program, optax.sgd(0.1),
                            config={"name": "sgd", "learning_rate": 0.1}).provenance["optimizer"]
     assert (explicit["name"], explicit["arguments"], explicit["source"]) == \

@@ -129,6 +129,13 @@ class PluginTable:
         self._orders: tuple[list[Registration], list[Registration]] = ([], [])
         self._previous: dict[tuple[int, str], Time] = {}
 
+    def __repr__(self) -> str:
+        """The plugins in order, each with the events it runs on (a :class:`Plugin`
+        without ``every``: its ``on_<type>`` handlers), e.g. ``checkpoint at
+        On('epoch_end'), progress_bar``."""
+        return ", ".join(e.name if e.template is None else f"{e.name} at {e.template!r}"
+                         for e in self.entries) or "none"
+
     def register(self, template: Template | str | None, plugin: Any,
                  priority: int | None) -> None:
         """Adds ``plugin`` (see :meth:`graphmod.Loop.on`); a plain callable whose name is

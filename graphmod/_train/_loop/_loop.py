@@ -114,6 +114,13 @@ class Loop:
         for plugin in plugins:
             self.on(None, plugin)
 
+    def __repr__(self) -> str:
+        ends = [f"{n} {u}" for n, u in ((self.epochs, "epochs"), (self.max_steps, "steps"))
+                if n is not None]
+        return (f"Loop: {' or '.join(ends)}, at step {self.time.step}, steps_per_call="
+                f"{self.steps_per_call}\n  data: {self.data!r}\n  plugins: {self._plugins!r}"
+                "\n  " + repr(self.step).replace("\n", "\n  "))
+
     # -- registration -------------------------------------------------------------------------
     def on(self, template: Template | str | None, plugin: Any, *,
            priority: int | None = None) -> Any:
@@ -345,7 +352,7 @@ class Loop:
                 self.state, stacked_metrics = multi(self.state, batch)
                 self._metrics = jax.tree.map(lambda m: m[-1], stacked_metrics)
             self.position += count
-            self._advance(count, size)
+            self.time = self._now(count, size)
             self._emit("step", fresh=True)
             if self._plugins.terminated or self._finished_steps():
                 return batches.over
@@ -364,15 +371,11 @@ class Loop:
         return Time(t.step + steps, t.epoch, t.examples + examples, base.seconds + elapsed,
                     base.train_seconds + elapsed - self._plugins.plugin_seconds(now))
 
-    def _advance(self, steps: int, examples: int) -> None:
-        self.time = self._now(steps, examples)
-
     def _event(self, type: str, issuer: Any, data: dict[str, Any], fresh: bool = False
                ) -> Event:
         if self._clock is not None and not fresh:  # fresh: the time was just advanced
             self.time = self._now()
-        # The first event of a type covers the range since the run started.
-        start = self.start_time
+        start = self.start_time  # the first event of a type covers the run so far
         # An event fired with metrics (e.g. "validated") carries them as its metrics.
         metrics = data.pop("metrics") if "metrics" in data else self._metrics
         return Event(type, issuer, self.time, self._plugins.previous(issuer, type, start),
