@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from graphmod._core._filter import VariableFilter
     from graphmod._core._graph import ComputationGraph
     from graphmod._core._manager import Dynamic, HParam, Manager, dynamic
-    from graphmod._core._scan import scan
+    from graphmod._core._scan import remat, scan
     from graphmod._core._show import VariablesTable
     from graphmod._core._variables import Bias, Filter, Parameter, State, Weight
     from graphmod._train._checkpoint import CheckpointError
@@ -137,6 +137,7 @@ __all__ = [
     "plugins",
     "provenance",
     "rebuild",
+    "remat",
     "roles",
     "scan",
     "sharding",

@@ -2,11 +2,11 @@
 in a low dtype) and ``StopGradient``.
 
 Sharp edges
-    ``Remat`` wraps the matched application calls in ``jax.checkpoint``: a manager inside
-    that region which updates state (``BatchNorm``'s running statistics) or adds an
-    auxiliary cost there raises, since the value cannot leave the checkpointed trace; give
-    ``Remat`` the outermost place (it is, when entered first) and keep such managers off
-    the rematerialized applications. ``Precision`` casts floating-point inputs and the
+    ``Remat`` wraps the matched application calls in ``graphmod.remat`` (``jax.checkpoint``
+    carrying the program's state): what the region writes (Flax's ``BatchNorm`` statistics,
+    a ``BatchNorm`` manager's, an RNG stream's count) and monitors comes out of it; give
+    ``Remat`` the outermost place (it is, when entered first), so the managers of the call
+    run inside the recomputed region. ``Precision`` casts floating-point inputs and the
     parameters read inside the call; integer inputs (token ids) are left alone.
 """
 
@@ -119,7 +119,7 @@ class Remat(gm.Manager):
             inner_args, inner_kwargs = rebuild(list(arrays))
             return next(*inner_args, **inner_kwargs)
 
-        return jax.checkpoint(region, policy=_policy(self.policy))(*arrays)
+        return gm.remat(region, policy=_policy(self.policy))(*arrays)
 
 
 class Precision(gm.Manager):

@@ -41,6 +41,8 @@ def test_a_program_shows_its_model_managers_in_order_and_traces() -> None:
     assert page.count("<table>") == 2
     for expected in ("WEIGHT", "BIAS", "(64, 64)", "batch_norm", "Dropout", "/linear_layers/2"):
         assert expected in page
+    graph = repr(program.graph(jnp.ones((4, 3))))  # at a prompt: the table, not an address
+    assert graph.startswith("train graph: ") and "/linear_layers/2  apply" in graph
 
 
 def test_variables_show_roles_shapes_and_sizes_never_values() -> None:

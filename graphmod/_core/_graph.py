@@ -87,6 +87,8 @@ class ComputationGraph:
     def __str__(self) -> str:
         return self._caption() + "\n" + str(Records(self.variables))
 
+    __repr__ = __str__  # the table at a prompt too, as a graph's Records show
+
     def _repr_html_(self) -> str:
         return html_table(_HEADERS, _rows(self.variables), self._caption())
 

@@ -1,11 +1,13 @@
-"""``graphmod.scan``: ``lax.scan`` that carries the program's state through the loop.
+"""``graphmod.scan`` and ``graphmod.remat``: ``lax.scan`` and ``jax.checkpoint`` that carry
+the program's state through.
 
-A raw ``lax.scan`` body cannot leave values aside: a batch-norm statistic updated or a value
-monitored inside it would leak a tracer. ``graphmod.scan`` threads the frame's mutable state
-(manager-owned variables and the model's non-parameter variables) through the scan carry,
-stacks monitored values along the scanned axis, and folds the step index into every
-``call.rng()`` (so masks differ per step unless a manager asks for ``per_step=False``).
-Outside a compiled program it is exactly ``lax.scan``.
+A raw ``lax.scan`` body or ``jax.checkpoint`` region cannot leave values aside: a batch-norm
+statistic updated or a value monitored inside it would leak a tracer. ``graphmod.scan``
+threads the frame's mutable state (manager-owned variables and the model's non-parameter
+variables) through the scan carry, stacks monitored values along the scanned axis, and folds
+the step index into every ``call.rng()`` (so masks differ per step unless a manager asks for
+``per_step=False``). ``graphmod.remat`` returns what the region wrote and monitored beside
+its result. Outside a compiled program they are exactly ``lax.scan`` and ``jax.checkpoint``.
 """
 
 from __future__ import annotations
@@ -83,3 +85,58 @@ def _length(xs: Any, length: int | None) -> int:
     if not leaves:
         raise ValueError("graphmod.scan: give xs or length")
     return jnp.shape(leaves[0])[0]
+
+
+def remat(f: Callable[..., Any], *, policy: Callable[..., bool] | None = None
+          ) -> Callable[..., Any]:
+    """Like ``jax.checkpoint(f, policy=policy)``: ``f``'s activations are recomputed in the
+    backward pass; in a program, the variables ``f`` writes (a batch norm's statistics, an
+    RNG stream's count) and the values it monitors come out of the region. ``init`` runs
+    ``f`` as it is (it computes no gradient).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm
+        >>> round(float(jax.grad(gm.remat(lambda x: jnp.sin(x) * x))(1.0)), 5)
+        1.38177
+    """
+    checkpointed = jax.checkpoint(f, policy=policy)
+
+    def run(*args: Any) -> Any:
+        frame = _context.current_frame()
+        if frame is None:
+            return checkpointed(*args)
+        if frame.mode == "init":
+            return f(*args)
+        snapshot, state = frame.snapshot(), frame.carry()
+        out, written, monitored, costs, measured = jax.checkpoint(
+            functools.partial(_region, frame, snapshot, state, f), policy=policy)(*args)
+        frame.after_loop(written, monitored, owned_written=True)
+        for (owner, key), cost in costs.items():  # in place of the region's own tracers
+            frame.add_cost(owner, key, cost)
+        for key, value in measured.items():
+            frame.add_measurement(key, value)
+        return out
+
+    return run
+
+
+def _region(frame: Frame, snapshot: LoopSnapshot, state: tuple[dict, dict], f: Callable,
+            *args: Any) -> tuple[Any, tuple[dict, dict], dict, dict, dict]:
+    """``f`` as the base trace of the frame, and what it changed of ``state`` (read from
+    outside, as closed-over values), monitored, and added to optimize's costs and
+    measurements."""
+    costs = _costs(frame)
+    measured = dict(frame.measured)
+    with frame.loop_body(snapshot, state):
+        out = f(*args)
+        new, monitored = frame.carried(state)
+    written = tuple({k: v for k, v in new_part.items() if v is not old_part[k]}
+                    for new_part, old_part in zip(new, state, strict=True))
+    return (out, written, monitored,
+            {k: v for k, v in _costs(frame).items() if costs.get(k) is not v},
+            {k: v for k, v in frame.measured.items() if measured.get(k) is not v})
+
+
+def _costs(frame: Frame) -> dict[tuple[str, str], Any]:
+    return {(owner, key): value for owner, by_key in frame.costs.items()
+            for key, value in by_key.items()}

@@ -224,6 +224,78 @@ def test_remat_selects_calls_by_their_path_and_wraps_no_other() -> None:
         wrapped(managers.Remat(roles=[roles.WEIGHT]))
 
 
+class NormedBlock(nnx.Module):
+    """A block that writes state when called: Flax's BatchNorm and a stored RNG stream."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(3, 4, rngs=rngs)
+        self.norm = nnx.BatchNorm(4, momentum=0.5, rngs=rngs)
+        self.rngs = rngs.fork()
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = self.norm(self.linear(x))
+        return h + 0.1 * jax.random.normal(self.rngs.noise(), h.shape)
+
+
+class TwoBlocks(nnx.Module):
+    def __init__(self) -> None:
+        rngs = nnx.Rngs(0, noise=1)
+        self.blocks = nnx.List([NormedBlock(rngs), NormedBlock(rngs)])
+        self.blocks[1].linear = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.blocks[1](jnp.tanh(self.blocks[0](x)))
+
+
+def test_remat_of_blocks_that_write_state_gives_the_program_without_it() -> None:
+    model = TwoBlocks()
+    x = normal(4, 6, 3)
+
+    def run(remat: list) -> tuple[Any, Any, Any, str]:
+        program = gm.compile(mean_square, model, managers=[*remat, managers.BatchNorm(
+            bricks=[nnx.Linear], roles=[roles.OUTPUT]), managers.Dropout(0.3, bricks=[
+                nnx.Linear], roles=[roles.INPUT])], monitor=gm.VariableFilter(
+                    bricks=[model.blocks[1].norm], roles=[roles.OUTPUT]))
+        variables = program.init(x)
+        train = lambda v: program.train(v, x, rng=key(2))
+        (out, (written, monitored)), grads = jax.value_and_grad(
+            lambda v: (lambda o: (o[0], (o[1], o[2])))(train(v)), has_aux=True,
+            allow_int=True)(variables)
+        jaxpr = str(jax.make_jaxpr(lambda v: jax.grad(lambda v: train(v)[0], allow_int=True)(
+            v))(variables))
+        return (out, written, monitored), grads["model"], variables, jaxpr
+
+    (plain, plain_grads, variables, plain_jaxpr) = run([])
+    (remat, remat_grads, _, remat_jaxpr) = run([managers.Remat(bricks=[model.blocks])])
+    assert "checkpoint" in remat_jaxpr or "remat" in remat_jaxpr
+    assert not ("checkpoint" in plain_jaxpr or "remat" in plain_jaxpr)
+    # The loss, what the blocks wrote (running statistics of Flax's BatchNorm and of the
+    # BatchNorm manager, the streams' counts), the monitored output and every gradient.
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat), strict=True):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_allclose(a, b, **TOL)
+    written = plain[1]
+    assert not np.allclose(written["model"]["blocks"][1]["norm"]["mean"],
+                           variables["model"]["blocks"][1]["norm"]["mean"])
+    assert int(written["model"]["blocks"][0]["rngs"]["noise"]["count"][...]) == 1
+    assert not np.allclose(written["managers"]["batch_norm"]["/blocks/1/linear"]["apply"][
+        "output.mean"], 0.0)
+    for a, b in zip(jax.tree.leaves(plain_grads), jax.tree.leaves(remat_grads), strict=True):
+        if a.dtype != jax.dtypes.float0:  # the streams' counts and keys have no gradient
+            np.testing.assert_allclose(a, b, **TOL)
+    # An auxiliary cost (L2 of the weights read in the region) and measurements made there
+    # reach optimize's loss and metrics as without Remat.
+    metrics = []
+    for remat in ([], [managers.Remat(bricks=[model.blocks])]):
+        program = gm.compile(mean_square, model, managers=[
+            *remat, managers.L2(0.1), managers.ActivationStats(bricks=[nnx.Linear])])
+        step = gm.optimize(program, optax.sgd(0.1))
+        metrics.append(step(step.init(program.init(x), key(0)), x)[1])
+    assert "l2" in metrics[0] and len(metrics[0]) == 18
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), *metrics)
+
+
 def test_precision_computes_in_bf16_and_keeps_the_stored_parameters_f32() -> None:
     lin = linear()
     program = gm.compile(mean_square, lin, managers=[managers.Precision("bfloat16")])
