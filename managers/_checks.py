@@ -38,11 +38,13 @@ def default_filter(kwargs: dict[str, Any], **defaults: Any) -> dict[str, Any]:
     return {**kwargs, **defaults}
 
 
-def weights_by_default(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` with ``roles=[WEIGHT]`` added when no filter field chooses variables of an
-    application (only ``bricks=``, ``applications=`` or ``call_id=``, or none): a manager
-    that rewrites weights, given ``bricks=[nnx.Conv]``, leaves their biases out."""
+def weights_by_default(kwargs: dict[str, Any],
+                       roles: tuple[Any, ...] = (gm.roles.WEIGHT,)) -> dict[str, Any]:
+    """``kwargs`` with ``roles=roles`` (the weights) added when no filter field chooses
+    variables of an application (only ``bricks=``, ``applications=`` or ``call_id=``, or
+    none): a manager that rewrites weights, given ``bricks=[nnx.Conv]``, leaves their
+    biases out."""
     chooses = ("roles", "path", "variable_name", "name_regex", "filter")
     if any(kwargs.get(field) is not None for field in chooses):
         return kwargs
-    return {**kwargs, "roles": [gm.roles.WEIGHT]}
+    return {**kwargs, "roles": list(roles)}

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 import graphmod as gm
-from managers._checks import require_floating
+from graphmod import roles
+from managers._checks import require_floating, weights_by_default
 from managers._layout import weight_layout
 
 
@@ -46,7 +47,9 @@ def fake_quant(value: jax.Array, bits: int, axes: tuple[int, ...] | None) -> jax
 class FakeQuant(gm.Manager):
     """Quantize-dequantize of the selected weights (per channel) and activations (per
     tensor) to ``bits``-bit symmetric integers, with a straight-through gradient (see
-    the module docstring).
+    the module docstring). Unless its filter chooses variables (``roles=``, ``path=``,
+    ``variable_name=``, ``name_regex=``, ``filter=``) it quantizes the weights, inputs and
+    outputs (not the biases) of the applications it selects.
 
     Examples:
         >>> import jax.numpy as jnp, graphmod as gm, managers
@@ -61,7 +64,8 @@ class FakeQuant(gm.Manager):
     """
 
     def __init__(self, bits: int = 8, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(**weights_by_default(kwargs, (roles.WEIGHT, roles.INPUT,
+                                                       roles.OUTPUT)))
         if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16:
             raise ValueError(f"FakeQuant(bits={bits!r}): must be an int from 2 to 16")
         self.bits = bits

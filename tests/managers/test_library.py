@@ -326,6 +326,21 @@ def test_fake_quant_is_quantize_dequantize_with_a_straight_through_gradient() ->
     np.testing.assert_allclose(grads["model"]["W"], array(X).T @ array(weights), rtol=1e-5)
 
 
+def test_fake_quant_given_bricks_quantizes_their_weights_and_activations_not_biases() -> None:
+    model = gm.bricks.MLP([3, 4, 2], activation=jnp.tanh, rngs=nnx.Rngs(0))
+    quant = managers.FakeQuant(bricks=model.linear_layers[:1])
+    assert quant.filter.roles == (roles.WEIGHT, roles.INPUT, roles.OUTPUT)
+    program = gm.compile(mean_square, model, managers=[quant])
+    program.train(program.init(X), X, rng=key(0))
+    assert [(r.path, r.role, r.name) for r in program.rewrites["train"]] == [
+        ("/linear_layers/0", "INPUT", "input_"), ("/linear_layers/0", "WEIGHT", "W"),
+        ("/linear_layers/0", "OUTPUT", "output")]
+    with pytest.raises(ValueError, match=r"'b' of shape \(4,\).*roles=\[graphmod.roles.WEIGHT"):
+        program = gm.compile(mean_square, model, managers=[managers.FakeQuant(
+            bricks=model.linear_layers[:1], roles=[roles.PARAMETER])])
+        program.init(X)
+
+
 def test_annealing_a_strength_does_not_retrace() -> None:
     lin = linear()
     chosen = [managers.MaxNorm(gm.dynamic(0.5), roles=[roles.WEIGHT]),
