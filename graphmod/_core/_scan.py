@@ -6,8 +6,9 @@ statistic updated or a value monitored inside it would leak a tracer. ``graphmod
 threads the frame's mutable state (manager-owned variables and the model's non-parameter
 variables) through the scan carry, stacks monitored values along the scanned axis, and folds
 the step index into every ``call.rng()`` (so masks differ per step unless a manager asks for
-``per_step=False``). ``graphmod.remat`` returns what the region wrote and monitored beside
-its result. Outside a compiled program they are exactly ``lax.scan`` and ``jax.checkpoint``.
+``per_step=False``). ``graphmod.remat`` returns what the region wrote, monitored and added
+to optimize's costs beside its result. Outside a compiled program they are exactly
+``lax.scan`` and ``jax.checkpoint``.
 """
 
 from __future__ import annotations
@@ -91,8 +92,10 @@ def remat(f: Callable[..., Any], *, policy: Callable[..., bool] | None = None
           ) -> Callable[..., Any]:
     """Like ``jax.checkpoint(f, policy=policy)``: ``f``'s activations are recomputed in the
     backward pass; in a program, the variables ``f`` writes (a batch norm's statistics, an
-    RNG stream's count) and the values it monitors come out of the region. ``init`` runs
-    ``f`` as it is (it computes no gradient).
+    RNG stream's count), the values it monitors and the costs and measurements it adds for
+    :func:`graphmod.optimize` come out of the region. ``init`` runs ``f`` as it is (it
+    computes no gradient). Arguments are passed by position, as to the checkpointed
+    function.
 
     Examples:
         >>> import jax, jax.numpy as jnp, graphmod as gm
