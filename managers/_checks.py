@@ -31,20 +31,23 @@ _FILTER_FIELDS = ("bricks", "roles", "applications", "path", "variable_name", "n
                   "call_id", "filter")
 
 
+# The filter fields that choose variables of an application (not the applications).
+_VARIABLE_FIELDS = ("roles", "path", "variable_name", "name_regex", "filter")
+
+
+def _given(kwargs: dict[str, Any], fields: tuple[str, ...]) -> bool:
+    return any(kwargs.get(field) is not None for field in fields)
+
+
 def default_filter(kwargs: dict[str, Any], **defaults: Any) -> dict[str, Any]:
     """``kwargs`` with the filter fields ``defaults`` added when the caller gave none."""
-    if any(kwargs.get(field) is not None for field in _FILTER_FIELDS):
-        return kwargs
-    return {**kwargs, **defaults}
+    return kwargs if _given(kwargs, _FILTER_FIELDS) else {**kwargs, **defaults}
 
 
-def weights_by_default(kwargs: dict[str, Any],
-                       roles: tuple[Any, ...] = (gm.roles.WEIGHT,)) -> dict[str, Any]:
-    """``kwargs`` with ``roles=roles`` (the weights) added when no filter field chooses
-    variables of an application (only ``bricks=``, ``applications=`` or ``call_id=``, or
-    none): a manager that rewrites weights, given ``bricks=[nnx.Conv]``, leaves their
-    biases out."""
-    chooses = ("roles", "path", "variable_name", "name_regex", "filter")
-    if any(kwargs.get(field) is not None for field in chooses):
-        return kwargs
-    return {**kwargs, "roles": list(roles)}
+def roles_by_default(kwargs: dict[str, Any],
+                     roles: tuple[Any, ...] = (gm.roles.WEIGHT,)) -> dict[str, Any]:
+    """``kwargs`` with ``roles=roles`` (the weights unless told) added when no filter field
+    chooses variables of an application (only ``bricks=``, ``applications=`` or
+    ``call_id=``, or none): a manager that rewrites weights, given ``bricks=[nnx.Conv]``,
+    leaves their biases out."""
+    return kwargs if _given(kwargs, _VARIABLE_FIELDS) else {**kwargs, "roles": list(roles)}

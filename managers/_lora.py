@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import weights_by_default
+from managers._checks import roles_by_default
 from managers._layout import WeightLayout, weight_layout
 
 
@@ -63,7 +63,7 @@ class LoRA(gm.Manager):
                  **kwargs: Any) -> None:
         if "manager_name" not in kwargs and "name" not in kwargs:
             kwargs["manager_name"] = "lora"  # not the class name's snake case, lo_r_a
-        super().__init__(**weights_by_default(kwargs))
+        super().__init__(**roles_by_default(kwargs))
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"LoRA(rank={rank!r}): must be a positive int")
         number = alpha.value if isinstance(alpha, gm.Dynamic) else alpha

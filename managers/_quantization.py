@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import require_floating, weights_by_default
+from managers._checks import require_floating, roles_by_default
 from managers._layout import weight_layout
 
 
@@ -64,7 +64,7 @@ class FakeQuant(gm.Manager):
     """
 
     def __init__(self, bits: int = 8, **kwargs: Any) -> None:
-        super().__init__(**weights_by_default(kwargs, (roles.WEIGHT, roles.INPUT,
+        super().__init__(**roles_by_default(kwargs, (roles.WEIGHT, roles.INPUT,
                                                        roles.OUTPUT)))
         if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16:
             raise ValueError(f"FakeQuant(bits={bits!r}): must be an int from 2 to 16")

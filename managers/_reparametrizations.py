@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import weights_by_default
+from managers._checks import roles_by_default
 from managers._layout import weight_layout
 
 
@@ -70,7 +70,7 @@ class WeightNorm(gm.Manager):
     """
 
     def __init__(self, *, epsilon: float = 1e-12, **kwargs: Any) -> None:
-        super().__init__(**weights_by_default(kwargs))
+        super().__init__(**roles_by_default(kwargs))
         _positive("WeightNorm", "epsilon", epsilon)
         self.epsilon = epsilon
 
@@ -102,7 +102,7 @@ class WeightStandardization(gm.Manager):
     """
 
     def __init__(self, *, epsilon: float = 1e-5, gain: bool = False, **kwargs: Any) -> None:
-        super().__init__(**weights_by_default(kwargs))
+        super().__init__(**roles_by_default(kwargs))
         _positive("WeightStandardization", "epsilon", epsilon)
         if not isinstance(gain, bool):
             raise TypeError(f"WeightStandardization(gain={gain!r}): expected True or False")
@@ -147,7 +147,7 @@ class SpectralNorm(gm.Manager):
     """
 
     def __init__(self, *, steps: int = 1, epsilon: float = 1e-12, **kwargs: Any) -> None:
-        super().__init__(**weights_by_default(kwargs))
+        super().__init__(**roles_by_default(kwargs))
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"SpectralNorm(steps={steps!r}): must be a positive int")
         _positive("SpectralNorm", "epsilon", epsilon)
@@ -201,7 +201,7 @@ class MaxNorm(gm.Manager):
 
     def __init__(self, max_norm: float | gm.Dynamic, *,
                  axis: int | tuple[int, ...] | None = None, **kwargs: Any) -> None:
-        super().__init__(**weights_by_default(kwargs))
+        super().__init__(**roles_by_default(kwargs))
         _positive("MaxNorm", "max_norm", max_norm)
         axes = (axis,) if isinstance(axis, int) else axis
         if axis is not None and not (isinstance(axes, tuple | list) and axes and all(

@@ -58,16 +58,19 @@ def write_rebound(frame: Frame, owner: str, held: Any, value: Any) -> bool:
     writes = {}
     for place, variable in old.items():
         replacement = new[place]
+        if replacement is variable:
+            continue
         written = replacement.get_raw_value()
-        if replacement is variable or written is frame.read(variable)[1]:
-            continue  # unchanged (apply(..., mutable=True) returns the parameters it read)
+        parameter = not frame.carries(variable)
+        if parameter and written is frame.read(variable)[1]:
+            continue  # as the call read it: apply(..., mutable=True) returns its parameters
         was, now = spec(frame.stored(variable)), spec(written)
-        if not frame.carries(variable) or now != was:
+        if parameter or now != was:
             raise TypeError(
                 f"{owner}{place} was rebound in a program to {type(replacement).__name__} "
                 f"{now[0]} {now[1]} in place of {type(variable).__name__} {was[0]} {was[1]}"
-                + (", a parameter, which a forward pass does not write" if
-                   not frame.carries(variable) else "") + f": {fix}")
+                + (", a parameter, which a forward pass does not write" if parameter else "")
+                + f": {fix}")
         writes[place] = written
     for place, written in writes.items():  # checked first: nothing written on an error
         frame.write(old[place], written)
