@@ -68,6 +68,78 @@ def test_steps_are_deterministic_and_match_a_manual_gradient_step() -> None:
     assert int(state.step) == 1
 
 
+
+def test_a_train_step_written_by_hand_as_the_docs_show_makes_optimizes_steps() -> None:
+    mlp = gm.bricks.MLP([4, 6, 2], activation=jax.nn.relu, rngs=nnx.Rngs(0))
+    program = gm.compile(lambda model, x, y: ((model(x) - y) ** 2).mean(), mlp, managers=[
+        managers.BatchNorm(bricks=mlp.linear_layers[:1], roles=[roles.OUTPUT]),
+        managers.Dropout(0.3, roles=[roles.INPUT])])
+    x, y = jax.random.normal(jax.random.key(0), (8, 4)), jax.random.normal(jax.random.key(1),
+                                                                           (8, 2))
+    variables, tx = program.init(x, y), optax.adam(0.01)
+    params, rest = program.split(variables)
+    opt_state = tx.init(params)
+
+    @jax.jit  # docs/concepts/compile.md, "Your own train step"
+    def train_step(params, rest, opt_state, key, x, y):
+        def loss(params):
+            return program.train(program.merge(params, rest), x, y, rng=key)
+        (cost, new), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        _, rest = program.split(new)
+        return optax.apply_updates(params, updates), rest, opt_state, cost
+
+    step = gm.optimize(program, tx)
+    state = step.init(variables, jax.random.key(7))
+    for i in range(3):
+        state, metrics = step(state, x, y)
+        params, rest, opt_state, cost = train_step(
+            params, rest, opt_state, jax.random.fold_in(jax.random.key(7), i), x, y)
+        np.testing.assert_allclose(cost, metrics["loss"], rtol=1e-5)
+    by_hand = program.merge(params, rest)
+    assert jax.tree.structure(by_hand) == jax.tree.structure(state.variables)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 by_hand, state.variables)
+    mean = by_hand["managers"]["batch_norm"]["/linear_layers/0"]["apply"]["output.mean"]
+    assert not np.allclose(mean, 0.0)  # the running statistics moved, in both
+
+
+def test_optax_multisteps_accumulates_the_gradients_of_its_steps() -> None:
+    program, variables, x, y = _setup()
+    one = gm.optimize(program, optax.sgd(0.1))
+    expected, _ = one(one.init(variables, jax.random.key(0)), x, y)
+    step = gm.optimize(program, optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
+    state = step.init(variables, jax.random.key(0))
+    first, _ = program.split(variables)
+    state, _ = step(state, x, y)
+    jax.tree.map(np.testing.assert_array_equal, program.split(state.variables)[0], first)
+    state, _ = step(state, x, y)  # the same batch twice: the mean gradient is the gradient
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 program.split(state.variables)[0], program.split(expected.variables)[0])
+
+
+def test_reduce_on_plateau_reads_each_steps_cost() -> None:
+    program, variables, x, y = _setup()
+    step = gm.optimize(program, optax.chain(
+        optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=1, accumulation_size=1)))
+    state = step.init(variables, jax.random.key(0))
+    state, metrics = step(state, x, y)
+    plateau = state.opt_state[1]
+    np.testing.assert_allclose(plateau.best_value, metrics["loss"], rtol=1e-6)
+
+
+def test_lbfgs_with_its_line_search_solves_a_least_squares_problem() -> None:
+    lin = gm.bricks.Linear(3, 1, use_bias=False, rngs=nnx.Rngs(0))
+    program = gm.compile(lambda model, x, y: ((model(x) - y) ** 2).mean(), lin)
+    x = jax.random.normal(jax.random.key(0), (32, 3))
+    w = jnp.array([[1.5], [-2.0], [0.5]])
+    step = gm.optimize(program, optax.lbfgs())
+    state = step.init(program.init(x, x @ w), jax.random.key(0))
+    for _ in range(20):
+        state, metrics = step(state, x, x @ w)  # the parameters are also in L-BFGS's state
+    np.testing.assert_allclose(state.variables["model"]["W"], w, atol=1e-4)
+    assert float(metrics["loss"]) < 1e-8
+
 def test_skip_nonfinite_leaves_the_state_unchanged_and_counts() -> None:
     program, variables, x, y = _setup()
     step = gm.optimize(program, optax.sgd(0.1), skip_nonfinite=True)

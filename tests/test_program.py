@@ -108,6 +108,11 @@ def test_split_and_merge_by_role() -> None:
     assert not any("mean" in p or "var" in p for p in param_paths)
     merged = program.merge(params, rest)
     assert jax.tree.structure(merged) == jax.tree.structure(variables)
+    # With no role, what an optimizer trains: the same split as PARAMETER's.
+    default = program.split(variables)
+    assert jax.tree.structure(default) == jax.tree.structure((params, rest))
+    assert all(a is b for a, b in zip(jax.tree.leaves(default), jax.tree.leaves((params, rest)),
+                                      strict=True))
     weights, _ = program.split(variables, roles.WEIGHT)
     assert len(jax.tree.leaves(weights)) == 2
     for leaf in jax.tree.leaves(params):

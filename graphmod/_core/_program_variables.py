@@ -62,8 +62,12 @@ class VariablesByRole:
 
     def split(self, variables: dict, *roles: _roles.Role) -> tuple[dict, dict]:
         """``(selected, rest)``: leaves whose role is one of ``roles`` (or a sub-role), and
-        the others, each in the original nesting (empty branches dropped)."""
-        wanted = _roles.as_roles(roles, argument="program.split(variables, *roles)")
+        the others, each in the original nesting (a module with no leaf on one side keeps
+        an empty dict there, so :meth:`merge` restores the whole nesting). With no role
+        given, ``roles`` is ``PARAMETER``: ``params, rest = program.split(variables)``
+        splits off what an optimizer trains, as ``graphmod.optimize`` does."""
+        wanted = _roles.as_roles(roles or (_roles.PARAMETER,),
+                                 argument="program.split(variables, *roles)")
         tree = self.roles(variables)
         test = is_one_of(wanted)
         return select(variables, tree, test, True), select(variables, tree, test, False)

@@ -93,6 +93,9 @@ def optimizer(name: str, *args: Any, **kwargs: Any) -> Any:
                             f"{type(made).__name__}, neither a gradient transformation nor "
                             "a schedule")
         return RecordedSchedule(made, record)
+    # Recorded as one taking extra arguments (optax.chain passes them on): a plain one's
+    # update gets optax's wrapper that drops them.
+    made = optax.with_extra_args_support(made)
     out = RecordedTransformation(made.init, made.update)
     object.__setattr__(out, CONFIG, json.dumps(record))
     return out

@@ -185,12 +185,19 @@ def prepare(program: Program, variables: dict, first: Any, metrics: Sequence[Met
     target = target_field(first, binding, targets, who=who, source=source)
     needing = [m.name for m in metrics if m.needs_targets]
     if needing and target is None:
+        fields = fields_of(first)
+        # Every field an input, more than one: most likely a cost fn(model, x, y).
+        cost = len(binding.fields) > 1 and len(binding.fields) == len(fields)
         raise ValueError(
             f"{who}: the metrics {', '.join(needing)} need targets, but the source "
             f"{source!r} has no field for them besides the program's inputs (fields: "
-            f"{', '.join(map(repr, fields_of(first)))}; inputs: "
+            f"{', '.join(map(repr, fields))}; inputs: "
             f"{', '.join(map(repr, binding.fields))}). Add the targets to the source, or name "
-            "their field with targets=...")
+            "their field with targets=..." + (
+                "; where the program's function takes the targets itself (a cost), "
+                "evaluate one returning predictions: evaluate(..., predict=lambda model, x: "
+                "model(x)), Validation(program.derive(lambda model, x: model(x)), ...)"
+                if cost else ""))
     engine = engine_for(program, binding, target, metrics, keep)
     shapes = output_shapes(engine, variables, first, who=who, source=source)
     if keep or any(not m.takes_batch for m in metrics):

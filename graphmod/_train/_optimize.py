@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -124,9 +124,12 @@ class TrainStep:
         if not isinstance(program, Program):
             raise TypeError(f"optimize(program, tx): expected a graphmod Program, got "
                             f"{type(program).__name__}")
+        if isinstance(tx, optax.MultiSteps):  # gradient accumulation, as optax writes it
+            tx = tx.gradient_transformation()
         if not isinstance(tx, optax.GradientTransformation):
             raise TypeError(f"optimize(program, tx): tx must be an optax "
-                            f"GradientTransformation, got {type(tx).__name__}")
+                            f"GradientTransformation (e.g. optax.adam(1e-3)), got "
+                            f"{type(tx).__name__}")
         self.program = program
         self.tx = tx
         self.skip_nonfinite = skip_nonfinite
@@ -190,8 +193,10 @@ class TrainStep:
         seed = key_record(key)
         if seed is not None:  # not under a trace (abstract_state)
             self.train_seed = seed
-        return self.place(TrainState(variables, self.tx.init(params), jnp.int32(0), data,
-                                     jnp.int32(0)))
+        # Copied too: an optimizer may keep the parameters themselves in its state
+        # (optax.lbfgs), and a step donates every buffer of the state once.
+        opt_state = jax.tree.map(lambda x: jnp.array(x, copy=True), self.tx.init(params))
+        return self.place(TrainState(variables, opt_state, jnp.int32(0), data, jnp.int32(0)))
 
     def place(self, state: TrainState) -> TrainState:
         """``state`` put on the program's mesh as :meth:`init` places it (``state`` itself
@@ -281,7 +286,8 @@ class TrainStep:
         (cost, (metrics, new_variables)), grads = jax.value_and_grad(loss, has_aux=True)(params)
         if self.grad_norms:
             metrics = {**metrics, **_norms(grads)}
-        updates, opt_state = self.tx.update(grads, state.opt_state, params)
+        updates, opt_state = self.tx.update(grads, state.opt_state, params,
+                                            **_extra_args(self.tx, cost, grads, loss))
         new_params = optax.apply_updates(params, updates)
         _, new_rest = self._parameters(new_variables)
         variables = program.merge(new_params, new_rest)
@@ -298,6 +304,17 @@ class TrainStep:
         if program.placement is not None:  # outputs placed as inputs: nothing moves
             new_state = jax.lax.with_sharding_constraint(new_state, self._shardings(new_state))
         return new_state, {"loss": cost, **metrics}
+
+
+def _extra_args(tx: optax.GradientTransformation, cost: jax.Array, grads: dict,
+                loss: Callable[[dict], tuple[jax.Array, Any]]) -> dict[str, Any]:
+    """What optax's transformations with extra arguments read besides the gradients:
+    ``value`` (``optax.contrib.reduce_on_plateau``), and ``grad`` and ``value_fn``, the cost
+    at other parameters with the same key and batch (the line searches of
+    ``optax.lbfgs``). Transformations without extra arguments get none."""
+    if not isinstance(tx, optax.GradientTransformationExtraArgs):
+        return {}
+    return {"value": cost, "grad": grads, "value_fn": lambda params: loss(params)[0]}
 
 
 def _norms(grads: dict) -> dict[str, jax.Array]:
@@ -332,7 +349,11 @@ def optimize(program: Program, tx: optax.GradientTransformation, *,
     Args:
         program: made by :func:`graphmod.compile`; its function returns a scalar cost or
             ``(cost, metrics)``.
-        tx: an optax gradient transformation.
+        tx: an optax gradient transformation, or an ``optax.MultiSteps`` (gradients
+            accumulated over several steps). Transformations taking extra arguments get
+            ``value`` (the cost, as ``optax.contrib.reduce_on_plateau`` reads it),
+            ``grad`` and ``value_fn`` (the cost at other parameters with the step's key
+            and batch, for the line searches of ``optax.lbfgs``).
         skip_nonfinite: leave the state unchanged for a step whose loss or update is not
             finite, and count it in ``metrics["skipped_steps"]``.
         config: the optimizer's name and hyperparameters for the provenance record, e.g.

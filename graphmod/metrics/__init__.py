@@ -1,7 +1,8 @@
 """Evaluation metrics for :func:`graphmod.evaluate`.
 
-Metrics are named by string (``"accuracy"``, ``"cross_entropy"``, ``"mean_squared_error"``
-or ``"mse"``, ``"precision"``, ``"recall"``, ``"f1"`` per class, ``"macro_precision"``,
+Metrics are named by string (``"accuracy"``, ``"top_5_accuracy"`` (any ``k``),
+``"cross_entropy"``, ``"mean_squared_error"`` or ``"mse"``, ``"mean_absolute_error"`` or
+``"mae"``, ``"precision"``, ``"recall"``, ``"f1"`` per class, ``"macro_precision"``,
 ``"macro_recall"``, ``"macro_f1"``, ``"confusion_matrix"``) or given as instances;
 :class:`Mean` averages a function's per-example values (``Validation(metrics={name: fn})``).
 
@@ -11,6 +12,7 @@ Examples:
     (F1(name='f1'), 'mse')
 """
 
+import re
 from typing import Any
 
 from graphmod._core._naming import did_you_mean
@@ -24,13 +26,15 @@ from graphmod.metrics._classification import (
     Recall,
 )
 from graphmod.metrics._per_example import Mean
-from graphmod.metrics._regression import MeanSquaredError
+from graphmod.metrics._regression import MeanAbsoluteError, MeanSquaredError
 
 _NAMED = {
     "accuracy": Accuracy,
     "cross_entropy": CrossEntropy,
     "mean_squared_error": MeanSquaredError,
     "mse": MeanSquaredError,
+    "mean_absolute_error": MeanAbsoluteError,
+    "mae": MeanAbsoluteError,
     "confusion_matrix": ConfusionMatrix,
     "precision": Precision,
     "recall": Recall,
@@ -47,8 +51,8 @@ def get(metric: Any) -> Metric:
 
     Examples:
         >>> from graphmod import metrics
-        >>> metrics.get("macro_f1").name
-        'macro_f1'
+        >>> metrics.get("macro_f1").name, metrics.get("top_5_accuracy").top_k
+        ('macro_f1', 5)
     """
     if isinstance(metric, Metric):
         return metric
@@ -56,9 +60,12 @@ def get(metric: Any) -> Metric:
         named = _NAMED[metric]()
         named.name = metric  # an alias keys its results as the caller wrote it
         return named
+    top = re.fullmatch(r"top_([1-9][0-9]*)_accuracy", metric) if isinstance(metric, str) else None
+    if top:
+        return Accuracy(top_k=int(top.group(1)))
     hint = did_you_mean(metric, _NAMED) if isinstance(metric, str) else ""
     raise ValueError(f"unknown metric {metric!r}{hint}: use a graphmod.metrics.Metric or one "
-                     f"of {', '.join(sorted(_NAMED))}")
+                     f"of {', '.join(sorted(_NAMED))}, top_<k>_accuracy")
 
 
 __all__ = [
@@ -67,6 +74,7 @@ __all__ = [
     "ConfusionMatrix",
     "CrossEntropy",
     "Mean",
+    "MeanAbsoluteError",
     "MeanSquaredError",
     "Metric",
     "Precision",

@@ -39,7 +39,10 @@ def _labels(predictions: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 class Accuracy(Metric):
-    """The fraction of examples whose highest-scoring class is the target class.
+    """The fraction of examples whose highest-scoring class is the target class; with
+    ``top_k=k``, whose target class is among the ``k`` highest-scoring (no more than
+    ``k - 1`` classes score strictly higher: a tie counts for the target). Named
+    ``"accuracy"``, or ``"top_k_accuracy"`` for ``k > 1`` (``metrics.get("top_5_accuracy")``).
 
     Targets are integer labels, or class probabilities / one-hot (their argmax is the
     label).
@@ -47,22 +50,38 @@ class Accuracy(Metric):
     Examples:
         >>> import jax.numpy as jnp
         >>> from graphmod import metrics
-        >>> m = metrics.Accuracy()
-        >>> m.result(m.statistics(jnp.array([[2.0, 1.0], [0.0, 1.0]]), jnp.array([0, 0]),
-        ...                       jnp.ones(2)))
-        0.5
+        >>> scores, labels = jnp.array([[2.0, 1.0, 0.0], [0.0, 1.0, 2.0]]), jnp.array([0, 1])
+        >>> m, top2 = metrics.Accuracy(), metrics.Accuracy(top_k=2)
+        >>> m.result(m.statistics(scores, labels, jnp.ones(2))), top2.name
+        (0.5, 'top_2_accuracy')
+        >>> top2.result(top2.statistics(scores, labels, jnp.ones(2)))
+        1.0
     """
 
     name = "accuracy"
 
+    def __init__(self, top_k: int = 1) -> None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"Accuracy(top_k={top_k!r}): must be an int of at least 1")
+        self.top_k = top_k
+        if top_k > 1:
+            self.name = f"top_{top_k}_accuracy"
+
     def check(self, predictions: Any, targets: Any, field: str) -> None:
         check_classification(self.name, predictions, targets, field)
+        if self.top_k >= predictions.shape[-1]:
+            raise ValueError(
+                f"metric {self.name!r}: top_k={self.top_k} needs more than {self.top_k} "
+                f"classes; the predictions have {predictions.shape[-1]} (shape "
+                f"{tuple(predictions.shape)}), so every example would count as correct")
 
     def statistics(self, predictions: jax.Array, targets: jax.Array,
                    weights: jax.Array) -> dict[str, jax.Array]:
         labels = _labels(predictions, targets)
         w = weights_like(weights, labels.shape)
-        hit = (jnp.argmax(predictions, axis=-1) == labels).astype(jnp.float32)
+        target = jnp.take_along_axis(predictions, labels[..., None], axis=-1)
+        ahead = (predictions > target).sum(axis=-1)  # classes scoring above the target's
+        hit = (ahead < self.top_k).astype(jnp.float32)
         return {"correct": (hit * w).sum(), "count": w.sum()}
 
     def result(self, totals: dict[str, np.ndarray]) -> float:

@@ -1,4 +1,4 @@
-"""Regression metrics: mean squared error."""
+"""Regression metrics: mean squared and mean absolute error."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ class MeanSquaredError(Metric):
     """
 
     name = "mean_squared_error"
+    error = staticmethod(jnp.square)  # of each element's difference
 
     def check(self, predictions: Any, targets: Any, field: str) -> None:
         if tuple(predictions.shape) != tuple(targets.shape):
@@ -38,9 +39,26 @@ class MeanSquaredError(Metric):
 
     def statistics(self, predictions: jax.Array, targets: jax.Array,
                    weights: jax.Array) -> dict[str, jax.Array]:
-        error = jnp.square(predictions.astype(jnp.float32) - targets.astype(jnp.float32))
+        error = self.error(predictions.astype(jnp.float32) - targets.astype(jnp.float32))
         w = weights_like(weights, error.shape)
         return {"sum": (error * w).sum(), "count": w.sum()}
 
     def result(self, totals: dict[str, np.ndarray]) -> float:
         return float(totals["sum"] / totals["count"])
+
+
+class MeanAbsoluteError(MeanSquaredError):
+    """The mean over examples and elements of ``|prediction - target|`` (shapes as for
+    :class:`MeanSquaredError`).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from graphmod import metrics
+        >>> m = metrics.MeanAbsoluteError()
+        >>> m.result(m.statistics(jnp.array([[1.0], [3.0]]), jnp.array([[0.0], [1.0]]),
+        ...                       jnp.ones(2)))
+        1.5
+    """
+
+    name = "mean_absolute_error"
+    error = staticmethod(jnp.abs)

@@ -70,6 +70,27 @@ def test_one_hot_targets_and_regression(task: Classifier) -> None:
                                ((task.logits - one_hot) ** 2).mean(), rtol=1e-5)
 
 
+
+def test_top_k_accuracy_and_mean_absolute_error_match_references(task: Classifier) -> None:
+    one_hot = np.eye(3, dtype=np.float32)[task.y]
+    result = gm.evaluate(task.predict, task.variables, {"x": task.x, "y": task.y},
+                         metrics=["top_2_accuracy", gm.metrics.Accuracy(top_k=1)], batch_size=16)
+    np.testing.assert_allclose(result["top_2_accuracy"], reference.top_k_accuracy_score(
+        task.y, task.logits, k=2, labels=[0, 1, 2]))
+    np.testing.assert_allclose(result["accuracy"], (task.logits.argmax(-1) == task.y).mean())
+    assert result["top_2_accuracy"] > result["accuracy"]  # the data tell them apart
+    errors = gm.evaluate(task.predict, task.variables, {"x": task.x, "y": one_hot},
+                         metrics=["mae", "mean_absolute_error"], batch_size=16)
+    expected = reference.mean_absolute_error(one_hot, task.logits)
+    np.testing.assert_allclose(errors["mae"], expected, rtol=1e-5)
+    np.testing.assert_allclose(errors["mean_absolute_error"], expected, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"metric 'top_3_accuracy': top_k=3 needs more than 3 "
+                                         r"classes; the predictions have 3 \(shape \(16, 3\)"):
+        gm.evaluate(task.predict, task.variables, {"x": task.x, "y": task.y},
+                    metrics=["top_3_accuracy"], batch_size=16)
+    with pytest.raises(ValueError, match=r"Accuracy\(top_k=0\): must be an int of at least 1"):
+        gm.metrics.Accuracy(top_k=0)
+
 def test_the_evaluation_provenance_holds_the_model_and_the_data(task: Classifier) -> None:
     source = ArraySource((task.x, task.y), batch_size=10, name="toy-tuple")
     result = gm.evaluate(task.predict, task.variables, source, metrics=["accuracy"])
@@ -97,6 +118,10 @@ def test_data_without_targets_is_refused_naming_the_metrics(task: Classifier) ->
                     metrics=["accuracy", "cross_entropy"])
     only = gm.evaluate(task.predict, task.variables, {"x": task.x}, metrics=[],
                        predictions=True)  # predictions alone need no targets
+    with pytest.raises(ValueError, match=r"inputs: 'x', 'y'\)\. .*takes the targets itself "
+                                         r"\(a cost\).*predict=lambda model, x: model\(x\)"):
+        gm.evaluate(task.program, task.variables, {"x": task.x, "y": task.y},  # a cost
+                    metrics=["accuracy"])
     assert only.predictions.shape == (50, 3)
 
 
