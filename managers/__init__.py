@@ -6,6 +6,7 @@ Examples:
     ('dropout', 'batch_norm')
 """
 
+from managers._averaging import EMA
 from managers._batch_norm import BatchNorm
 from managers._dropout import Dropout
 from managers._lora import LoRA
@@ -20,6 +21,7 @@ from managers._systems import Precision, Remat, StopGradient
 from managers._targets import LabelSmoothing, Mixup
 
 __all__ = [
+    "EMA",
     "L2",
     "ActivationStats",
     "BatchNorm",

@@ -28,9 +28,14 @@ if TYPE_CHECKING:
 class OwnedVariable:
     """A manager-owned variable of one application: read and write ``.value``.
 
+    ``.stored`` is the value the step began with, whatever the trace wrote since: an update
+    computed from it gives the same value however often a step makes it (a parameter read
+    by two calls, each running the hook that updates the parameter's variable).
+
     Examples:
         >>> # inside a manager hook: stats = call.variable("mean", jnp.zeros(4))
         >>> # stats.value = 0.9 * stats.value + 0.1 * batch_mean
+        >>> # average.value = 0.9 * average.stored + 0.1 * call.parameter_value
     """
 
     __slots__ = ("_frame", "_key")
@@ -48,6 +53,10 @@ class OwnedVariable:
         if self._frame.training and self._frame.mode != "init":
             self._frame.set_owned(self._key, new)
         # inference and init never update state: the update is dropped on purpose
+
+    @property
+    def stored(self) -> jax.Array:
+        return self._frame.read_owned(self._key, stored=True)
 
 
 class CallRunner(Protocol):

@@ -251,9 +251,9 @@ class Frame:
         """Makes sure owned variable ``key`` exists (see :meth:`OwnedStore.ensure`)."""
         self._owned.ensure(key, init, role, parameter, per_iteration)
 
-    def read_owned(self, key: OwnedKey) -> Any:
-        """Owned variable ``key`` as the current trace sees it (see :meth:`OwnedStore.read`)."""
-        return self._owned.read(key)
+    def read_owned(self, key: OwnedKey, stored: bool = False) -> Any:
+        """Owned variable ``key`` as the current trace sees it, or found it (``stored``)."""
+        return self._owned.stored(key) if stored else self._owned.read(key)
 
     def set_owned(self, key: OwnedKey, value: Any) -> None:
         """Sets owned variable ``key`` (see :meth:`OwnedStore.write`)."""

@@ -47,6 +47,7 @@ class OwnedStore:
     def __init__(self, owned: dict[OwnedKey, Any], mode: str, scope: TraceScope,
                  check: Callable[..., None]) -> None:
         self.values = dict(owned)
+        self._found = owned  # as the trace began, never written
         self.roles: dict[OwnedKey, _roles.Role] = {}
         self.updated: set[OwnedKey] = set()
         self._mode = mode
@@ -132,6 +133,13 @@ class OwnedStore:
             return pending[1]
         depth = self._depth(key)
         return read_slice(self.values[key], depth, key) if depth else self.values[key]
+
+    def stored(self, key: OwnedKey) -> Any:
+        """``key`` as the trace found it, whatever it wrote since (in a loop body: that
+        value's slice for the iteration); at ``init``, as created."""
+        value = self._found.get(key, self.values[key])
+        depth = self._depth(key) if self._scope.inner() else 0
+        return read_slice(value, depth, key) if depth else value
 
     def write(self, key: OwnedKey, value: Any) -> None:
         """Sets ``key`` (in a loop body: the iteration's slice) to ``value``."""

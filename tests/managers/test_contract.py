@@ -46,14 +46,15 @@ MAKERS: dict[str, Callable[..., gm.Manager]] = {
         0.1, **({"roles": [roles.INPUT]} | kw)),  # the rows of x as probabilities
     "mixup": lambda **kw: managers.Mixup(0.4, **({"bricks": [gm.Brick]} | kw)),
     "fake_quant": lambda **kw: managers.FakeQuant(4, roles=[roles.WEIGHT, roles.OUTPUT], **kw),
+    "ema": lambda **kw: managers.EMA(0.9, **kw),
 }
 # Managers whose forward pass at init is the plain model's (B = 0, g = ||W||, a cost
 # only optimize adds, a gradient-only or memory-only change).
 IDENTITY_AT_INIT = {"weight_norm", "lora", "l2", "weight_decay", "stop_gradient", "remat",
-                    "activation_stats"}
-# Costs and measurements leave the values as they are: nothing in the rewrite trace (a
-# middleware's wrap, Remat's, is a CALL row).
-UNTRACED = {"l2", "weight_decay", "activation_stats"}
+                    "activation_stats", "ema"}
+# Costs, measurements and averages leave the values of training as they are: nothing in
+# its rewrite trace (a middleware's wrap, Remat's, is a CALL row).
+UNTRACED = {"l2", "weight_decay", "activation_stats", "ema"}
 # Gradients that are not the forward pass's derivative, by design: the straight-through
 # estimator, and power-iteration vectors held constant (as flax.nnx.SpectralNorm does).
 NOT_DERIVATIVES = {"fake_quant", "spectral_norm"}

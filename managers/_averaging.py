@@ -1,0 +1,95 @@
+"""``EMA``: an exponential moving average of the parameters, which inference reads.
+
+Polyak averaging as a manager: the model trains as written, each training step moves an
+average of every selected parameter towards the value the step read, and the program's
+inference (``program.infer``, ``graphmod.evaluate``, the ``Validation`` plugin) reads the
+averages in place of the parameters. Nothing is cloned: the averages are manager-owned
+state in the program's variables, saved and restored with them.
+
+Sharp edges
+    A step averages the parameters as it read them, before its own update (the average
+    after step ``t`` has seen the weights of steps ``0 .. t - 1``). A parameter read by
+    several calls in a step (tied weights, a layer called twice) moves once per step. The
+    model's own variables keep the trained weights: ``program.update_model(variables)``
+    writes those, not the averages. Other managers' parameters (``LoRA``'s adapters) are
+    not the model's and are not averaged. In a loop body that sees a whole module
+    (``nnx.RNN``'s cell, ``jax.jit``) an average cannot be updated: use ``graphmod.scan``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import graphmod as gm
+from graphmod import roles
+from managers._checks import require_floating, roles_by_default
+
+
+def _average_dtype(value: jax.Array) -> Any:
+    """At least float32: a bfloat16 average would not move by a small step's fraction."""
+    return jnp.promote_types(jnp.result_type(value), jnp.float32)
+
+
+class EMA(gm.Manager):
+    """An exponential moving average of each selected parameter, ``decay`` the weight of
+    the old average at every training step; inference reads the averages (see the module
+    docstring). Unless its filter chooses variables (``roles=``, ``path=``,
+    ``variable_name=``, ``name_regex=``, ``filter=``) it averages every ``PARAMETER`` of the
+    applications it selects. Named ``"ema"``.
+
+    The average starts at zero and is read divided by the same average of ones (its
+    ``weight``), as Adam debiases its moments and ``optax.ema(debias=True)`` does: after
+    one step it is that step's parameters, and a changing ``decay`` weights every step as
+    it was then. Before any training step inference reads the parameters themselves.
+
+    Args:
+        decay: in [0, 1): the weight of the old average (0.999 averages over about the
+            last 1000 steps); ``graphmod.dynamic(...)`` to change it while training.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm, managers
+        >>> from flax import nnx
+        >>> lin = gm.bricks.Linear(1, 1, use_bias=False, rngs=nnx.Rngs(0))
+        >>> program = gm.compile(lambda m, x: (m(x) ** 2).mean(), lin,
+        ...                      managers=[managers.EMA(0.9)])
+        >>> variables = program.init(jnp.ones((1, 1)))
+        >>> _, trained = program.train(variables, jnp.ones((1, 1)), rng=jax.random.key(0))
+        >>> ema = trained["managers"]["ema"]["/"]["W"]
+        >>> round(float(ema["weight"]), 6), bool(jnp.allclose(
+        ...     ema["average"] / ema["weight"], variables["model"]["W"]))
+        (0.1, True)
+    """
+
+    hparams = ("decay",)
+
+    def __init__(self, decay: float | gm.Dynamic = 0.999, **kwargs: Any) -> None:
+        if "manager_name" not in kwargs and "name" not in kwargs:
+            kwargs["manager_name"] = "ema"  # not the class name's snake case, e_m_a
+        super().__init__(**roles_by_default(kwargs, (roles.PARAMETER,)))
+        value = decay.value if isinstance(decay, gm.Dynamic) else decay
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                or not 0 <= value < 1:
+            raise ValueError(f"EMA(decay={decay!r}): must be a float in [0, 1)")
+        self.decay = decay
+
+    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+                          value: jax.Array) -> jax.Array:
+        require_floating(self, call, name, value)
+        dtype = _average_dtype(value)
+        # Zeros of the parameter's shape, not its value: also made inside nnx.scan.
+        average = call.variable("average", lambda: jnp.zeros(jnp.shape(value), dtype),
+                                role=roles.STATE)
+        weight = call.variable("weight", lambda: jnp.zeros((), dtype), role=roles.STATE)
+        if not call.training:
+            return jnp.where(weight.value > 0, average.value / weight.value,
+                             value).astype(jnp.result_type(value))
+        # From the values the step began with: the same update however many calls read it.
+        decay = jnp.asarray(self.hp("decay"), dtype)
+        read = jax.lax.stop_gradient(call.parameter_value).astype(dtype)
+        average.value = decay * average.stored + (1 - decay) * read
+        weight.value = decay * weight.stored + (1 - decay)
+        return value
