@@ -11,9 +11,10 @@ Sharp edges
     after step ``t`` has seen the weights of steps ``0 .. t - 1``). A parameter read by
     several calls in a step (tied weights, a layer called twice) moves once per step. The
     model's own variables keep the trained weights: ``program.update_model(variables)``
-    writes those, not the averages. Other managers' parameters (``LoRA``'s adapters) are
-    not the model's and are not averaged. In a loop body that sees a whole module
-    (``nnx.RNN``'s cell, ``jax.jit``) an average cannot be updated: use ``graphmod.scan``.
+    writes those; :meth:`EMA.merge` puts the averages in their place. Other managers'
+    parameters (``LoRA``'s adapters) are not the model's and are not averaged. In a loop
+    body that sees a whole module (``nnx.RNN``'s cell, ``jax.jit``) an average cannot be
+    updated: use ``graphmod.scan``.
 """
 
 from __future__ import annotations
@@ -27,11 +28,17 @@ import jax.numpy as jnp
 import graphmod as gm
 from graphmod import roles
 from managers._checks import require_floating, roles_by_default
+from managers._merge import merged
 
 
 def _average_dtype(value: jax.Array) -> Any:
     """At least float32: a bfloat16 average would not move by a small step's fraction."""
     return jnp.promote_types(jnp.result_type(value), jnp.float32)
+
+
+def _averaged(average: jax.Array, weight: jax.Array, parameter: jax.Array) -> jax.Array:
+    """The debiased average in the parameter's dtype; the parameter before any step."""
+    return jnp.where(weight > 0, average / weight, parameter).astype(jnp.result_type(parameter))
 
 
 class EMA(gm.Manager):
@@ -85,11 +92,29 @@ class EMA(gm.Manager):
                                 role=roles.STATE)
         weight = call.variable("weight", lambda: jnp.zeros((), dtype), role=roles.STATE)
         if not call.training:
-            return jnp.where(weight.value > 0, average.value / weight.value,
-                             value).astype(jnp.result_type(value))
+            return _averaged(average.value, weight.value, value)
         # From the values the step began with: the same update however many calls read it.
         decay = jnp.asarray(self.hp("decay"), dtype)
         read = jax.lax.stop_gradient(call.parameter_value).astype(dtype)
         average.value = decay * average.stored + (1 - decay) * read
         weight.value = decay * weight.stored + (1 - decay)
         return value
+
+    def merge(self, variables: dict) -> dict:
+        """``variables`` with every averaged parameter replaced by its average (as
+        inference reads it; a parameter no step has averaged yet stays as it is) and this
+        manager's entries removed: a program compiled without it infers what this one
+        does, and its ``update_model`` writes the averages into the model. Raises
+        :class:`graphmod.errors.VariablesMismatch` if ``variables`` hold none of its entries.
+
+        Examples:
+            >>> import jax, jax.numpy as jnp, graphmod as gm, managers
+            >>> from flax import nnx
+            >>> lin, ema = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0)), managers.EMA(0.9)
+            >>> program = gm.compile(lambda m, x: m(x), lin, managers=[ema])
+            >>> variables = program.init(jnp.ones((1, 2)))
+            >>> sorted(ema.merge(variables)["managers"])
+            []
+        """
+        return merged(self, variables, lambda parameter, entries, _: _averaged(
+            entries["average"], entries["weight"], parameter))

@@ -25,6 +25,7 @@ import graphmod as gm
 from graphmod import roles
 from managers._checks import roles_by_default
 from managers._layout import WeightLayout, weight_layout
+from managers._merge import merged
 
 
 class LoRA(gm.Manager):
@@ -104,25 +105,12 @@ class LoRA(gm.Manager):
             >>> sorted(lora.merge(variables)["managers"])
             []
         """
-        if self.name not in variables.get("managers", {}):
-            raise gm.errors.VariablesMismatch(
-                f"LoRA {self.name!r}.merge: these variables hold no entries of it (managers: "
-                f"{sorted(variables.get('managers', {}))}). Give the variables of a program "
-                "compiled with this manager (program.init or the trained state's variables).")
-        owned = variables["managers"][self.name]
-        alpha = owned.get("hparams", {}).get("alpha", self.alpha)
-        model = jax.tree.map(lambda leaf: leaf, variables["model"])  # containers copied
-        for path, weights in owned.items():
-            if path == "hparams":
-                continue
-            for weight, adapter in weights.items():
-                parent = _node(model, path)
-                base = parent[weight]
-                update = (jnp.asarray(alpha, jnp.float32) / self.rank
-                          * _product(adapter["a"], adapter["b"], base.shape))
-                parent[weight] = base + update.astype(base.dtype)
-        others = {k: v for k, v in variables["managers"].items() if k != self.name}
-        return {"model": model, "managers": others}
+        def fold(base: jax.Array, adapter: dict, hparams: dict) -> jax.Array:
+            alpha = jnp.asarray(hparams.get("alpha", self.alpha), jnp.float32)
+            update = alpha / self.rank * _product(adapter["a"], adapter["b"], base.shape)
+            return base + update.astype(base.dtype)
+
+        return merged(self, variables, fold)
 
 
 def _b_shape(layout: WeightLayout, rank: int) -> tuple[int, ...]:
@@ -141,11 +129,3 @@ def _product(a: jax.Array, b: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     # An axis of size 1 in B is a fan-in axis, or a unit axis of size 1 (either way).
     fan_in = tuple(axis for axis, n in enumerate(b.shape[1:]) if n == 1)
     return WeightLayout(tuple(shape), fan_in).from_matrix(a @ b.reshape(b.shape[0], -1))
-
-
-def _node(model: dict, path: str) -> Any:
-    """The dict of the model's variables at brick path ``path`` (``/layers/0``)."""
-    node: Any = model
-    for part in (p for p in path.split("/") if p):
-        node = node[part] if part in node else node[int(part)]
-    return node

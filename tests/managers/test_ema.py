@@ -61,6 +61,29 @@ def _updated(variables: dict) -> nnx.Linear:
     return model
 
 
+
+def test_merge_gives_a_program_without_it_the_averages_and_the_model_too() -> None:
+    x, y = _data()
+    model, ema = _linear(), managers.EMA(0.8)
+    program = gm.compile(_cost, model, managers=[ema, managers.Dropout(0.2)])
+    step = gm.optimize(program, optax.sgd(0.3))
+    state = step.init(program.init(x, y), jax.random.key(0))
+    before = ema.merge(state.variables)  # no step yet: the parameters themselves
+    jax.tree.map(np.testing.assert_array_equal, before["model"], state.variables["model"])
+    for _ in range(3):
+        state, _ = step(state, x, y)
+    merged = ema.merge(state.variables)
+    assert sorted(merged["managers"]) == ["dropout"]
+    plain = gm.compile(_cost, model, managers=[managers.Dropout(0.2)])
+    np.testing.assert_allclose(plain.infer(merged, x, y), program.infer(state.variables, x, y),
+                               rtol=1e-6)
+    plain.update_model(merged)  # the averages into the nnx model, for eager use
+    np.testing.assert_allclose(_cost(model, x, y), program.infer(state.variables, x, y),
+                               rtol=1e-5)
+    with pytest.raises(gm.errors.VariablesMismatch, match=r"EMA 'ema'\.merge: these "
+                                                          r"variables hold no entries of it"):
+        ema.merge(merged)
+
 def test_a_parameter_read_by_several_calls_or_loop_steps_moves_once_per_step() -> None:
     x, y = _data()
 
