@@ -68,7 +68,6 @@ def test_steps_are_deterministic_and_match_a_manual_gradient_step() -> None:
     assert int(state.step) == 1
 
 
-
 def test_a_train_step_written_by_hand_as_the_docs_show_makes_optimizes_steps() -> None:
     mlp = gm.bricks.MLP([4, 6, 2], activation=jax.nn.relu, rngs=nnx.Rngs(0))
     program = gm.compile(lambda model, x, y: ((model(x) - y) ** 2).mean(), mlp, managers=[

@@ -40,9 +40,10 @@ def _labels(predictions: jax.Array, targets: jax.Array) -> jax.Array:
 
 class Accuracy(Metric):
     """The fraction of examples whose highest-scoring class is the target class; with
-    ``top_k=k``, whose target class is among the ``k`` highest-scoring (no more than
-    ``k - 1`` classes score strictly higher: a tie counts for the target). Named
-    ``"accuracy"``, or ``"top_k_accuracy"`` for ``k > 1`` (``metrics.get("top_5_accuracy")``).
+    ``top_k=k``, whose target class is among the ``k`` highest-scoring. Classes scoring the
+    same rank by index, as ``argmax`` and ``lax.top_k`` do (a model scoring every class
+    alike gets class 0 right, not every class). Named ``"accuracy"``, or
+    ``"top_k_accuracy"`` for ``k > 1`` (``metrics.get("top_5_accuracy")``).
 
     Targets are integer labels, or class probabilities / one-hot (their argmax is the
     label).
@@ -80,7 +81,9 @@ class Accuracy(Metric):
         labels = _labels(predictions, targets)
         w = weights_like(weights, labels.shape)
         target = jnp.take_along_axis(predictions, labels[..., None], axis=-1)
-        ahead = (predictions > target).sum(axis=-1)  # classes scoring above the target's
+        before = jnp.arange(predictions.shape[-1]) < labels[..., None]
+        # Classes ranked above the target: scoring higher, or as high with a lower index.
+        ahead = ((predictions > target) | ((predictions == target) & before)).sum(axis=-1)
         hit = (ahead < self.top_k).astype(jnp.float32)
         return {"correct": (hit * w).sum(), "count": w.sum()}
 

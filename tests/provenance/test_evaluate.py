@@ -90,6 +90,10 @@ def test_top_k_accuracy_and_mean_absolute_error_match_references(task: Classifie
                     metrics=["top_3_accuracy"], batch_size=16)
     with pytest.raises(ValueError, match=r"Accuracy\(top_k=0\): must be an int of at least 1"):
         gm.metrics.Accuracy(top_k=0)
+    alike, labels = np.zeros((4, 3), np.float32), np.array([0, 1, 2, 0])  # ties: by index
+    for k, expected in ((1, 0.5), (2, 0.75)):
+        metric = gm.metrics.Accuracy(top_k=k)
+        assert metric.result(metric.statistics(alike, labels, np.ones(4))) == expected
 
 def test_the_evaluation_provenance_holds_the_model_and_the_data(task: Classifier) -> None:
     source = ArraySource((task.x, task.y), batch_size=10, name="toy-tuple")
