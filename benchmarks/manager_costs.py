@@ -204,6 +204,11 @@ CASES = [
          weight=_spectral_norm,
          weight_stats=lambda w: {"u": jnp.full((1, w.shape[1]), w.shape[1] ** -0.5),
                                  "sigma": jnp.ones(())}),
+    Case("EMA(0.99) on W", lambda mlp: [managers.EMA(0.99, roles=[roles.WEIGHT])],
+         weight=lambda w, p, key, s: (w, {
+             "average": 0.99 * s["average"] + 0.01 * jax.lax.stop_gradient(w),
+             "weight": 0.99 * s["weight"] + 0.01}),
+         weight_stats=lambda w: {"average": jnp.zeros_like(w), "weight": jnp.zeros(())}),
     Case("StochasticDepth(0.2), middle layer residual",
          lambda mlp: [managers.StochasticDepth(0.2)], branch=_stochastic_depth,
          same_math=False),

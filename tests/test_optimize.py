@@ -139,6 +139,7 @@ def test_lbfgs_with_its_line_search_solves_a_least_squares_problem() -> None:
     np.testing.assert_allclose(state.variables["model"]["W"], w, atol=1e-4)
     assert float(metrics["loss"]) < 1e-8
 
+
 def test_skip_nonfinite_leaves_the_state_unchanged_and_counts() -> None:
     program, variables, x, y = _setup()
     step = gm.optimize(program, optax.sgd(0.1), skip_nonfinite=True)

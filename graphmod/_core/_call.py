@@ -56,6 +56,7 @@ class OwnedVariable:
 
     @property
     def stored(self) -> jax.Array:
+        """The value the step began with, whatever the trace wrote since (read-only)."""
         return self._frame.read_owned(self._key, stored=True)
 
 

@@ -49,7 +49,8 @@ MAKERS: dict[str, Callable[..., gm.Manager]] = {
     "ema": lambda **kw: managers.EMA(0.9, **kw),
 }
 # Managers whose forward pass at init is the plain model's (B = 0, g = ||W||, a cost
-# only optimize adds, a gradient-only or memory-only change).
+# only optimize adds, a gradient-only or memory-only change, an average only inference
+# reads).
 IDENTITY_AT_INIT = {"weight_norm", "lora", "l2", "weight_decay", "stop_gradient", "remat",
                     "activation_stats", "ema"}
 # Costs, measurements and averages leave the values of training as they are: nothing in

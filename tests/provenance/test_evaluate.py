@@ -70,7 +70,6 @@ def test_one_hot_targets_and_regression(task: Classifier) -> None:
                                ((task.logits - one_hot) ** 2).mean(), rtol=1e-5)
 
 
-
 def test_top_k_accuracy_and_mean_absolute_error_match_references(task: Classifier) -> None:
     one_hot = np.eye(3, dtype=np.float32)[task.y]
     result = gm.evaluate(task.predict, task.variables, {"x": task.x, "y": task.y},
@@ -94,6 +93,7 @@ def test_top_k_accuracy_and_mean_absolute_error_match_references(task: Classifie
     for k, expected in ((1, 0.5), (2, 0.75)):
         metric = gm.metrics.Accuracy(top_k=k)
         assert metric.result(metric.statistics(alike, labels, np.ones(4))) == expected
+
 
 def test_the_evaluation_provenance_holds_the_model_and_the_data(task: Classifier) -> None:
     source = ArraySource((task.x, task.y), batch_size=10, name="toy-tuple")
@@ -122,11 +122,11 @@ def test_data_without_targets_is_refused_naming_the_metrics(task: Classifier) ->
                     metrics=["accuracy", "cross_entropy"])
     only = gm.evaluate(task.predict, task.variables, {"x": task.x}, metrics=[],
                        predictions=True)  # predictions alone need no targets
+    assert only.predictions.shape == (50, 3)
     with pytest.raises(ValueError, match=r"inputs: 'x', 'y'\)\. .*takes the targets itself "
                                          r"\(a cost\).*predict=lambda model, x: model\(x\)"):
         gm.evaluate(task.program, task.variables, {"x": task.x, "y": task.y},  # a cost
                     metrics=["accuracy"])
-    assert only.predictions.shape == (50, 3)
 
 
 def test_predictions_and_targets_of_other_shapes_are_refused(task: Classifier) -> None:
