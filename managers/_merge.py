@@ -38,8 +38,8 @@ def merged(manager: gm.Manager, variables: dict,
     for path, parameters in owned.items():
         if path == "hparams":
             continue
+        parent = _node(model, path)
         for name, entries in parameters.items():
-            parent = _node(model, path)
             parent[name] = fold(parent[name], entries, hparams)
     others = {k: v for k, v in variables["managers"].items() if k != manager.name}
     return {"model": model, "managers": others}

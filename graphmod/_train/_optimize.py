@@ -186,7 +186,7 @@ class TrainStep:
         (e.g. ``jax.random.key(0)``), before anything is copied."""
         key = as_key(rng, "step.init(variables, rng)")
         self.program._unpack(variables)
-        variables = jax.tree.map(lambda x: jnp.array(x, copy=True), variables)
+        variables = _copied(variables)
         params, _ = self._parameters(variables)
         _check_differentiable(params)
         data = jnp.array(jax.random.key_data(key), copy=True)  # key_data shares the buffer
@@ -195,7 +195,7 @@ class TrainStep:
             self.train_seed = seed
         # Copied too: an optimizer may keep the parameters themselves in its state
         # (optax.lbfgs), and a step donates every buffer of the state once.
-        opt_state = jax.tree.map(lambda x: jnp.array(x, copy=True), self.tx.init(params))
+        opt_state = _copied(self.tx.init(params))
         return self.place(TrainState(variables, opt_state, jnp.int32(0), data, jnp.int32(0)))
 
     def place(self, state: TrainState) -> TrainState:
@@ -304,6 +304,11 @@ class TrainStep:
         if program.placement is not None:  # outputs placed as inputs: nothing moves
             new_state = jax.lax.with_sharding_constraint(new_state, self._shardings(new_state))
         return new_state, {"loss": cost, **metrics}
+
+
+def _copied(tree: Any) -> Any:
+    """``tree`` with every array copied into a buffer of its own."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
 
 def _extra_args(tx: optax.GradientTransformation, cost: jax.Array, grads: dict,
