@@ -51,10 +51,11 @@ if TYPE_CHECKING:
     from graphmod._train._evaluate import Evaluation, evaluate
     from graphmod._train._events import Event, On, Template, Time
     from graphmod._train._loop import Loop, PluginError
-    from graphmod._train._optimize import TrainState, TrainStep, optimize
+    from graphmod._train._optimize import TrainStep, optimize
     from graphmod._train._plugin import Plugin
     from graphmod._train._program import Program, compile
     from graphmod._train._schedule import Schedule, after, always, at, before, each, never
+    from graphmod._train._train_state import TrainState
     from graphmod.provenance import Provenance, rebuild
 
 

@@ -259,6 +259,10 @@ CASES = [
     Case("an input with the wrong feature size", lambda w: w.program.infer(
         w.variables, np.ones((8, 5), np.float32), w.y), ValueError,
         r"argument 'x': expected shape \(batch, 4\).*got shape \(8, 5\)"),
+    Case("one example instead of a batch", lambda w: w.program.infer(
+        w.variables, w.x[0], w.y), ValueError,
+        r"got shape \(4,\).*one example rather than a batch\? Batch the data, e\.g\. "
+        r"graphmod\.data\.ArraySource"),
     Case("an input with the wrong dtype", lambda w: w.program.infer(
         w.variables, w.x, w.y.astype(np.float32)), ValueError,
         r"argument 'y'.*dtype int32.*float32"),
@@ -269,7 +273,7 @@ CASES = [
          r"program.init: argument 'y' is 'labels' \(str\)"),
     Case("a step given a field its function lacks", lambda w: w.step(
         w.state, x=w.x[:4], label=w.y[:4]), TypeError,
-        r"program.train: _cost\(model, x, y\) cannot take keyword arguments \['label', 'x'\]"
+        r"the train step: _cost\(model, x, y\) cannot take keyword arguments \['label', 'x'\]"
         r".*name the data's fields after _cost's arguments"),
     Case("split by a string role", lambda w: w.program.split(w.variables, "weight"), TypeError,
          r"program.split\(variables, \*roles\): 'weight' is not a role"),

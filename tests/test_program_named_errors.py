@@ -25,6 +25,35 @@ def test_a_strict_manager_that_matches_nothing_raises_manager_matched_nothing() 
         program.init(X)
 
 
+class Encoder(nnx.Module):
+    def __init__(self) -> None:
+        self.linear = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+
+    def encode(self, x: jax.Array) -> jax.Array:
+        return self.linear(x)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.encode(x)
+
+
+@pytest.mark.parametrize("manager, hint", [
+    (lambda: managers.BatchNorm(bricks=[nnx.Linear], roles=[roles.WEIGHT]),
+     r"BatchNorm rewrites the inputs and outputs of application calls, none of "
+     r"roles=\['WEIGHT'\]"),
+    (lambda: managers.WeightNoise(0.1, roles=[roles.INPUT]),
+     r"WeightNoise rewrites the parameters of application calls, none of roles=\['INPUT'\]"),
+    (lambda: managers.Remat(roles=[roles.INPUT]),
+     r"Remat wraps whole application calls: select them by bricks=, applications= or path="),
+    (lambda: managers.Dropout(0.1, path="linear*"), r"Paths start with '/' \(path='/linear\*'"),
+    (lambda: managers.Dropout(0.1, applications=[Encoder.encode]),
+     r"compile\(applications=\{TheClass: \['method'\]\}\) names it"),
+])
+def test_a_filter_that_matches_nothing_gets_the_likely_slip_named(manager, hint) -> None:
+    program = gm.compile(lambda m, x: m(x).sum(), Encoder(), managers=[manager()])
+    with pytest.raises(gm.errors.ManagerMatchedNothing, match=hint):
+        program.init(X)
+
+
 def test_two_managers_with_one_name_raise_manager_conflict() -> None:
     with pytest.raises(gm.errors.ManagerConflict, match=r"two managers are named 'dropout'"):
         gm.compile(lambda m, x: m(x).sum(), _mlp(),

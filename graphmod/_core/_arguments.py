@@ -154,11 +154,24 @@ def check_arguments(examples: dict[str, Any], actual: dict[str, Any]) -> None:
                 raise ValueError(
                     f"{where}: expected shape {expected} and dtype {want_dtype} (as in "
                     f"init's example), got shape {got_shape} and dtype {got_dtype}"
-                )
+                    + _mismatch_hint(got_shape, got_dtype, want_shape, want_dtype))
             if want_shape:
                 batched.setdefault(want_shape[0], []).append((where, got_shape[0]))
     for size, group in batched.items():
         check_leading_sizes(group, f"init's example gave them all {size}")
+
+
+def _mismatch_hint(got_shape: tuple, got_dtype: Any, want_shape: tuple, want_dtype: Any
+                   ) -> str:
+    """The likely slip behind a mismatch: a raw key for a typed one, one example for a
+    batch."""
+    if str(want_dtype).startswith("key<") and tuple(got_shape[-1:]) == (2,):
+        return ("; a raw uint32 key (jax.random.PRNGKey): pass jax.random.key(seed), or "
+                "jax.random.wrap_key_data(raw)")
+    if tuple(got_shape) == tuple(want_shape[1:]):
+        return ("; one example rather than a batch? Batch the data, e.g. "
+                "graphmod.data.ArraySource((x, y), batch_size=64)")
+    return ""
 
 
 def check_leading_sizes(group: list[tuple[str, int]], why: str) -> None:

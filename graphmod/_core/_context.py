@@ -82,6 +82,15 @@ _TRACED_NOTE = (
     "function (compile(functools.partial(fn, train=False), model)); a program's modes "
     "(program.train, program.infer) take the place of train/eval flags.")
 
+_SHARDING_NOTE = (
+    "graphmod: this model code names shardings (out_sharding=P(...)) for explicit mesh "
+    "axes. A program compiled with mesh= runs it on that mesh with axes of type Auto, "
+    "where XLA chooses the activations' shardings and refuses such names; compiled "
+    "without mesh=, it runs under the mesh jax.set_mesh set, as JAX would. Either compile "
+    "without mesh= inside `with jax.set_mesh(mesh):`, or leave out_sharding= out of the "
+    "model and place arrays by compile(rules=...) and managers.Sharding "
+    "(docs: concepts/multi_device.md).")
+
 _TRACE_TOKEN = _jax_config.string_or_object_state(
     name="graphmod_trace_token",
     default=None,
@@ -221,10 +230,22 @@ def traced(shared: Any, make_frame: Callable[[], Frame], fn: Callable[..., Any],
             return frame
         except NeedsIsolation:  # what the stopped try traced is dead code
             shared.isolated = True
-        except jax.errors.ConcretizationTypeError as error:  # e.g. `if train:` on an argument
-            if _TRACED_NOTE not in getattr(error, "__notes__", ()):  # once, also when nested
-                error.add_note(_TRACED_NOTE)
+        except (ValueError, TypeError) as error:  # JAX's, that a note explains
+            note = _note_for(error)
+            if note and note not in getattr(error, "__notes__", ()):  # once, also when nested
+                error.add_note(note)
             raise
+
+
+def _note_for(error: Exception) -> str | None:
+    """What graphmod adds to JAX's error: Python control flow on a traced value (`if
+    train:`), or model code naming shardings for explicit mesh axes."""
+    if isinstance(error, jax.errors.ConcretizationTypeError):
+        return _TRACED_NOTE
+    text = str(error)
+    if "PartitionSpec" in text and ("mesh" in text or "Auto" in text):
+        return _SHARDING_NOTE
+    return None
 
 
 @contextlib.contextmanager

@@ -226,8 +226,11 @@ def _dropout(self: nnx.Dropout, inputs: Any, *, deterministic: bool | None = Non
         shape = list(jnp.shape(inputs))
         for axis in self.broadcast_dims:
             shape[axis] = 1
-        mask = jnp.broadcast_to(jax.random.bernoulli(chain.call.rng(), keep, shape),
-                                jnp.shape(inputs))
+        # placed as the inputs (as Flax's Dropout): under a user's explicit mesh a mask
+        # of another sharding is refused by select
+        mask = jnp.broadcast_to(jax.random.bernoulli(
+            chain.call.rng(), keep, shape, out_sharding=jax.typeof(inputs).sharding),
+            jnp.shape(inputs))
         out = jax.lax.select(mask, inputs / keep, jnp.zeros_like(inputs))
     chain.note_rewrite("nnx.Dropout", chain.tag(_roles.OUTPUT, "output"), inputs, out)
     return out

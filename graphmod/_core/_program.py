@@ -56,7 +56,8 @@ from graphmod._core._program_checks import check_strict, check_variables, warn_h
 from graphmod._core._program_record import ProgramRecord, Shared, abstract
 from graphmod._core._program_variables import VariablesByRole
 from graphmod._core._rewrites import Rewrites, RewriteTrace
-from graphmod._core._sharding import Placement, put
+from graphmod._core._rng_arguments import with_random_streams
+from graphmod._core._sharding import Placement, on_mesh, put
 
 __all__ = ["ProgramCore", "ProgramRecord"]
 
@@ -89,14 +90,13 @@ class ProgramCore(VariablesByRole):
         self._strict = strict
         self._argument_names = argument_names(fn)
         self.rewrites = Rewrites()
-        # Keys drawn in loop bodies get their iteration index (also in optimize's steps).
-        self._train_traced = resolving(self._train_traced)  # type: ignore[method-assign]
+        # Loop bodies' keys get their iteration (_loop_keys); traced on its mesh (on_mesh).
+        self._train_traced = on_mesh(resolving(self._train_traced), shared.placement)  # type: ignore[method-assign]
         self._train = jax.jit(self._train_traced)
         # Owned variables stacked over loops are read one slice per iteration.
-        self._infer_traced = resolving(self._infer_traced)  # type: ignore[method-assign]
-        # ``program.infer`` is this jitted function itself, over the caller's own arguments
-        # (``mutable`` static): no Python frame before JAX's C++ dispatch, which costs 5%
-        # of a tiny model's call.
+        self._infer_traced = on_mesh(resolving(self._infer_traced), shared.placement)  # type: ignore[method-assign]
+        # ``program.infer`` is this jitted function itself (``mutable`` static): no Python
+        # frame before JAX's C++ dispatch, which costs 5% of a tiny model's call.
         self._infer = jax.jit(functools.partial(_infer_with, self._infer_traced),
                               static_argnames="mutable")
         # Provenance: recorded when cheap, assembled only when asked for.
@@ -126,8 +126,7 @@ class ProgramCore(VariablesByRole):
 
     @property
     def placement(self) -> Placement | None:
-        """Where this program's arrays live on a mesh (``compile(mesh=...)``; None: one
-        device)."""
+        """Where this program's arrays live on a mesh (``compile(mesh=...)``; None: one)."""
         return self._shared.placement
 
     @property
@@ -221,7 +220,7 @@ class ProgramCore(VariablesByRole):
             self._init_rng = seed
         self._inits += 1
 
-    def train(self, variables: dict, *args: Any, rng: Any, **kwargs: Any) -> Any:
+    def train(self, variables: dict, *args: Any, rng: Any = None, **kwargs: Any) -> Any:
         """Runs ``fn`` in training mode: ``(out, variables)`` (``+ monitored`` with monitor=)."""
         if not hasattr(rng, "dtype"):  # e.g. rng=0: refused before jit sees it
             as_key(rng, _TRAIN)
@@ -297,7 +296,10 @@ class ProgramCore(VariablesByRole):
                args: tuple, kwargs: dict, record: bool = False, costs: bool = False
                ) -> Frame:
         # graph()'s traces (record=True) neither check against nor change the program.
-        check_binds(self.fn, args, kwargs, f"program.{mode}")
+        if mode != "init" and not record:  # nnx.Rngs arguments left out, made from the key
+            args, kwargs = with_random_streams(self.fn, self._shared.examples, args, kwargs,
+                                               key, f"program.{mode}")
+        check_binds(self.fn, args, kwargs, "the train step" if costs else f"program.{mode}")
         placement = self._shared.placement
         if mode != "init" and not record:
             check_arguments(self._shared.examples, self._bind(args, kwargs, lambda x: x))
@@ -308,8 +310,7 @@ class ProgramCore(VariablesByRole):
             return Frame(layout=self._shared.layout, mode=mode, values=values, owned=owned,
                          hparams=hparams, managers=self._managers, key=key,
                          axis_name=self._axis_name, mesh=placement and placement.mesh,
-                         monitor=self._monitor, record=record,
-                         costs=costs)
+                         monitor=self._monitor, record=record, costs=costs)
 
         frame = _context.traced(self._shared, fresh, self.fn, self.model, *args, **kwargs)
         if not record:

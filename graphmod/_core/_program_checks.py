@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from graphmod import roles as _roles
 from graphmod._core._arguments import (
     flat_keys,
     flat_leaves,
@@ -66,8 +67,37 @@ def check_strict(frame: Frame) -> None:
             raise ManagerMatchedNothing(
                 f"manager {manager.name!r} ({type(manager).__name__}) matched nothing in the "
                 f"{frame.mode} trace: its filter {manager.filter!r} selects no variable of "
-                "any application call. Fix the filter, or pass strict=False."
+                f"any application call.{_unmatched_hints(manager)} Fix the filter, or pass "
+                "strict=False. (A module the function calls but the model does not hold is "
+                "no application: attach it to the model.)"
             )
+
+
+# What each rewriting hook sees: the roles of the values it is offered.
+_HOOK_ROLES = (("rewrite_input", "inputs", (_roles.INPUT, _roles.TARGET)),
+               ("rewrite_output", "outputs", (_roles.OUTPUT, _roles.COST)),
+               ("rewrite_parameter", "parameters", (_roles.PARAMETER,)))
+
+
+def _unmatched_hints(manager: Manager) -> str:
+    """Likely slips behind a filter that matched nothing: roles the manager's hooks are
+    never offered, a relative path, a method that is no application."""
+    f, kind, hints = manager.filter, type(manager).__name__, []
+    hooks = [(what, roles) for hook, what, roles in _HOOK_ROLES if manager.has_hook(hook)]
+    if manager.wraps_only and f.selects_variables:
+        hints.append(f"{kind} wraps whole application calls: select them by bricks=, "
+                     "applications= or path=, not by roles= or name=")
+    elif hooks and f.roles is not None and not any(
+            r.is_a(h) or h.is_a(r) for r in f.roles for _, roles in hooks for h in roles):
+        hints.append(f"{kind} rewrites the {' and '.join(w for w, _ in hooks)} of "
+                     f"application calls, none of roles={[r.name for r in f.roles]}")
+    if f.path is not None and not f.path.startswith(("/", "*")):
+        hints.append(f"Paths start with '/' (path={'/' + f.path!r}?)")
+    if f.applications is not None:
+        hints.append("A method other than __call__ is an application call when it is a "
+                     "@graphmod.application or compile(applications={TheClass: ['method']}) "
+                     "names it")
+    return "".join(f" {hint}." for hint in hints)
 
 
 def warn_held_off(frame: Frame) -> None:

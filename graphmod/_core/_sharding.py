@@ -25,12 +25,20 @@ Sharp edges
     seeded alike, do): each cuts its own devices' rows from its copy (:func:`put`). The
     loop compares the first batch of a run across processes; later ones are not compared,
     which would cost an all-gather of every batch.
+    A mesh the user set (``jax.set_mesh``, explicit axes as Flax's guides set them) is not
+    the program's: every jitted function is traced on the program's own mesh
+    (:func:`on_mesh`), and the loop and evaluations run under it (:func:`mesh_context`),
+    where JAX checks the arrays' meshes against the context's. The arrays a program
+    returns stay on its mesh of ``Auto`` axes: outside graphmod, under an explicit mesh,
+    work on them in ``with jax.set_mesh(program.placement.mesh):`` or a ``jax.jit``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -42,10 +50,9 @@ from graphmod._core._layout import Layout
 from graphmod._core._owned_layout import map_leaves
 from graphmod._core._selection import stored_tag
 
-__all__ = ["Placement", "put"]
+__all__ = ["Placement", "checked_rules", "mesh_context", "on_mesh", "put"]
 
 Rule = tuple[VariableFilter, PartitionSpec]
-_RULES = "compile(rules=[(VariableFilter(...), PartitionSpec(...)), ...])"
 
 
 class Placement:
@@ -74,8 +81,7 @@ class Placement:
         # axes (jax.make_mesh's default) would ask it to name the sharding of some results.
         self.mesh = Mesh(mesh.devices, mesh.axis_names,
                          axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-        self.rules: tuple[Rule, ...] = tuple(
-            _checked_rule(mesh, index, rule) for index, rule in enumerate(rules))
+        self.rules = checked_rules(mesh, rules)
         for axis in _axis_names(batch_axis):
             if axis not in mesh.axis_names:
                 raise ValueError(f"compile(batch_axis={batch_axis!r}): the mesh has no axis "
@@ -187,6 +193,63 @@ class Placement:
         return self._whole
 
 
+def on_mesh(f: Callable[..., Any], placement: Placement | None) -> Callable[..., Any]:
+    """``f`` (a function ``jax.jit`` traces) traced on ``placement``'s mesh, whatever mesh
+    the caller set with ``jax.set_mesh``; ``f`` itself without a placement.
+
+    JAX refuses an operation on arrays of one mesh under another context mesh (the
+    program's axes are ``Auto``, a mesh set for Flax's explicit sharding is not). Only
+    the trace enters the mesh: a compiled call pays nothing.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import AxisType
+        >>> mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,))
+        >>> placement = Placement(mesh, [], "data")
+        >>> with jax.set_mesh(mesh):
+        ...     jax.jit(on_mesh(lambda x: 2 * x, placement))(jnp.ones(2)).tolist()
+        [2.0, 2.0]
+    """
+    if placement is None:
+        return f
+    mesh = placement.mesh.abstract_mesh
+
+    @functools.wraps(f)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        with jax.sharding.use_abstract_mesh(mesh):
+            if any(map(_explicit, jax.tree.leaves((args, kwargs)))):
+                args, kwargs = jax.tree.map(
+                    lambda leaf: jax.sharding.reshard(leaf, PartitionSpec())
+                    if _explicit(leaf) else leaf, (args, kwargs))
+            return f(*args, **kwargs)
+
+    return traced
+
+
+def _explicit(leaf: Any) -> bool:
+    """Whether ``leaf`` is an array typed on a mesh with explicit axes (made under a
+    ``jax.set_mesh`` of the user's): retyped for the program's ``Auto`` axes, as
+    ``jax.sharding.auto_axes`` retypes its arguments, XLA then places it."""
+    mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None) \
+        if isinstance(leaf, jax.Array) else None
+    return mesh is not None and AxisType.Explicit in getattr(mesh, "axis_types", ())
+
+
+def mesh_context(placement: Placement | None) -> contextlib.AbstractContextManager:
+    """The program's mesh set as the context mesh (``jax.set_mesh``) for code working on
+    its arrays outside a trace (the loop's, an evaluation's): under a mesh the user set
+    with explicit axes, JAX refuses even ``a + 1`` on an array of the program's mesh.
+
+    Examples:
+        >>> import jax
+        >>> placement = Placement(jax.make_mesh((1,), ("data",)), [], "data")
+        >>> with mesh_context(placement):
+        ...     jax.sharding.get_abstract_mesh().axis_names
+        ('data',)
+    """
+    return contextlib.nullcontext() if placement is None else jax.set_mesh(placement.mesh)
+
+
 def put(tree: Any, shardings: Any) -> Any:
     """``tree`` placed leaf by leaf as ``shardings`` (a tree of its structure) says, by
     :func:`put_leaf`.
@@ -268,21 +331,42 @@ def _axis_names(entry: Any) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _checked_rule(mesh: Mesh, index: int, rule: Any) -> Rule:
+def checked_rules(mesh: Mesh, rules: Any, caller: str = "compile",
+                  argument: str = "rules") -> tuple[Rule, ...]:
+    """``rules`` (``caller(argument=[...])``) as ``(VariableFilter, PartitionSpec)`` pairs
+    whose axes ``mesh`` has; a ``TypeError`` or ``ValueError`` naming the rule otherwise.
+
+    Examples:
+        >>> import jax, graphmod as gm
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((1,), ("data",))
+        >>> checked_rules(mesh, [(gm.VariableFilter(name="W"), P("data"))])[0][1]
+        P('data',)
+    """
+    where = f"{caller}({argument}=[(VariableFilter(...), PartitionSpec(...)), ...])"
+    if not isinstance(rules, Sequence) or isinstance(rules, str):
+        raise TypeError(f"{where}: expected a list of pairs, got {rules!r}; a preset of "
+                        "graphmod.sharding is called and spread: compile(..., "
+                        "**gm.sharding.fsdp())")
+    return tuple(_checked_rule(mesh, where, argument, index, rule)
+                 for index, rule in enumerate(rules))
+
+
+def _checked_rule(mesh: Mesh, where: str, argument: str, index: int, rule: Any) -> Rule:
     if not (isinstance(rule, tuple | list) and len(rule) == 2
             and isinstance(rule[0], VariableFilter) and isinstance(rule[1], PartitionSpec)):
-        raise TypeError(f"{_RULES}: rules[{index}] must be a (VariableFilter, PartitionSpec) "
-                        f"pair, got {rule!r}")
+        raise TypeError(f"{where}: {argument}[{index}] must be a (VariableFilter, "
+                        f"PartitionSpec) pair, got {rule!r}")
     rule_filter, spec = rule
     if rule_filter.applications is not None or rule_filter.call_id is not None:
-        raise TypeError(f"{_RULES}: rules[{index}] {rule_filter!r} selects application "
+        raise TypeError(f"{where}: {argument}[{index}] {rule_filter!r} selects application "
                         "calls; a stored variable belongs to no call: use bricks=, roles=, "
                         "name=, name_regex= or path=")
     for entry in spec:
         for axis in _axis_names(entry):
             if axis not in mesh.axis_names:
-                raise ValueError(f"{_RULES}: rules[{index}] ({rule_filter!r}, {spec}) names "
-                                 f"mesh axis {axis!r}; the mesh's axes are "
+                raise ValueError(f"{where}: {argument}[{index}] ({rule_filter!r}, {spec}) "
+                                 f"names mesh axis {axis!r}; the mesh's axes are "
                                  f"{tuple(mesh.axis_names)}")
     return rule_filter, spec
 

@@ -91,7 +91,9 @@ class VariablesTable:
             sharding = getattr(leaf, "sharding", None)
             spec = getattr(sharding, "spec", None)
             shard = sharding.shard_shape(shape) if sharding is not None else shape
-            self.rows.append({"path": "/".join(path), "role": role,
+            # an owned variable's brick path ("/linear_layers/0", the root "/") joined once
+            self.rows.append({"path": "/".join(p for part in path if (p := part.strip("/"))),
+                              "role": role,
                               "shape": shape, "dtype": str(dtype), "size": size,
                               "bytes": size * itemsize,
                               "devices": len(sharding.device_set) if sharding else 1,
@@ -106,8 +108,10 @@ class VariablesTable:
 
     @property
     def totals(self) -> str:
+        spread = sum(r["per device"] for r in self.rows)
         return (f"{len(self.rows)} arrays, {size_text(self.size)} values, "
-                f"{size_text(self.nbytes, 'B')}")
+                f"{size_text(self.nbytes, 'B')}"
+                + (f", {size_text(spread, 'B')} per device" if self.placement else ""))
 
     def _table(self) -> tuple[list[str], list[list[Any]]]:
         """Headers and cells; no role column where no array has a role (an optimizer's)."""

@@ -195,12 +195,19 @@ def program_provenance(program: Any) -> Provenance:
 def placement_record(placement: Any, layout: Layout) -> dict[str, Any]:
     """A mesh placement as plain data: the mesh's axes and sizes, the rules (filters as
     program records write them, specs as lists) and the batch axis."""
-    def spec(entries: Any) -> list[Any]:
-        return [list(e) if isinstance(e, tuple) else e for e in entries]
-
     return {"mesh": {str(axis): int(size) for axis, size in placement.mesh.shape.items()},
-            "rules": [[filter_record(f, layout), spec(s)] for f, s in placement.rules],
-            "batch_axis": spec([placement.batch_axis])[0]}
+            "rules": rules_record(placement.rules, layout),
+            "batch_axis": _spec([placement.batch_axis])[0]}
+
+
+def rules_record(rules: Any, layout: Layout) -> list[list[Any]]:
+    """Placement rules as plain data: each filter as program records write it, each spec
+    as a list (a tuple of axes as a list)."""
+    return [[filter_record(f, layout), _spec(s)] for f, s in rules]
+
+
+def _spec(entries: Any) -> list[Any]:
+    return [list(e) if isinstance(e, tuple) else e for e in entries]
 
 
 def data_record(data: Any) -> dict[str, Any]:
@@ -227,6 +234,9 @@ def training_inputs(step: Any, loop: Any = None) -> dict[str, Any]:
     inputs["optimizer"] = step.optimizer_record
     inputs["skip_nonfinite"] = step.skip_nonfinite
     inputs["trainable"] = trained_record(step.program.layout, step.trainable)
+    if step.optimizer_placement.rules:  # where the optimizer's moments were, not what
+        inputs["placement"] = {**inputs["placement"], "optimizer_rules": rules_record(
+            step.optimizer_placement.rules, step.program.layout)}
     if loop is not None:
         inputs["data"] = data_record(loop.data)
         inputs["loop"] = {"epochs": loop.epochs, "steps": loop.max_steps,

@@ -80,7 +80,8 @@ def optimizer_text(opt: Mapping[str, Any], hint: bool = False) -> str:
     if opt.get("name"):
         return call_text(opt.get("name"), opt.get("arguments", {}))
     return f"not recorded ({opt.get('type')})" + (
-        ": made with graphmod.provenance.optimizer('adam', learning_rate=...) it would be"
+        "; to record one, make it with graphmod.provenance.optimizer(name, **arguments), "
+        "e.g. optimizer('sgd', learning_rate=0.1), or pass optimize(config=...)"
         if hint else "")
 
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from graphmod._core._sharding import mesh_context, on_mesh
 from graphmod._train._batch import Binding, bind, bind_fields, fields_of, pick, target_field
 from graphmod._train._program import Program
 from graphmod.metrics import Metric, get
@@ -62,7 +63,7 @@ class Engine:
         self._program = weakref.ref(program)
         self.binding, self.target, self.keep = binding, target, keep
         self.metrics = tuple(metrics)
-        self._sums = jax.jit(self._batch_sums)
+        self._sums = jax.jit(on_mesh(self._batch_sums, program.placement))
 
     def outputs(self, variables: dict, batch: Any) -> Any:
         """The program's predictions for ``batch`` (monitored values left out)."""
@@ -81,6 +82,10 @@ class Engine:
 
     def run(self, variables: dict, batches: Iterable[tuple[Any, Any]]) -> Totals:
         """Every ``(batch, mask)`` once; one wait on the device, at the end."""
+        with mesh_context(self._program().placement):
+            return self._run(variables, batches)
+
+    def _run(self, variables: dict, batches: Iterable[tuple[Any, Any]]) -> Totals:
         sums: list[dict] = []
         kept: list[tuple[Any, Any]] = []
         examples = 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,76 +18,27 @@ from graphmod._core._construction import key_record
 from graphmod._core._manager import Manager
 from graphmod._core._role_tree import select
 from graphmod._core._selection import as_selectors, selected
-from graphmod._core._sharding import put
-from graphmod._core._show import VariablesTable, size_text
+from graphmod._core._sharding import on_mesh, put
 from graphmod._records._collect import training_provenance
 from graphmod._records._optimizer import optimizer_record
 from graphmod._records._summary import optimizer_text
 from graphmod._train._batch import step_arguments
+from graphmod._train._optimizer_placement import OptimizerPlacement
 from graphmod._train._program import Program
+from graphmod._train._train_state import TrainState
 
 
-class TrainState(NamedTuple):
-    """What a train step carries: variables, optimizer state, step count, the base key's
-    data (``jax.random.key_data``: raw uint32 words dispatch faster than a typed key), and
-    the number of steps skipped for a non-finite loss or update. As a pytree (what ``jax.jit``
-    and ``jax.tree.leaves`` see) it lists the optimizer state before the variables.
-
-    Examples:
-        >>> import jax, jax.numpy as jnp, optax, graphmod as gm
-        >>> from flax import nnx
-        >>> program = gm.compile(lambda m, x: (m(x) ** 2).mean(),
-        ...                      gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0)))
-        >>> state = gm.optimize(program, optax.sgd(0.1)).init(
-        ...     program.init(jnp.ones((1, 2))), jax.random.key(0))
-        >>> int(state.step), state.rng.dtype
-        (0, dtype('uint32'))
-    """
-
-    variables: dict
-    opt_state: Any
-    step: jax.Array
-    rng: jax.Array
-    skipped: jax.Array
-
-    def __repr__(self) -> str:  # sizes, never the arrays' values (a 100-column line)
-        variables, opt = VariablesTable(self.variables), VariablesTable(self.opt_state)
-        return (f"TrainState(step={_count(self.step)}, skipped={_count(self.skipped)}, "
-                f"variables: {len(variables.rows)} arrays, {size_text(variables.nbytes, 'B')}"
-                f"; opt_state: {len(opt.rows)} arrays, {size_text(opt.nbytes, 'B')})")
-
-    def _repr_html_(self) -> str:
-        head = f"TrainState: step {_count(self.step)}, skipped {_count(self.skipped)}"
-        return (VariablesTable(self.variables, title=head)._repr_html_()
-                + VariablesTable(self.opt_state, title="opt_state")._repr_html_())
-
-
-# The step's XLA parameters in this order: XLA:CPU schedules a small step by its parameters'
-# order, and the optimizer state first (as a hand-written dict state sorts it) ran the
-# StopGradient and WeightStandardization steps 4-11% faster (benchmarks/manager_costs.py).
-# The fields keep their order and names (``state.variables``, ``state[0]``, keyword
-# construction); checkpoints find each stored leaf by its path, so either order restores.
-# Flattened by C functions (itemgetter, tuple.__new__) behind two small lambdas: 0.14 µs a
-# call more than a plain NamedTuple, against 0.33 µs for register_dataclass's keywords.
-_FLAT_FIELDS = ("opt_state", "variables", "step", "rng", "skipped")
-_FLAT = operator.itemgetter(*map(TrainState._fields.index, _FLAT_FIELDS))
-_UNFLAT = operator.itemgetter(*map(_FLAT_FIELDS.index, TrainState._fields))
-_KEYS = tuple(map(jax.tree_util.GetAttrKey, _FLAT_FIELDS))
-jax.tree_util.register_pytree_with_keys(
-    TrainState,
-    lambda state: (tuple(zip(_KEYS, _FLAT(state), strict=True)), None),
-    lambda _, children: tuple.__new__(TrainState, _UNFLAT(children)),
-    lambda state: (_FLAT(state), None))
-
-
-def _count(value: Any) -> str:
-    """A step counter as text, without a device read inside a trace."""
-    return "traced" if isinstance(value, jax.core.Tracer) else str(int(value))
-
-
-def _split_output(out: Any) -> tuple[jax.Array, dict]:
+def _split_output(out: Any, fn: Any) -> tuple[jax.Array, dict]:
+    """The cost and metrics of what the function returned: a cost or ``(cost, metrics)``."""
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
         return out[0], dict(out[1])
+    if isinstance(out, tuple | list):  # (loss, logits): the aux of jax.value_and_grad
+        name = getattr(fn, "__name__", "fn")
+        raise TypeError(
+            f"optimize: {name} returned a {type(out).__name__} of {len(out)}; a train "
+            "step's function returns its cost, or (cost, metrics) with metrics a dict of "
+            f"arrays: return (loss, {{'logits': logits}}) to see them in the metrics, or "
+            "predict with program.derive(lambda model, x: model(x))")
     return out, {}
 
 
@@ -120,7 +71,8 @@ class TrainStep:
 
     def __init__(self, program: Program, tx: optax.GradientTransformation,
                  skip_nonfinite: bool, config: Mapping[str, Any] | None = None,
-                 trainable: Any = None, grad_norms: bool = False) -> None:
+                 trainable: Any = None, grad_norms: bool = False,
+                 optimizer_rules: Sequence[Any] = ()) -> None:
         if not isinstance(program, Program):
             raise TypeError(f"optimize(program, tx): expected a graphmod Program, got "
                             f"{type(program).__name__}")
@@ -135,11 +87,14 @@ class TrainStep:
         self.skip_nonfinite = skip_nonfinite
         self.trainable = None if trainable is None else as_selectors(
             trainable, "optimize(trainable=...)")
+        _check_own_managers(self.trainable or (), program)
         self.grad_norms = bool(grad_norms)
+        self.optimizer_placement = OptimizerPlacement(program.placement, program.layout,
+                                                      optimizer_rules)
         self.optimizer_record = optimizer_record(tx, config)
         self.train_seed: dict | None = None
-        self._step = jax.jit(self._train_step, donate_argnums=0)
-        self._steps = jax.jit(self._scanned, donate_argnums=0)
+        self._step = jax.jit(on_mesh(self._train_step, program.placement), donate_argnums=0)
+        self._steps = jax.jit(on_mesh(self._scanned, program.placement), donate_argnums=0)
 
     def __repr__(self) -> str:
         chosen = "every parameter" if self.trainable is None else "the parameters of " + \
@@ -148,6 +103,7 @@ class TrainStep:
                                                      ("grad_norms", self.grad_norms)) if on)
         return (f"TrainStep: trains {chosen}{flags}\n  optimizer: "
                 f"{optimizer_text(self.optimizer_record)}\n  "
+                + "".join(f"{line}\n  " for line in self.optimizer_placement.lines())
                 + repr(self.program).replace("\n", "\n  "))
 
     # ``step(state, *batch)`` calls the jitted step itself, found by a property made of C
@@ -209,13 +165,14 @@ class TrainStep:
     def _shardings(self, state: TrainState) -> TrainState:
         """The placement of every leaf of ``state`` on the program's mesh: the variables by
         the program's rules, the optimizer's copies of a parameter (Adam's moments) as that
-        parameter, everything else replicated."""
-        placement = self.program.placement
-        variables = placement.variables(state.variables, self.program.layout)
+        parameter or as :class:`OptimizerPlacement` says, everything else replicated."""
+        placement, layout = self.program.placement, self.program.layout
+        variables = placement.variables(state.variables, layout)
         whole = placement.replicated()
+        copies = self.optimizer_placement.copies(
+            self._parameters(state.variables)[0], self._parameters(variables)[0], layout)
         opt = optax.tree_map_params(self.tx, lambda _, sharding: sharding, state.opt_state,
-                                    self._parameters(variables)[0],
-                                    transform_non_params=lambda _: whole)
+                                    copies, transform_non_params=lambda _: whole)
         return TrainState(variables, opt, whole, whole, whole)
 
     def abstract_state(self, *example_args: Any, **example_kwargs: Any) -> TrainState:
@@ -266,7 +223,7 @@ class TrainStep:
         program = self.program
         out, new_variables, monitored, costs, measured = program._train_traced(
             program.merge(params, rest), key, batch, kwargs, with_costs=True)
-        cost, metrics = _split_output(out)
+        cost, metrics = _split_output(out, program.fn)
         if jnp.ndim(cost) != 0 or not jnp.issubdtype(jnp.result_type(cost), jnp.floating):
             raise ValueError(
                 f"optimize: the cost returned by {getattr(program.fn, '__name__', 'fn')} "
@@ -304,6 +261,18 @@ class TrainStep:
         if program.placement is not None:  # outputs placed as inputs: nothing moves
             new_state = jax.lax.with_sharding_constraint(new_state, self._shardings(new_state))
         return new_state, {"loss": cost, **metrics}
+
+
+def _check_own_managers(selectors: tuple[Any, ...], program: Program) -> None:
+    """Refuses a manager among ``trainable`` that the program was not compiled with (one
+    of the same name would otherwise stand in for it)."""
+    for selector in selectors:
+        if isinstance(selector, Manager) and not any(selector is m for m in program.managers):
+            names = ", ".join(m.name for m in program.managers) or "none"
+            raise ValueError(
+                f"optimize(trainable=...): {type(selector).__name__} {selector.name!r} is not "
+                f"one of the program's managers (its managers: {names}); pass the manager "
+                "object the program was compiled with")
 
 
 def _copied(tree: Any) -> Any:
@@ -348,7 +317,8 @@ def _check_differentiable(params: dict) -> None:
 
 def optimize(program: Program, tx: optax.GradientTransformation, *,
              skip_nonfinite: bool = False, config: Mapping[str, Any] | None = None,
-             trainable: Any = None, grad_norms: bool = False) -> TrainStep:
+             trainable: Any = None, grad_norms: bool = False,
+             optimizer_rules: Sequence[Any] = ()) -> TrainStep:
     """A jitted, buffer-donating train step for ``program`` with optax optimizer ``tx``.
 
     Args:
@@ -372,6 +342,12 @@ def optimize(program: Program, tx: optax.GradientTransformation, *,
             optimizer state. The training record lists the parameters trained.
         grad_norms: also report each parameter's gradient norm in the metrics, as
             ``metrics["grad_norm/model/linear_layers/0/W"]``.
+        optimizer_rules: for a program on a mesh, ``(VariableFilter, PartitionSpec)``
+            pairs placing the optimizer's copies of the parameters they select (Adam's
+            moments) apart from the parameters, e.g. split over the data axis while the
+            parameters are replicated (ZeRO's first stage). A Flax variable's own
+            ``optimizer_sharding`` metadata is read as a rule for it; the copies of a
+            parameter neither selects are placed as the parameter.
 
     Auxiliary costs (``call.add_auxiliary_variable(value, roles=[COST])``, e.g. from
     ``managers.L2``) are added to the cost that is differentiated: ``metrics["loss"]`` is
@@ -389,4 +365,5 @@ def optimize(program: Program, tx: optax.GradientTransformation, *,
         >>> int(state.step), sorted(metrics)
         (1, ['loss'])
     """
-    return TrainStep(program, tx, skip_nonfinite, config, trainable, grad_norms)
+    return TrainStep(program, tx, skip_nonfinite, config, trainable, grad_norms,
+                     optimizer_rules)

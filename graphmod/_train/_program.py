@@ -154,7 +154,7 @@ class Program(ProgramCore):
             -------  ------  ------  -------  ----  -----  ----------  ----------
             model/W  WEIGHT  (2, 4)  float32  8     32 B   P('data',)  32 B
             model/b  BIAS    (4,)    float32  4     16 B   replicated  16 B
-            2 arrays, 12 values, 48 B
+            2 arrays, 12 values, 48 B, 48 B per device
         """
         return VariablesTable(variables, self.roles(variables), title="placement",
                               placement=True)

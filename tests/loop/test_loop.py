@@ -219,7 +219,7 @@ def test_batches_the_function_cannot_take_are_refused_before_any_plugin_writes(
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'index'"):
         gm.Loop(problem.step, extra, steps=2).run(problem.state())
     plain = [{"x": problem.x[:8], "label": problem.y[:8]}]  # not read ahead: the trace tells
-    with pytest.raises(TypeError, match=r"program.train: <lambda>\(m, x, y\) cannot take"):
+    with pytest.raises(TypeError, match=r"the train step: <lambda>\(m, x, y\) cannot take"):
         gm.Loop(problem.step, plain, steps=1).run(problem.state())
 
 

@@ -143,6 +143,13 @@ def test_trainable_filters_name_the_culprit_and_grad_norms_are_reported() -> Non
             variables, key(0))
     with pytest.raises(TypeError, match=r"trainable=\.\.\.\): expected a VariableFilter"):
         gm.optimize(program, optax.sgd(0.1), trainable="W")
+    # a manager of the same name as the program's stands in for nothing
+    own = managers.LoRA(2, roles=[gm.roles.WEIGHT])
+    adapted = gm.compile(mean_square, mlp, managers=[own])
+    with pytest.raises(ValueError, match=r"trainable=\.\.\.\): LoRA 'lora' is not one of the "
+                       r"program's managers \(its managers: lora\); pass the manager object"):
+        gm.optimize(adapted, optax.sgd(0.1), trainable=[managers.LoRA(2, roles=[gm.roles.BIAS])])
+    gm.optimize(adapted, optax.sgd(0.1), trainable=[own])
 
 
 def _activation_bytes(fn: Any, *args: Any) -> int:

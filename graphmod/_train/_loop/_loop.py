@@ -19,12 +19,7 @@ from graphmod._core._clock import utc_now
 from graphmod._records._collect import training_provenance
 from graphmod._records._record import Provenance
 from graphmod._train._events import Event, Template, Time, check_event_types
-from graphmod._train._interrupt import (
-    SigintGuard,
-    StopAgreement,
-    report_unsaved,
-    stop_notice,
-)
+from graphmod._train._interrupt import SigintGuard, StopAgreement, report_unsaved, stop_notice
 from graphmod._train._loop._dispatch import DispatchTrace, PluginTable
 from graphmod._train._loop._resume import data_changes, loop_record, read_checkpoint
 from graphmod._train._loop._steps import (
@@ -39,6 +34,7 @@ from graphmod._train._loop._steps import (
     donated,
     epoch_batches,
     fused_steps,
+    step_mesh,
     steps_in_flight,
     steps_to_fuse,
 )
@@ -259,7 +255,8 @@ class Loop:
         multi = fused_steps(step, self.step) if self.steps_per_call > 1 else None
         limit = steps_in_flight(self.step)
         step, multi = bounded(step, limit), multi and bounded(multi, limit)
-        with SigintGuard(stop_notice(self._plugins.saves_on_interrupt())) as guard:
+        with SigintGuard(stop_notice(self._plugins.saves_on_interrupt())) as guard, \
+                step_mesh(self.step):
             self._guard = guard
             try:
                 self._run_plugins(step, multi)

@@ -9,6 +9,7 @@ dispatch whenever no planned template is due inside them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Iterator
@@ -25,10 +26,12 @@ from graphmod._core._arguments import (
     check_binds,
     is_key,
 )
-from graphmod._core._sharding import Placement
+from graphmod._core._rng_arguments import with_random_streams
+from graphmod._core._sharding import Placement, mesh_context
 from graphmod._train._batch import step_arguments
 from graphmod._train._events import On, Template, Time
-from graphmod._train._optimize import TrainState, TrainStep
+from graphmod._train._optimize import TrainStep
+from graphmod._train._train_state import TrainState
 
 _PLANNABLE = ("step", "epoch", "examples")
 
@@ -62,6 +65,12 @@ def epoch_batches(data: Iterable[Any], epoch: int, position: int) -> Iterator[An
 def _placement(step: Any) -> Placement | None:
     """The mesh placement of a ``graphmod.optimize`` step's program (None: one device)."""
     return step.program.placement if isinstance(step, TrainStep) else None
+
+
+def step_mesh(step: Any) -> contextlib.AbstractContextManager:
+    """The mesh of a ``graphmod.optimize`` step's program set as the context mesh for the
+    loop's own work on its arrays (nothing for other steps): see ``mesh_context``."""
+    return mesh_context(_placement(step))
 
 
 def batch_placer(step: Any) -> Callable[[Any, bool], Any] | None:
@@ -245,10 +254,12 @@ def check_first_batch(step: Any, data: Iterable[Any], epoch: int, position: int)
     first = next(iter(data.iter_epoch(epoch, start=position)), None)
     if first is None:
         return
+    fn, examples = step.program.fn, step.program.record.examples
     args, kwargs = step_arguments(first)
-    fn = step.program.fn
+    if examples is not None:  # the nnx.Rngs arguments the step makes need no data
+        args, kwargs = with_random_streams(fn, examples, args, kwargs, jax.random.key(0),
+                                           "Loop.run")
     check_binds(fn, args, kwargs, "Loop.run: the data's batches")
-    examples = step.program.record.examples
     if examples is not None:
         try:
             check_arguments(examples, bind_arguments(argument_names(fn), args, kwargs,

@@ -1,0 +1,124 @@
+"""Where the optimizer's copies of the parameters (Adam's moments) live on a mesh.
+
+Each copy is placed as its parameter unless one of these places it (the first that does):
+
+1. ``optimize(program, tx, optimizer_rules=[(VariableFilter, PartitionSpec), ...])``: the
+   first rule whose filter selects a model parameter places that parameter's copies.
+2. The parameter's Flax variable metadata ``optimizer_sharding`` (a ``PartitionSpec`` of
+   mesh axes), as Flax's optimization cookbook writes it,
+   ``nnx.with_metadata(init, optimizer_sharding=P("data"))``, and ``nnx.Optimizer`` reads
+   it: an unmodified Flax model brings its own placement.
+
+Replicated parameters with split copies are ZeRO's first stage: the optimizer's memory is
+divided over the devices, and XLA gathers each update where it is applied.
+
+Sharp edges
+    The rules select model parameters; a manager's parameter (LoRA's ``a`` and ``b``) keeps
+    its copies placed as itself. A program without a mesh places nothing: the metadata is
+    then not read, and ``optimizer_rules`` is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from graphmod._core._layout import Layout
+from graphmod._core._selection import stored_tag
+from graphmod._core._sharding import Placement, Rule, checked_rules, misfit
+
+__all__ = ["OptimizerPlacement"]
+
+_METADATA = "optimizer_sharding"
+
+
+class OptimizerPlacement:
+    """The placement of the optimizer's copies of each model parameter, by rules and by the
+    Flax variables' ``optimizer_sharding`` metadata.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm
+        >>> from flax import nnx
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((1,), ("data",))
+        >>> program = gm.compile(lambda m, x: m(x), gm.bricks.Linear(2, 4, rngs=nnx.Rngs(0)),
+        ...                      mesh=mesh)
+        >>> variables = program.init(jnp.ones((1, 2)))
+        >>> rules = [(gm.VariableFilter(roles=[gm.roles.WEIGHT]), P("data"))]
+        >>> placed = OptimizerPlacement(program.placement, program.layout, rules)
+        >>> placed.copies(variables, program.placement.variables(variables, program.layout),
+        ...               program.layout)["model"]["W"].spec
+        P('data',)
+    """
+
+    def __init__(self, placement: Placement | None, layout: Layout,
+                 rules: Sequence[Any] = ()) -> None:
+        if placement is None:
+            if rules:
+                raise ValueError("optimize(optimizer_rules=...): the program runs on one "
+                                 "device; compile it with mesh=... to place arrays by rules")
+            self.rules: tuple[Rule, ...] = ()
+            self.annotated: dict[tuple, PartitionSpec] = {}
+            return
+        self.mesh = placement.mesh
+        self.rules = checked_rules(self.mesh, rules, "optimize", "optimizer_rules")
+        for index, (rule_filter, _) in enumerate(self.rules):
+            layout.resolve(rule_filter.brick_instances(), f"optimize(optimizer_rules[{index}])")
+        self.annotated = _annotated(layout)
+
+    def lines(self) -> list[str]:
+        """What places the optimizer's copies apart from their parameters, for a step's
+        repr (nothing when nothing does)."""
+        rules = [f"optimizer_rules[{index}]: ({rule_filter!r}, {spec})"
+                 for index, (rule_filter, spec) in enumerate(self.rules)]
+        if self.annotated:
+            rules.append(f"{_METADATA} metadata of {len(self.annotated)} variables")
+        return [f"optimizer state placed by {line}" for line in rules]
+
+    def copies(self, variables: Mapping, shardings: dict, layout: Layout) -> dict:
+        """``shardings`` (the variables' own) with each model parameter's replaced by the
+        placement of its optimizer copies. Raises ``ValueError`` naming the parameter, its
+        shape and the rule or metadata when the spec does not fit it."""
+        if not self.rules and not self.annotated:
+            return shardings
+
+        def model(node: Any, placed: Any, key: tuple) -> Any:
+            if isinstance(node, Mapping):
+                return {k: model(v, placed[k], (*key, k)) for k, v in node.items()}
+            spec = self._spec(layout, key, tuple(jax.typeof(node).shape))
+            return placed if spec is None else NamedSharding(self.mesh, spec)
+
+        return {**shardings, "model": model(variables["model"], shardings["model"], ())}
+
+    def _spec(self, layout: Layout, key: tuple, shape: tuple[int, ...]) -> PartitionSpec | None:
+        tag = stored_tag(layout, key)
+        for index, (rule_filter, spec) in enumerate(self.rules):
+            if rule_filter.matches(tag, layout.instance_paths):
+                self._check(spec, tag.path, shape,
+                            f"optimizer_rules[{index}] ({rule_filter!r}, {spec})")
+                return spec
+        spec = self.annotated.get(key)
+        if spec is not None:
+            self._check(spec, tag.path, shape, f"its {_METADATA} metadata {spec}")
+        return spec
+
+    def _check(self, spec: PartitionSpec, path: str, shape: tuple[int, ...],
+               source: str) -> None:
+        why = misfit(spec, shape, self.mesh)
+        if why is not None:
+            raise ValueError(f"optimize: {source} does not fit the optimizer's copies of "
+                             f"parameter {path} of shape {shape}: {why}; change the spec "
+                             "(None leaves a dimension whole) or narrow the rule's filter")
+
+
+def _annotated(layout: Layout) -> dict[tuple, PartitionSpec]:
+    """The ``optimizer_sharding`` metadata of the model's variables, by key."""
+    out = {}
+    for info in layout.variables:
+        annotation = layout.objects[info.identity].get_metadata().get(_METADATA)
+        if annotation is not None:
+            out[info.key] = PartitionSpec(*annotation)
+    return out
