@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,6 +139,41 @@ def test_lbfgs_with_its_line_search_solves_a_least_squares_problem() -> None:
         state, metrics = step(state, x, x @ w)  # the parameters are also in L-BFGS's state
     np.testing.assert_allclose(state.variables["model"]["W"], w, atol=1e-4)
     assert float(metrics["loss"]) < 1e-8
+
+
+def test_a_schedule_free_optimizer_is_evaluated_at_its_evaluation_point() -> None:
+    program, variables, x, y = _setup()
+    lora = managers.LoRA(2, roles=[roles.WEIGHT])  # frozen model, trained adapters
+    adapted = gm.compile(program.fn, program.model, managers=[*program.managers, lora])
+    cases = [(program, variables, None), (adapted, adapted.init(x, y), [lora])]
+    for compiled, start, trainable in cases:
+        step = gm.optimize(compiled, optax.contrib.schedule_free_adamw(1e-2),
+                           trainable=trainable)
+        state = step.init(start, jax.random.key(0))
+        for _ in range(4):
+            state, _ = step(state, x, y)
+        trained, rest = step._parameters(state.variables)
+        expected = compiled.merge(optax.contrib.schedule_free_eval_params(
+            state.opt_state, trained), rest)
+        chex.assert_trees_all_close(state.evaluation_variables, expected, rtol=1e-6)
+        moved = [not np.array_equal(a, b) for a, b in zip(
+            jax.tree.leaves(state.evaluation_variables), jax.tree.leaves(state.variables),
+            strict=True)]
+        assert sum(moved) == len(jax.tree.leaves(trained))  # the trained ones, only
+    plain = gm.optimize(program, optax.adam(1e-2)).init(variables, jax.random.key(0))
+    assert plain.evaluation_variables is plain.variables
+    # Validation evaluates there
+    predict = program.derive(lambda m, x: m(x))
+    mse = lambda out, batch: ((out - batch[1]) ** 2).mean(-1)
+    valid = gm.plugins.Validation(predict, gm.data.ArraySource((x, y), 8),
+                                  metrics={"mse": mse})
+    step = gm.optimize(program, optax.contrib.schedule_free_adamw(1e-2))
+    state = gm.Loop(step, gm.data.ArraySource((x, y), 4), epochs=2, plugins=[valid]).run(
+        step.init(variables, jax.random.key(0)))
+    at = lambda v: float(((predict.infer(v, x) - y) ** 2).mean())
+    assert valid.history[-1][1]["valid/mse"] == pytest.approx(at(
+        state.evaluation_variables), rel=1e-5)
+    assert at(state.evaluation_variables) != at(state.variables)
 
 
 def test_skip_nonfinite_leaves_the_state_unchanged_and_counts() -> None:

@@ -4,9 +4,11 @@ leaves XLA takes in the order that runs fastest."""
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
+import optax
 
 from graphmod._core._show import VariablesTable, size_text
 
@@ -36,6 +38,32 @@ class TrainState(NamedTuple):
     rng: jax.Array
     skipped: jax.Array
 
+    @property
+    def evaluation_variables(self) -> dict:
+        """The variables to evaluate and export: ``variables``, except under a schedule-free
+        optimizer (``optax.contrib.schedule_free_adamw``, ...), which trains at one point
+        and is evaluated at another: there its parameters are replaced by
+        ``optax.contrib.schedule_free_eval_params``'s (``Validation`` reads these).
+
+        Examples:
+            >>> import jax, jax.numpy as jnp, optax, graphmod as gm
+            >>> from flax import nnx
+            >>> program = gm.compile(lambda m, x: (m(x) ** 2).mean(),
+            ...                      gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0)))
+            >>> step = gm.optimize(program, optax.contrib.schedule_free_sgd(0.1))
+            >>> state = step.init(program.init(jnp.ones((1, 2))), jax.random.key(0))
+            >>> for _ in range(3):
+            ...     state, _ = step(state, jnp.ones((4, 2)))
+            >>> bool((state.evaluation_variables["model"]["W"] != state.variables["model"]["W"]
+            ...       ).all())
+            True
+        """
+        variables = self.variables
+        for free in jax.tree.leaves(self.opt_state, is_leaf=_is_schedule_free):
+            if _is_schedule_free(free):
+                variables = _evaluation_point(variables, free.z, free.b1)
+        return variables
+
     def __repr__(self) -> str:  # sizes, never the arrays' values (a 100-column line)
         variables, opt = VariablesTable(self.variables), VariablesTable(self.opt_state)
         return (f"TrainState(step={_count(self.step)}, skipped={_count(self.skipped)}, "
@@ -64,6 +92,22 @@ jax.tree_util.register_pytree_with_keys(
     lambda state: (tuple(zip(_KEYS, _FLAT(state), strict=True)), None),
     lambda _, children: tuple.__new__(TrainState, _UNFLAT(children)),
     lambda state: (_FLAT(state), None))
+
+
+def _is_schedule_free(node: Any) -> bool:
+    return isinstance(node, optax.contrib.ScheduleFreeState)
+
+
+def _evaluation_point(variables: Any, z: Any, b1: Any) -> Any:
+    """``variables`` with each parameter ``y`` that ``z`` holds (in the trained
+    parameters' nesting) replaced by ``(y - (1 - b1) z) / b1``, as
+    ``schedule_free_eval_params`` computes it, in the parameter's dtype."""
+    if isinstance(z, Mapping):
+        return {**variables, **{key: _evaluation_point(variables[key], value, b1)
+                                for key, value in z.items()}}
+    if not isinstance(z, jax.Array):  # masked out: another transformation trains it
+        return variables
+    return ((variables - (1.0 - b1) * z) / b1).astype(variables.dtype)
 
 
 def _count(value: Any) -> str:

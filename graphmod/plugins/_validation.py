@@ -46,7 +46,8 @@ class Validation(Plugin):
     """Evaluates the current variables on ``source`` and fires a ``validated`` event.
 
     On each due event it runs ``program.infer`` (in inference mode: no dropout, running
-    batch-norm statistics) with ``event.state.variables`` over every row of ``source``
+    batch-norm statistics) with ``event.state.evaluation_variables`` (the variables, or a
+    schedule-free optimizer's evaluation point) over every row of ``source``
     once, in padded batches, and fires ``validated`` with
     ``metrics={prefix + name: value}`` (plugins such as ``EarlyStopping`` and ``Print``
     read them there). The inference call gets the entries of each batch its function
@@ -164,7 +165,8 @@ def _protocol(metrics: Any) -> list[_metrics.Metric]:
 
 
 def _variables(state: Any, who: str) -> dict:
-    variables = getattr(state, "variables", state)
+    # a TrainState's: for a schedule-free optimizer, not the point it trains at
+    variables = getattr(state, "evaluation_variables", getattr(state, "variables", state))
     if not isinstance(variables, Mapping) or "model" not in variables:
         raise TypeError(f"{who}: the loop's train state has no program variables (expected "
                         f"a graphmod.TrainState with .variables, got {type(state).__name__})")
