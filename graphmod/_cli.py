@@ -192,15 +192,32 @@ def _resume(args: argparse.Namespace) -> int:
     command, cwd = resume_command(meta["command"], directory)
     time = meta.get("time")
     epoch = f" (epoch {time['epoch']})" if isinstance(time, dict) and "epoch" in time else ""
+    ended = _ended(meta)
     print(f"graphmod resume: resuming {directory} at step {step}{epoch}, from its newest "
           f"checkpoint\n"
-          f"graphmod resume: running in {cwd}: {shlex.join(command)}", file=sys.stderr)
+          + (f"graphmod resume: that checkpoint ends the run it was saved by ({ended}): the "
+             "script stops at once unless it now asks for more epochs or steps\n"
+             if ended else "")
+          + f"graphmod resume: running in {cwd}: {shlex.join(command)}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os.chdir(cwd)
     # The script replaces this process: Ctrl-C and the exit status are its own.
     os.execve(command[0], command, {**os.environ, RESUME_VARIABLE: directory})
     return 0  # reached only where os.execve is replaced (tests)
+
+
+def _ended(meta: dict[str, Any]) -> str | None:
+    """Which of its loop's limits a checkpoint's run had reached ("epoch 3 of 3"), if any
+    (the meta read from disk: anything not an int reads as no limit)."""
+    time, loop = meta.get("time"), meta.get("loop")
+    if not (isinstance(time, dict) and isinstance(loop, dict)):
+        return None
+    for counter, limit in (("epoch", "epochs"), ("step", "steps")):
+        done, most = time.get(counter), loop.get(limit)
+        if isinstance(done, int) and isinstance(most, int) and done >= most:
+            return f"{counter} {done} of {most}"
+    return None
 
 
 def inspect_run(directory: str | os.PathLike) -> str:

@@ -45,11 +45,14 @@ def _record_of(done: subprocess.CompletedProcess) -> dict[str, Any]:
     return json.loads(lines[-1].removeprefix("RECORD"))
 
 
-def _checkpoint(directory: pathlib.Path, command: Any, *, step: int = 5) -> pathlib.Path:
-    """A real checkpoint in ``directory`` whose meta records ``command`` (and a loop time)."""
+def _checkpoint(directory: pathlib.Path, command: Any, *, step: int = 5,
+                loop: dict | None = None) -> pathlib.Path:
+    """A real checkpoint in ``directory`` whose meta records ``command`` (and a loop time,
+    and the loop's limits when given)."""
     writer = Checkpointer(directory, keep=None)
     writer.save(step, {"w": jnp.ones(3)}, {"command": command,
-                                           "time": {"step": step, "epoch": 2}})
+                                           "time": {"step": step, "epoch": 2},
+                                           **({"loop": loop} if loop else {})})
     writer.wait()
     writer.close()
     return directory
@@ -167,6 +170,21 @@ def test_resume_runs_the_recorded_script_with_its_arguments_as_data(
     err = capsys.readouterr().err
     assert f"resuming {run} at step 5 (epoch 2), from its newest checkpoint" in err
     assert shlex.join(argv) in err
+
+
+def test_resume_of_a_run_that_had_ended_says_so(
+        tmp_path: pathlib.Path, no_exec: list[tuple], capsys: pytest.CaptureFixture) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    command = {"kind": "script", "script": str(script), "args": [], "argv": ["train.py"],
+               "cwd": str(tmp_path)}
+    ended = _checkpoint(tmp_path / "ended", command, loop={"epochs": 2, "steps": None})
+    assert main(["resume", str(ended)]) == 0 and len(no_exec) == 1  # the script still runs
+    assert ("that checkpoint ends the run it was saved by (epoch 2 of 2): the script stops "
+            "at once unless it now asks for more epochs or steps") in capsys.readouterr().err
+    going = _checkpoint(tmp_path / "going", command, loop={"epochs": 3, "steps": "5"})
+    assert main(["resume", str(going)]) == 0
+    assert "ends the run" not in capsys.readouterr().err
 
 
 def test_resume_replaces_itself_with_the_script_and_keeps_its_exit_status(
