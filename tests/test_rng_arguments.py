@@ -117,3 +117,16 @@ def test_a_raw_key_where_init_had_a_typed_one_is_named_with_the_fix() -> None:
                        r"key<fry>.*a raw uint32 key \(jax\.random\.PRNGKey\): pass "
                        r"jax\.random\.key\(seed\)"):
         compiled.infer(variables, X[:4], jax.random.PRNGKey(0))
+
+
+def test_with_an_axis_name_every_device_draws_its_own_noise() -> None:
+    def draw(axis_name: Any) -> jax.Array:
+        compiled = gm.compile(flow_loss, nnx.Linear(4, 4, rngs=nnx.Rngs(0)),
+                              axis_name=axis_name)
+        variables = compiled.init(X[:4], nnx.Rngs(0))
+        return jax.vmap(lambda x: compiled.train(variables, x, rng=jax.random.key(0))[0],
+                        axis_name="devices")(jnp.stack([X[:4], X[:4]]))
+
+    per_device, shared = draw("devices"), draw(None)
+    assert per_device[0] != per_device[1]  # the same data, each device its own noise
+    assert shared[0] == shared[1]

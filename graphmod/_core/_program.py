@@ -298,7 +298,7 @@ class ProgramCore(VariablesByRole):
         # graph()'s traces (record=True) neither check against nor change the program.
         if mode != "init" and not record:  # nnx.Rngs arguments left out, made from the key
             args, kwargs = with_random_streams(self.fn, self._shared.examples, args, kwargs,
-                                               key, f"program.{mode}")
+                                               key, f"program.{mode}", self._axis_name)
         check_binds(self.fn, args, kwargs, "the train step" if costs else f"program.{mode}")
         placement = self._shared.placement
         if mode != "init" and not record:

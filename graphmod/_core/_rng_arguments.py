@@ -32,10 +32,13 @@ __all__ = ["with_random_streams"]
 
 
 def with_random_streams(fn: Callable[..., Any], examples: Mapping[str, Any], args: tuple,
-                        kwargs: dict, key: Any, where: str) -> tuple[tuple, dict]:
+                        kwargs: dict, key: Any, where: str, axis_name: Any = None
+                        ) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with each ``nnx.Rngs`` argument left out made from ``key`` and
     each given one rebuilt in the current trace; a ``TypeError`` naming ``where`` and the
-    argument when one is left out and there is no key (``infer``).
+    argument when one is left out and there is no key (``infer``). With ``axis_name``
+    (``compile(axis_name=...)``, under ``shard_map`` or ``pmap``) each device's index is
+    folded in too, as ``call.rng()`` folds it: every device draws its own numbers.
 
     Examples:
         >>> import jax
@@ -60,6 +63,8 @@ def with_random_streams(fn: Callable[..., Any], examples: Mapping[str, Any], arg
         raise TypeError(f"{where}: argument {next(iter(missing))!r} (an nnx.Rngs in init's "
                         "example) is made from the key only in training; pass one here, "
                         "e.g. nnx.Rngs(0)")
+    if missing and axis_name is not None:
+        key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
     return args, {**kwargs, **{name: nnx.Rngs(**{
         stream: jax.random.fold_in(key, crc32(f"argument|{name}|{stream}"))
         for stream in names}) for name, names in missing.items()}}
