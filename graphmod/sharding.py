@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec
 from graphmod import roles
 from graphmod._core._filter import VariableFilter
 from graphmod._core._layout import Layout
-from graphmod._core._sharding import misfit
+from graphmod._core._rules import misfit
 
 __all__ = ["annotated", "data_parallel", "fsdp", "misfit", "tensor_parallel"]
 
@@ -117,12 +117,8 @@ def annotated(model: Any, axis_rules: Mapping[str, str | None] | None = None,
         [(VariableFilter(path='/.kernel'), P(None, 'model'))]
     """
     names = dict(axis_rules or {})
-    layout = Layout(model)
     rules = []
-    for info in layout.variables:
-        annotation = layout.objects[info.identity].get_metadata().get("out_sharding")
-        if annotation is None:
-            continue
+    for info, annotation in Layout(model).metadata("out_sharding"):
         spec = PartitionSpec(*(names.get(name, name) if name is not None else None
                                for name in annotation))
         if any(entry is not None for entry in spec):

@@ -240,6 +240,13 @@ class Layout:
             ))
         return tuple(infos)
 
+    def metadata(self, name: str) -> list[tuple[VariableInfo, Any]]:
+        """``(info, value)`` of each variable whose Flax metadata holds ``name`` (e.g.
+        ``out_sharding``), in the layout's order."""
+        found = ((info, self.objects[info.identity].get_metadata().get(name))
+                 for info in self.variables)
+        return [(info, value) for info, value in found if value is not None]
+
     def value(self, identity: str) -> Any:
         """The model's array of variable ``identity`` (outside the traces of programs)."""
         if identity not in self._owners:

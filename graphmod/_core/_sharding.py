@@ -45,14 +45,11 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from graphmod._core._filter import VariableFilter
 from graphmod._core._layout import Layout
 from graphmod._core._owned_layout import map_leaves
-from graphmod._core._selection import stored_tag
+from graphmod._core._rules import axis_names, checked_rules, first_rule
 
-__all__ = ["Placement", "checked_rules", "mesh_context", "on_mesh", "put"]
-
-Rule = tuple[VariableFilter, PartitionSpec]
+__all__ = ["Placement", "mesh_context", "on_mesh", "put"]
 
 
 class Placement:
@@ -82,7 +79,7 @@ class Placement:
         self.mesh = Mesh(mesh.devices, mesh.axis_names,
                          axis_types=(AxisType.Auto,) * len(mesh.axis_names))
         self.rules = checked_rules(mesh, rules)
-        for axis in _axis_names(batch_axis):
+        for axis in axis_names(batch_axis):
             if axis not in mesh.axis_names:
                 raise ValueError(f"compile(batch_axis={batch_axis!r}): the mesh has no axis "
                                  f"{axis!r}; its axes are {tuple(mesh.axis_names)}")
@@ -91,7 +88,7 @@ class Placement:
         self._whole = NamedSharding(self.mesh, PartitionSpec())
         self._split = [NamedSharding(self.mesh, PartitionSpec(*[None] * dim, batch_axis))
                        for dim in (0, 1)]  # a batch; a stack of batches (fused steps)
-        self._batch_size = math.prod(self.mesh.shape[a] for a in _axis_names(batch_axis))
+        self._batch_size = math.prod(self.mesh.shape[a] for a in axis_names(batch_axis))
         if layout is not None:
             for index, (rule_filter, _) in enumerate(self.rules):
                 layout.resolve(rule_filter.brick_instances(), f"compile(rules[{index}])")
@@ -129,21 +126,8 @@ class Placement:
         return placed
 
     def _model_spec(self, layout: Layout, key: tuple, shape: tuple[int, ...]) -> PartitionSpec:
-        tag = stored_tag(layout, key)
-        for index, (rule_filter, spec) in enumerate(self.rules):
-            if rule_filter.matches(tag, layout.instance_paths):
-                self._check_fits(index, spec, tag.path, shape)
-                return spec
-        return PartitionSpec()
-
-    def _check_fits(self, index: int, spec: PartitionSpec, path: str,
-                    shape: tuple[int, ...]) -> None:
-        why = misfit(spec, shape, self.mesh)
-        if why is not None:
-            raise ValueError(f"rules[{index}] ({self.rules[index][0]!r}, {spec}) does not fit "
-                             f"variable {path} of shape {shape}: {why}; narrow the rule's "
-                             "filter (e.g. roles=[WEIGHT]) or change the spec (None leaves a "
-                             "dimension whole)")
+        spec = first_rule(self.rules, "rules", layout, key, shape, self.mesh, "variable")
+        return PartitionSpec() if spec is None else spec
 
     def constrain(self, variables: Mapping, layout: Layout) -> Any:
         """``variables`` (traced) constrained to their placement: a step's outputs are
@@ -296,79 +280,6 @@ def _cuttable(leaf: Any) -> bool:
     return (isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
             and leaf.is_fully_addressable and not leaf.weak_type
             and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
-
-
-def misfit(spec: Sequence[Any], shape: Sequence[int], mesh: Mesh) -> str | None:
-    """Why ``spec`` cannot split an array of ``shape`` on ``mesh`` (more dimensions than
-    the array, an axis the mesh lacks, a size its axes do not divide), or None if it can.
-
-    Examples:
-        >>> import jax
-        >>> from jax.sharding import PartitionSpec as P
-        >>> mesh = jax.make_mesh((1,), ("data",))
-        >>> misfit(P("data", None), (8, 3), mesh) is None
-        True
-        >>> misfit(P(None, "model"), (8, 3), mesh)
-        "the mesh has no axis 'model' (its axes: ('data',))"
-    """
-    if len(spec) > len(shape):
-        return f"the spec names {len(spec)} dimensions, the array has {len(shape)}"
-    for dim, entry in enumerate(spec):
-        missing = [axis for axis in _axis_names(entry) if axis not in mesh.axis_names]
-        if missing:
-            return f"the mesh has no axis {missing[0]!r} (its axes: {tuple(mesh.axis_names)})"
-        size = math.prod(mesh.shape[axis] for axis in _axis_names(entry))
-        if shape[dim] % size:
-            return (f"dimension {dim} ({shape[dim]}) is not divisible by mesh axes "
-                    f"{entry!r} of size {size}")
-    return None
-
-
-def _axis_names(entry: Any) -> tuple[str, ...]:
-    """The mesh axes a spec entry (None, a name or a tuple of names) splits over."""
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
-def checked_rules(mesh: Mesh, rules: Any, caller: str = "compile",
-                  argument: str = "rules") -> tuple[Rule, ...]:
-    """``rules`` (``caller(argument=[...])``) as ``(VariableFilter, PartitionSpec)`` pairs
-    whose axes ``mesh`` has; a ``TypeError`` or ``ValueError`` naming the rule otherwise.
-
-    Examples:
-        >>> import jax, graphmod as gm
-        >>> from jax.sharding import PartitionSpec as P
-        >>> mesh = jax.make_mesh((1,), ("data",))
-        >>> checked_rules(mesh, [(gm.VariableFilter(name="W"), P("data"))])[0][1]
-        P('data',)
-    """
-    where = f"{caller}({argument}=[(VariableFilter(...), PartitionSpec(...)), ...])"
-    if not isinstance(rules, Sequence) or isinstance(rules, str):
-        raise TypeError(f"{where}: expected a list of pairs, got {rules!r}; a preset of "
-                        "graphmod.sharding is called and spread: compile(..., "
-                        "**gm.sharding.fsdp())")
-    return tuple(_checked_rule(mesh, where, argument, index, rule)
-                 for index, rule in enumerate(rules))
-
-
-def _checked_rule(mesh: Mesh, where: str, argument: str, index: int, rule: Any) -> Rule:
-    if not (isinstance(rule, tuple | list) and len(rule) == 2
-            and isinstance(rule[0], VariableFilter) and isinstance(rule[1], PartitionSpec)):
-        raise TypeError(f"{where}: {argument}[{index}] must be a (VariableFilter, "
-                        f"PartitionSpec) pair, got {rule!r}")
-    rule_filter, spec = rule
-    if rule_filter.applications is not None or rule_filter.call_id is not None:
-        raise TypeError(f"{where}: {argument}[{index}] {rule_filter!r} selects application "
-                        "calls; a stored variable belongs to no call: use bricks=, roles=, "
-                        "name=, name_regex= or path=")
-    for entry in spec:
-        for axis in _axis_names(entry):
-            if axis not in mesh.axis_names:
-                raise ValueError(f"{where}: {argument}[{index}] ({rule_filter!r}, {spec}) "
-                                 f"names mesh axis {axis!r}; the mesh's axes are "
-                                 f"{tuple(mesh.axis_names)}")
-    return rule_filter, spec
 
 
 def _follow(spec: PartitionSpec, parameter: tuple[int, ...], shape: tuple[int, ...]

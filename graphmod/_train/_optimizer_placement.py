@@ -27,8 +27,8 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from graphmod._core._layout import Layout
-from graphmod._core._selection import stored_tag
-from graphmod._core._sharding import Placement, Rule, checked_rules, misfit
+from graphmod._core._rules import Rule, checked_rules, first_rule, fitting
+from graphmod._core._sharding import Placement
 
 __all__ = ["OptimizerPlacement"]
 
@@ -67,7 +67,8 @@ class OptimizerPlacement:
         self.rules = checked_rules(self.mesh, rules, "optimize", "optimizer_rules")
         for index, (rule_filter, _) in enumerate(self.rules):
             layout.resolve(rule_filter.brick_instances(), f"optimize(optimizer_rules[{index}])")
-        self.annotated = _annotated(layout)
+        self.annotated = {info.key: PartitionSpec(*annotation)
+                          for info, annotation in layout.metadata(_METADATA)}
 
     def lines(self) -> list[str]:
         """What places the optimizer's copies apart from their parameters, for a step's
@@ -94,31 +95,11 @@ class OptimizerPlacement:
         return {**shardings, "model": model(variables["model"], shardings["model"], ())}
 
     def _spec(self, layout: Layout, key: tuple, shape: tuple[int, ...]) -> PartitionSpec | None:
-        tag = stored_tag(layout, key)
-        for index, (rule_filter, spec) in enumerate(self.rules):
-            if rule_filter.matches(tag, layout.instance_paths):
-                self._check(spec, tag.path, shape,
-                            f"optimizer_rules[{index}] ({rule_filter!r}, {spec})")
-                return spec
-        spec = self.annotated.get(key)
-        if spec is not None:
-            self._check(spec, tag.path, shape, f"its {_METADATA} metadata {spec}")
+        what = "the optimizer's copies of parameter"
+        spec = first_rule(self.rules, "optimize: optimizer_rules", layout, key, shape,
+                          self.mesh, what)
+        if spec is None and key in self.annotated:
+            spec = fitting(self.annotated[key], f"optimize: its {_METADATA} metadata "
+                           f"{self.annotated[key]}", what, layout.by_key[key].path, shape,
+                           self.mesh)
         return spec
-
-    def _check(self, spec: PartitionSpec, path: str, shape: tuple[int, ...],
-               source: str) -> None:
-        why = misfit(spec, shape, self.mesh)
-        if why is not None:
-            raise ValueError(f"optimize: {source} does not fit the optimizer's copies of "
-                             f"parameter {path} of shape {shape}: {why}; change the spec "
-                             "(None leaves a dimension whole) or narrow the rule's filter")
-
-
-def _annotated(layout: Layout) -> dict[tuple, PartitionSpec]:
-    """The ``optimizer_sharding`` metadata of the model's variables, by key."""
-    out = {}
-    for info in layout.variables:
-        annotation = layout.objects[info.identity].get_metadata().get(_METADATA)
-        if annotation is not None:
-            out[info.key] = PartitionSpec(*annotation)
-    return out

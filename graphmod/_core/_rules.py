@@ -1,0 +1,137 @@
+"""Placement rules, ``(VariableFilter, PartitionSpec)`` pairs: checked when they are
+given, matched to a model variable (the first whose filter selects it places it), and
+fitted to its shape on a mesh. ``compile(rules=...)`` places variables by them,
+``optimize(optimizer_rules=...)`` the optimizer's copies of parameters."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from jax.sharding import Mesh, PartitionSpec
+
+from graphmod._core._filter import VariableFilter
+from graphmod._core._layout import Layout
+from graphmod._core._selection import stored_tag
+
+__all__ = ["Rule", "axis_names", "checked_rules", "first_rule", "fitting", "misfit"]
+
+Rule = tuple[VariableFilter, PartitionSpec]
+
+
+def first_rule(rules: Sequence[Rule], argument: str, layout: Layout, key: tuple,
+               shape: tuple[int, ...], mesh: Mesh, what: str) -> PartitionSpec | None:
+    """The spec of the first of ``rules`` whose filter selects the model variable at
+    ``key`` (None if none does), checked to fit ``shape`` by :func:`fitting`.
+
+    Examples:
+        >>> import jax, graphmod as gm
+        >>> from flax import nnx
+        >>> from jax.sharding import PartitionSpec as P
+        >>> program = gm.compile(lambda m, x: m(x), gm.bricks.Linear(2, 4, rngs=nnx.Rngs(0)))
+        >>> rules = [(gm.VariableFilter(name="W"), P(None, "data"))]
+        >>> first_rule(rules, "rules", program.layout, ("W",), (2, 4),
+        ...            jax.make_mesh((1,), ("data",)), "variable")
+        P(None, 'data')
+    """
+    tag = stored_tag(layout, key)
+    for index, (rule_filter, spec) in enumerate(rules):
+        if rule_filter.matches(tag, layout.instance_paths):
+            return fitting(spec, f"{argument}[{index}] ({rule_filter!r}, {spec})", what,
+                           tag.path, shape, mesh)
+    return None
+
+
+def fitting(spec: PartitionSpec, source: str, what: str, path: str, shape: tuple[int, ...],
+            mesh: Mesh) -> PartitionSpec:
+    """``spec``, or a ``ValueError`` naming ``source`` (a rule, a variable's metadata),
+    ``what`` it places (a variable, an optimizer's copies), its path and shape, and why
+    the spec does not fit it (:func:`misfit`).
+
+    Examples:
+        >>> import jax
+        >>> from jax.sharding import PartitionSpec as P
+        >>> fitting(P("data"), "rules[0]", "variable", "/W", (8, 2),
+        ...         jax.make_mesh((1,), ("data",)))
+        P('data',)
+    """
+    why = misfit(spec, shape, mesh)
+    if why is not None:
+        raise ValueError(f"{source} does not fit {what} {path} of shape {shape}: {why}; "
+                         "narrow the rule's filter (e.g. roles=[WEIGHT]) or change the spec "
+                         "(None leaves a dimension whole)")
+    return spec
+
+
+def misfit(spec: Sequence[Any], shape: Sequence[int], mesh: Mesh) -> str | None:
+    """Why ``spec`` cannot split an array of ``shape`` on ``mesh`` (more dimensions than
+    the array, an axis the mesh lacks, a size its axes do not divide), or None if it can.
+
+    Examples:
+        >>> import jax
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((1,), ("data",))
+        >>> misfit(P("data", None), (8, 3), mesh) is None
+        True
+        >>> misfit(P(None, "model"), (8, 3), mesh)
+        "the mesh has no axis 'model' (its axes: ('data',))"
+    """
+    if len(spec) > len(shape):
+        return f"the spec names {len(spec)} dimensions, the array has {len(shape)}"
+    for dim, entry in enumerate(spec):
+        missing = [axis for axis in axis_names(entry) if axis not in mesh.axis_names]
+        if missing:
+            return f"the mesh has no axis {missing[0]!r} (its axes: {tuple(mesh.axis_names)})"
+        size = math.prod(mesh.shape[axis] for axis in axis_names(entry))
+        if shape[dim] % size:
+            return (f"dimension {dim} ({shape[dim]}) is not divisible by mesh axes "
+                    f"{entry!r} of size {size}")
+    return None
+
+
+def axis_names(entry: Any) -> tuple[str, ...]:
+    """The mesh axes a spec entry (None, a name or a tuple of names) splits over."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def checked_rules(mesh: Mesh, rules: Any, caller: str = "compile",
+                  argument: str = "rules") -> tuple[Rule, ...]:
+    """``rules`` (``caller(argument=[...])``) as ``(VariableFilter, PartitionSpec)`` pairs
+    whose axes ``mesh`` has; a ``TypeError`` or ``ValueError`` naming the rule otherwise.
+
+    Examples:
+        >>> import jax, graphmod as gm
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((1,), ("data",))
+        >>> checked_rules(mesh, [(gm.VariableFilter(name="W"), P("data"))])[0][1]
+        P('data',)
+    """
+    where = f"{caller}({argument}=[(VariableFilter(...), PartitionSpec(...)), ...])"
+    if not isinstance(rules, Sequence) or isinstance(rules, str):
+        raise TypeError(f"{where}: expected a list of pairs, got {rules!r}; a preset of "
+                        "graphmod.sharding is called and spread: compile(..., "
+                        "**gm.sharding.fsdp())")
+    return tuple(_checked_rule(mesh, where, argument, index, rule)
+                 for index, rule in enumerate(rules))
+
+
+def _checked_rule(mesh: Mesh, where: str, argument: str, index: int, rule: Any) -> Rule:
+    if not (isinstance(rule, tuple | list) and len(rule) == 2
+            and isinstance(rule[0], VariableFilter) and isinstance(rule[1], PartitionSpec)):
+        raise TypeError(f"{where}: {argument}[{index}] must be a (VariableFilter, "
+                        f"PartitionSpec) pair, got {rule!r}")
+    rule_filter, spec = rule
+    if rule_filter.applications is not None or rule_filter.call_id is not None:
+        raise TypeError(f"{where}: {argument}[{index}] {rule_filter!r} selects application "
+                        "calls; a stored variable belongs to no call: use bricks=, roles=, "
+                        "name=, name_regex= or path=")
+    for entry in spec:
+        for axis in axis_names(entry):
+            if axis not in mesh.axis_names:
+                raise ValueError(f"{where}: {argument}[{index}] ({rule_filter!r}, {spec}) "
+                                 f"names mesh axis {axis!r}; the mesh's axes are "
+                                 f"{tuple(mesh.axis_names)}")
+    return rule_filter, spec
