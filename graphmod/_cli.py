@@ -254,8 +254,13 @@ def inspect_run(directory: str | os.PathLike) -> str:
         tree = meta.get("tree", {})
         size = sum(_count(shape) for shape, _ in tree.values())
         lines.append(f"state: {len(tree)} arrays, {size:,} numbers")
+        if meta.get("metrics"):
+            lines.append(f"metrics at step {meta['time']['step']}: " + ", ".join(
+                f"{name}={value:.6g}" if isinstance(value, float) else f"{name}={value!r}"
+                for name, value in dict(meta["metrics"]).items()))
         for name, state in meta.get("plugins", {}).items():
-            lines.append(f"plugin {name}: {json.dumps(state)}")
+            text = json.dumps(state)  # a long history cut: the checkpoint holds it all
+            lines.append(f"plugin {name}: {text if len(text) <= 300 else text[:299] + '…'}")
         if meta.get("command"):
             lines.append(f"command: {command_text(meta['command'])}")
         lines += _provenance_lines(meta)

@@ -7,14 +7,18 @@ averages in place of the parameters. Nothing is cloned: the averages are manager
 state in the program's variables, saved and restored with them.
 
 Sharp edges
-    A step averages the parameters as it read them, before its own update (the average
-    after step ``t`` has seen the weights of steps ``0 .. t - 1``). A parameter read by
-    several calls in a step (tied weights, a layer called twice) moves once per step. The
-    model's own variables keep the trained weights: ``program.update_model(variables)``
-    writes those; :meth:`EMA.merge` puts the averages in their place. Other managers'
-    parameters (``LoRA``'s adapters) are not the model's and are not averaged. In a loop
-    body that sees a whole module (``nnx.RNN``'s cell, ``jax.jit``) an average cannot be
-    updated: use ``graphmod.scan``.
+    EMA stands for the stored parameter, so it must rewrite it before any other manager:
+    first in the chain (``managers=[ema, lora]``, or its ``with`` block outside the
+    others'), or a trace raises :class:`graphmod.errors.ManagerConflict` (else inference
+    would drop the earlier rewrite: LoRA's adapters). ``lora.merge(ema.merge(variables))``
+    merges both, the averages first. A step averages the parameters as it read them, before
+    its own update (the average after step ``t`` has seen the weights of steps
+    ``0 .. t - 1``). A parameter read by several calls in a step (tied weights, a layer
+    called twice) moves once per step. The model's own variables keep the trained weights:
+    ``program.update_model(variables)`` writes those; :meth:`EMA.merge` puts the averages in
+    their place. Other managers' parameters (``LoRA``'s adapters) are not the model's and
+    are not averaged. In a loop body that sees a whole module (``nnx.RNN``'s cell,
+    ``jax.jit``) an average cannot be updated: use ``graphmod.scan``.
 """
 
 from __future__ import annotations
@@ -86,6 +90,13 @@ class EMA(gm.Manager):
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
         require_floating(self, call, name, value)
+        if value is not call.parameter_value:
+            raise gm.errors.ManagerConflict(
+                f"{self!r}: parameter {call.parameter} reaches it already rewritten by a "
+                "manager listed before it. EMA stands for the stored parameter (inference "
+                "reads the average in its place), so it must rewrite it first, or the "
+                "earlier rewrite (LoRA's adapters, a cast) is lost: list EMA first in "
+                "managers=[...], or open its with-block outside the others'")
         dtype = _average_dtype(value)
         # Zeros of the parameter's shape, not its value: also made inside nnx.scan.
         average = call.variable("average", lambda: jnp.zeros(jnp.shape(value), dtype),

@@ -194,6 +194,12 @@ _PICKLE = {"$call": {"function": "jax._src.pickle_util.loads", "kwargs": {"data"
 
 CASES = [
     # -- managers and filters ---------------------------------------------------------------
+    Case("one manager where a list goes", lambda w: gm.compile(_cost, w.mlp,
+                                                               managers=managers.L2(1e-4)),
+         TypeError, r"compile\(managers=\.\.\.\): expected a list of managers, got one "
+         r"\(L2\(.*pass managers=\[L2\(\.\.\.\)\]"),
+    Case("a filter field misspelled", lambda w: managers.Dropout(0.1, role=[roles.INPUT]),
+         TypeError, r"Dropout: no argument role= \(did you mean roles=\?\); it takes rate, "),
     Case("dropout rate above 1", lambda w: managers.Dropout(2.0), ValueError,
          r"Dropout\(rate=2\.0\).*\[0, 1\]"),
     Case("dropout rate a string", lambda w: managers.Dropout("half"), ValueError,

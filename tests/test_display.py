@@ -27,6 +27,28 @@ def assert_fits(text: str) -> None:
     assert all(len(line) <= 100 for line in text.splitlines()), text
 
 
+class LongNames(nnx.Module):
+    """Paths as long as Flax's translation tutorial's."""
+
+    def __init__(self) -> None:
+        self.positional_embedding_of_the_decoder = nnx.Sequential(
+            nnx.Linear(3, 3, rngs=nnx.Rngs(0)), nnx.Linear(3, 3, rngs=nnx.Rngs(1)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.positional_embedding_of_the_decoder(x)
+
+
+def test_graphs_and_rewrite_traces_of_long_paths_fit_100_columns() -> None:
+    program = gm.compile(lambda m, x: m(x).sum(), LongNames(),
+                         managers=[managers.Dropout(0.1, bricks=[nnx.Linear])])
+    x = jnp.ones((2, 3))
+    program.init(x)
+    text = str(program.graph(x))
+    assert "…" in text and "/layers/1" in text  # paths cut from the left: their ends stay
+    assert_fits(text)
+    assert_fits(str(program.rewrites))
+
+
 def test_a_program_shows_its_model_managers_in_order_and_traces() -> None:
     program, _ = regularized_program()
     before = repr(program)
@@ -37,6 +59,12 @@ def test_a_program_shows_its_model_managers_in_order_and_traces() -> None:
     after = repr(program)
     assert "traced: init (example x: (4, 3) float32)" in after
     assert_fits(after)
+    many = gm.compile(lambda m, encoder_inputs, decoder_inputs, target_output: m(encoder_inputs),
+                      nnx.Linear(3, 1, rngs=nnx.Rngs(0)))  # Flax's translation tutorial's
+    many.init(*[jnp.ones((8, 3))] * 3)
+    last = repr(many).splitlines()[-1]  # cut at its end: the traced modes stay
+    assert last.startswith("  traced: init (example encoder_inputs: (8, 3) float32, ")
+    assert_fits(last)
     page = program._repr_html_()
     assert page.count("<table>") == 2
     for expected in ("WEIGHT", "BIAS", "(64, 64)", "batch_norm", "Dropout", "/linear_layers/2"):

@@ -96,6 +96,32 @@ def test_derive_shares_layout_and_ignores_unused_manager_entries() -> None:
         predict.infer(missing, x)
 
 
+def test_a_derived_function_is_not_checked_against_init_examples_of_another() -> None:
+    def cost(model: nnx.Linear, batch: tuple) -> jax.Array:  # Flax's miniGPT: (x, y)
+        x, y = batch
+        return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+    program = gm.compile(cost, nnx.Linear(4, 3, rngs=nnx.Rngs(0)))
+    x, y = np.ones((8, 4), np.float32), np.zeros(8, np.int32)
+    variables = program.init((x, y))
+    predict = program.derive(lambda model, batch: model(batch))  # its batch: the inputs
+    assert predict.infer(variables, x).shape == (8, 3)
+    with pytest.raises(ValueError, match=r"argument 'batch': expected a tuple \(\*, \*\) as "
+                       r"in init's example, got an array"):
+        program.infer(variables, x)  # the cost's own calls still are
+
+
+def test_rewrites_iterate_over_the_traced_modes_and_refuse_unknown_ones() -> None:
+    program = gm.compile(lambda m, x: m(x).sum(), nnx.Linear(2, 1, rngs=nnx.Rngs(0)),
+                         managers=[managers.Dropout(0.5)])
+    program.init(jnp.ones((1, 2)))
+    assert "init" in program.rewrites and "train" not in program.rewrites  # ends at once
+    assert list(program.rewrites) == ["init"] and len(program.rewrites) == 1
+    assert program.rewrites["train"].rewrites == ()  # not traced yet: empty
+    with pytest.raises(KeyError, match=r"rewrites\['training'\]: the modes are init, train"):
+        program.rewrites["training"]
+
+
 def test_split_and_merge_by_role() -> None:
     mlp = _mlp()
     with managers.BatchNorm(bricks=mlp.linear_layers[:-1], roles=[roles.OUTPUT]):

@@ -47,6 +47,12 @@ class Encoder(nnx.Module):
     (lambda: managers.Dropout(0.1, path="linear*"), r"Paths start with '/' \(path='/linear\*'"),
     (lambda: managers.Dropout(0.1, applications=[Encoder.encode]),
      r"compile\(applications=\{TheClass: \['method'\]\}\) names it"),
+    (lambda: managers.WeightNoise(0.1, bricks=[Encoder]),  # the parent of the Linear
+     r"bricks= selects those bricks' own calls .*not their children's: select the layers "
+     r"inside by class \(bricks=\[nnx\.Conv\]\) or by path \(path='/block/\*'\)"),
+    (lambda: managers.LabelSmoothing(0.1),  # no cost brick declares targets here
+     r"TARGET variables are the targets of an application that declares them .*apply "
+     r"optax\.smooth_labels in the loss"),
 ])
 def test_a_filter_that_matches_nothing_gets_the_likely_slip_named(manager, hint) -> None:
     program = gm.compile(lambda m, x: m(x).sum(), Encoder(), managers=[manager()])

@@ -88,9 +88,51 @@ def test_infer_needs_the_rngs_argument_it_has_no_key_for() -> None:
     variables = compiled.init(X[:4], nnx.Rngs(0))
     with pytest.raises(TypeError, match=r"program\.infer: argument 'rngs' \(an nnx\.Rngs in "
                        r"init's example\) is made from the key only in training; pass one "
-                       r"here, e.g\. nnx\.Rngs\(0\)"):
+                       r"here, e.g\. nnx\.Rngs\(0\), or None if the function draws nothing then"):
         compiled.infer(variables, X[:4])
     assert compiled.infer(variables, X[:4], nnx.Rngs(3)).shape == ()
+
+
+class ViewGuideModel(nnx.Module):
+    """Flax's ``docs_nnx/guides/view.md`` model: Dropout drawing from a ``rngs=`` argument."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.lin1 = nnx.Linear(4, 8, rngs=rngs)
+        self.do = nnx.Dropout(0.5)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.lin2 = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x: jax.Array, *, rngs: nnx.Rngs | None = None) -> jax.Array:
+        return self.lin2(nnx.relu(self.do(self.bn(self.lin1(x)), rngs=rngs)))
+
+
+def test_the_view_guides_model_trains_from_a_view_and_infers_with_rngs_none() -> None:
+    model = ViewGuideModel(nnx.Rngs(0))
+    compiled = gm.compile(lambda m, x, rngs: (m(x, rngs=rngs) ** 2).mean(),
+                          nnx.view(model, deterministic=False))
+    variables = compiled.init(X[:4], nnx.Rngs(1))
+    assert "example x: (4, 4) float32" in repr(compiled)  # the nnx.Rngs is not an array
+    _, trained = compiled.train(variables, X[:4], None, rng=jax.random.key(0))
+    assert not np.allclose(trained["model"]["bn"]["mean"], 0)  # batch statistics moved
+    # rngs=None, as Flax's evaluation passes it: running averages, no dropout.
+    inferred = compiled.infer(trained, X[:4], None)
+    compiled.update_model(trained)
+    eager = (nnx.view(model, deterministic=True, use_running_average=True)(X[:4]) ** 2).mean()
+    np.testing.assert_allclose(inferred, eager, rtol=1e-6)
+
+
+def test_an_argument_of_another_structure_is_described_not_dumped() -> None:
+    compiled = gm.compile(lambda m, batch: m(batch["x"]).mean(),
+                          nnx.Linear(4, 1, rngs=nnx.Rngs(0)))
+    variables = compiled.init({"x": X[:4]})
+    with pytest.raises(ValueError, match=r"argument 'batch': expected a dict \{'x': \*\} as "
+                       r"in init's example, got an array of shape \(4, 4\) and dtype float32; "
+                       r"pass the same structure"):
+        compiled.infer(variables, X[:4])
+    with pytest.raises(ValueError, match=r"expected an nnx\.Rngs as in init's example, got "
+                       r"a tuple \(\*,\)"):
+        rng_program = program()
+        rng_program.infer(rng_program.init(X[:4], nnx.Rngs(0)), X[:4], (X[:4],))
 
 
 def test_a_cost_returned_with_logits_is_refused_with_the_fix() -> None:

@@ -123,6 +123,57 @@ def test_a_program_runs_under_an_explicit_mesh_the_user_set() -> None:
     chex.assert_trees_all_close((variables, outputs, scores), run(), rtol=1e-5, atol=1e-6)
 
 
+def test_a_run_under_a_mesh_the_user_set_resumes_without_a_template(tmp_path) -> None:
+    source = lambda: gm.data.ArraySource((X, Y), batch_size=16)
+
+    def loop(epochs: int, directory: Any = None) -> gm.TrainState:
+        program = gm.compile(squared_error, mlp())  # no mesh=: the user's mesh is the context
+        step = gm.optimize(program, optax.adam(1e-2))
+        if directory is not None and epochs == 2:
+            return gm.Loop.resume(directory, step, source(), epochs=2)  # no state given
+        plugins = [] if directory is None else [gm.plugins.Checkpoint(directory)]
+        return gm.Loop(step, source(), epochs=epochs, plugins=plugins).run(
+            step.init(program.init(X[:8], Y[:8]), jax.random.key(0)))
+
+    with jax.set_mesh(jax.make_mesh((1, 1), ("batch", "model"))):  # as Flax's miniGPT
+        loop(1, tmp_path)
+        resumed = loop(2, tmp_path)  # its template is traced under the abstract mesh
+        whole = loop(2)
+    chex.assert_trees_all_equal(jax.device_get(resumed.variables),
+                                jax.device_get(whole.variables))
+
+
+class Embedding(nnx.Module):
+    """Explicit-sharding model code, as Flax's miniGPT writes its token embedding."""
+
+    def __init__(self, explicit: bool) -> None:
+        self.embed, self.explicit = nnx.Embed(10, 4, rngs=nnx.Rngs(0)), explicit
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        if self.explicit:  # refused for tokens on no mesh (passed from NumPy)
+            return self.embed(tokens, out_sharding=jax.typeof(tokens).sharding).mean(1)
+        return self.embed(tokens).mean(1)
+
+
+def test_numpy_batches_join_the_mesh_the_user_set_in_loop_and_evaluate() -> None:
+    tokens = np.random.RandomState(0).randint(0, 10, (32, 5)).astype(np.int32)
+
+    def run(explicit: bool) -> tuple[dict, float, Any]:
+        program = gm.compile(squared_error, Embedding(explicit))  # no mesh=
+        step = gm.optimize(program, optax.sgd(0.1))
+        state = step.init(program.init(tokens[:8], Y[:8]), jax.random.key(0))
+        source = gm.data.ArraySource((tokens, Y), batch_size=16)
+        state = gm.Loop(step, source, epochs=2).run(state)
+        scores = gm.evaluate(program, state.variables, source, metrics=["mse"],
+                             predict=lambda model, x: model(x))
+        return (jax.device_get(state.variables), scores.metrics["mse"],
+                program.infer(state.variables, tokens, Y))
+
+    with jax.set_mesh(jax.make_mesh((2, 1), ("batch", "model"))):  # explicit axes
+        on_mesh = run(explicit=True)
+    chex.assert_trees_all_close(on_mesh, run(explicit=False), rtol=1e-5, atol=1e-6)
+
+
 def test_bad_optimizer_rules_are_refused_naming_the_rule() -> None:
     mesh = jax.make_mesh((8,), ("data",))
     program = gm.compile(squared_error, mlp(), mesh=mesh, batch_axis="data")

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from graphmod._core._layout import Key
 
@@ -116,15 +117,19 @@ def as_key(rng: Any, where: str) -> Any:
 
 def _describe(value: Any) -> str:
     """A short description of a value for error messages."""
-    if hasattr(value, "shape") and hasattr(value, "dtype"):
+    if isinstance(getattr(value, "shape", None), tuple) and hasattr(value, "dtype"):
         return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
     text = repr(value)
     return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"
 
 
-def check_arguments(examples: dict[str, Any], actual: dict[str, Any]) -> None:
+def check_arguments(examples: dict[str, Any], actual: dict[str, Any],
+                    own: bool = True) -> None:
     """Compares traced arguments with ``init``'s examples: ranks, feature sizes, dtypes,
     and the leading (batch) sizes of the arguments that shared one in the examples.
+    Examples of another function (not ``own``: a derived program's, checked against the
+    cost's) are skipped where the structure differs: an argument of the same name that is
+    another thing (the cost's ``batch`` a pair, the predictor's the inputs).
 
     The leading (batch) dimension and the middle ones (time, space) may differ; the rank,
     the last (feature) dimension and the canonical dtype must match. Integer and boolean
@@ -132,15 +137,17 @@ def check_arguments(examples: dict[str, Any], actual: dict[str, Any]) -> None:
     """
     batched: dict[int, list[tuple[str, int]]] = {}  # init's leading size → (where, size)
     for name, example in examples.items():
-        if name not in actual:
-            continue
+        if name not in actual or (actual[name] is None and isinstance(example, nnx.Rngs)):
+            continue  # rngs=None: Flax's way to say a call draws nothing (evaluation)
         got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(actual[name])
         want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(example)
         if got_tree != want_tree:
+            if not own:
+                continue
             raise ValueError(
-                f"argument {name!r}: expected the structure of init's example {want_tree}, "
-                f"got {got_tree}"
-            )
+                f"argument {name!r}: expected {_structure(example, want_tree)} as in "
+                f"init's example, got {_structure(actual[name], got_tree)}; pass the same "
+                "structure (only array shapes along the batch may change)")
         for (path, got), (_, want) in zip(got_leaves, want_leaves, strict=True):
             where = f"argument {name!r}{jax.tree_util.keystr(path)}"
             (got_shape, got_dtype), want_shape = spec(got), tuple(want.shape)
@@ -159,6 +166,14 @@ def check_arguments(examples: dict[str, Any], actual: dict[str, Any]) -> None:
                 batched.setdefault(want_shape[0], []).append((where, got_shape[0]))
     for size, group in batched.items():
         check_leading_sizes(group, f"init's example gave them all {size}")
+
+
+def _structure(value: Any, tree: Any) -> str:
+    """A tree's structure in a line: its container and leaves, or what the value is."""
+    if isinstance(value, Mapping | list | tuple):
+        text = str(tree).removeprefix("PyTreeDef(")[:-1]
+        return f"a {type(value).__name__} {text[:100]}{'...' if len(text) > 100 else ''}"
+    return "an nnx.Rngs" if isinstance(value, nnx.Rngs) else _describe(value)
 
 
 def _mismatch_hint(got_shape: tuple, got_dtype: Any, want_shape: tuple, want_dtype: Any

@@ -147,8 +147,13 @@ class Chain:
             tag = self.tag(info.role, info.name, info.path, info.aliases)
             self.frame.record(tag, base, None)
             value = base
+            # Model state (running statistics, counters) only for a manager whose roles=
+            # names it: noise, dropout or a cast of BatchNorm's statistics, chosen by path=,
+            # would spoil them.
+            state = info.role.is_a(_roles.STATE)
             for manager in self.managers:
-                if manager.has_hook("rewrite_parameter"):
+                if manager.has_hook("rewrite_parameter") and (
+                        not state or manager.filter.names_role(_roles.STATE)):
                     value = self.rewrite(manager, "rewrite_parameter", tag, value,
                                          (info.path, base))
             return value

@@ -11,7 +11,7 @@ from graphmod._core._filter import VariableFilter
 from graphmod._core._intercept import interceptor
 from graphmod._core._layout import Layout
 from graphmod._core._manager import Manager
-from graphmod._core._program_checks import check_managers, monitors
+from graphmod._core._program_checks import check_managers, monitors, warn_outside_modules
 from graphmod._core._program_record import Shared
 from graphmod._core._sharding import Placement
 
@@ -38,7 +38,11 @@ def compile_program(
         raise ValueError("compile(rules=..., batch_axis=...) place arrays on a device mesh: "
                          "pass mesh= too (e.g. jax.make_mesh((8,), ('data',)))")
     layout = Layout(model, interceptor(applications))
+    warn_outside_modules(fn, layout)
     placement = None if mesh is None else Placement(mesh, rules, batch_axis, layout=layout)
+    if isinstance(managers, Manager):
+        raise TypeError(f"compile(managers=...): expected a list of managers, got one "
+                        f"({managers!r}): pass managers=[{type(managers).__name__}(...)]")
     chosen = _context.active_managers() if managers is None else tuple(managers)
     labelled = monitors(monitor)
     for label, monitor_filter in labelled.items():

@@ -286,6 +286,19 @@ class VariableFilter:
         """Whether any field narrows the variables of a matched application."""
         return any(x is not None for x in (self.roles, self.name, self.name_regex, self.path))
 
+    def names_role(self, role: _roles.Role) -> bool:
+        """Whether ``roles=`` names ``role``, a role under it or one above it: a choice of
+        its variables made on purpose, not by a wider field (``path=``, no ``roles=``).
+
+        Examples:
+            >>> from graphmod import roles
+            >>> VariableFilter(roles=[roles.PERSISTENT]).names_role(roles.STATE)
+            True
+            >>> VariableFilter(path="/norm*").names_role(roles.STATE)
+            False
+        """
+        return any(r.is_a(role) or role.is_a(r) for r in self.roles or ())
+
     def brick_instances(self) -> tuple[Any, ...]:
         """The brick instances this filter names, in ``bricks`` or as bound applications
         (to be resolved to paths at compile)."""

@@ -209,11 +209,26 @@ def _innermost() -> Chain:
     return frame.calls[-1]
 
 
+def _draw_key(chain: Chain, stream: Any) -> jax.Array:
+    """The key of a Flax layer's random draw in a program: the step key folded with the
+    layer's path and, inside a loop JAX traces once, the iteration; with the layer's own
+    stream (stored or passed: an ``RngStream``, a callable or a key) the step key folded
+    with the path and the stream's draw instead, made as Flax makes it, so the draws keep
+    the structure the user gave the stream (broadcast over a scan's steps by
+    ``nnx.with_rngs``, recurrent dropout: one mask for every step) and the step key still
+    sets them."""
+    if stream is None:
+        return chain.call.rng()
+    drawn = stream() if callable(stream) else stream
+    return jax.random.fold_in(chain.call.rng(per_step=False),
+                              jax.random.bits(drawn, (), jnp.uint32))
+
+
 def _dropout(self: nnx.Dropout, inputs: Any, *, deterministic: bool | None = None,
              rngs: Any = None) -> Any:
-    """``nnx.Dropout.__call__`` in a program: the program's mode and its step key folded
-    with the module's path (stored or passed ``rngs`` are not used); identity in inference
-    or where the user set ``deterministic=True`` (at construction or in the call)."""
+    """``nnx.Dropout.__call__`` in a program: the program's mode, and masks from the
+    program's step key (see :func:`_draw_key`); identity in inference or where the user
+    set ``deterministic=True`` (at construction or in the call)."""
     chain = _innermost()
     explicit = self.deterministic if deterministic is None else deterministic
     if explicit or not chain.call.training or self.rate == 0.0:
@@ -228,8 +243,11 @@ def _dropout(self: nnx.Dropout, inputs: Any, *, deterministic: bool | None = Non
             shape[axis] = 1
         # placed as the inputs (as Flax's Dropout): under a user's explicit mesh a mask
         # of another sharding is refused by select
+        stream = self.rngs if rngs is None else rngs
+        if isinstance(stream, nnx.Rngs):
+            stream = stream[self.rng_collection]
         mask = jnp.broadcast_to(jax.random.bernoulli(
-            chain.call.rng(), keep, shape, out_sharding=jax.typeof(inputs).sharding),
+            _draw_key(chain, stream), keep, shape, out_sharding=jax.typeof(inputs).sharding),
             jnp.shape(inputs))
         out = jax.lax.select(mask, inputs / keep, jnp.zeros_like(inputs))
     chain.note_rewrite("nnx.Dropout", chain.tag(_roles.OUTPUT, "output"), inputs, out)
@@ -252,14 +270,16 @@ def _attention(self: nnx.MultiHeadAttention, inputs_q: Any, inputs_k: Any = None
                inputs_v: Any = None, *, deterministic: bool | None = None, rngs: Any = None,
                **kwargs: Any) -> Any:
     """``nnx.MultiHeadAttention.__call__`` in a program: its attention-weight dropout
-    follows the program's mode and draws from its step key folded with the module's path
-    (stored or passed ``rngs`` are not used), unless the user set ``deterministic=True``."""
+    follows the program's mode and draws from its step key (see :func:`_draw_key`),
+    unless the user set ``deterministic=True``."""
     chain = _innermost()
     explicit = self.deterministic if deterministic is None else deterministic
     frozen = bool(explicit) or not chain.call.training or self.dropout_rate == 0.0
     _held_off(chain, deterministic is None and self.dropout_rate > 0.0, "deterministic",
               explicit)
-    key = None if frozen else chain.call.rng()
+    stream = self.rngs if rngs is None else rngs
+    key = None if frozen else _draw_key(
+        chain, stream.dropout if isinstance(stream, nnx.Rngs) else stream)
     if key is not None:
         keys = inputs_q if inputs_k is None else inputs_k
         weights = jax.ShapeDtypeStruct(

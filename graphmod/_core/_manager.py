@@ -21,6 +21,8 @@ What is undefined
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import sys
 import warnings
 from collections.abc import Callable
@@ -171,6 +173,18 @@ def _chosen_filter(manager: Manager, filter: Any, given: dict[str, Any]) -> Vari
     return filter if filter is not None else VariableFilter(**given)
 
 
+def _unknown_arguments(manager: Manager, unknown: dict[str, Any]) -> str:
+    """What a manager says of keyword arguments it does not take: the likely spelling."""
+    known = [name for cls in type(manager).__mro__ if "__init__" in vars(cls)
+             for name, parameter in inspect.signature(vars(cls)["__init__"]).parameters.items()
+             if name not in ("self", "name") and parameter.kind in (
+                 parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)]
+    close = {name: difflib.get_close_matches(name, known, n=1) for name in unknown}
+    text = [f"{name}=" + (f" (did you mean {c[0]}=?)" if c else "") for name, c in close.items()]
+    return (f"{type(manager).__name__}: no argument {', '.join(text)}; it takes "
+            f"{', '.join(dict.fromkeys(known))}")
+
+
 def _check_naming(manager: Manager, priority: Any, manager_name: Any) -> None:
     owner = type(manager).__name__
     if not isinstance(priority, int):
@@ -254,7 +268,10 @@ class Manager:
         manager_name: str | None = None,
         strict: bool = True,
         name: str | None = None,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            raise TypeError(_unknown_arguments(self, unknown))
         if name is not None:
             manager_name = _deprecated_name(self, name, manager_name)
         fields = dict(bricks=bricks, roles=roles, applications=applications, path=path,
@@ -355,7 +372,9 @@ class Manager:
         return value
 
     def rewrite_parameter(self, call: HookContext, name: str, value: Any) -> Any:
-        """Returns the rewritten parameter ``name`` as ``call`` reads it (default: unchanged)."""
+        """Returns the rewritten parameter ``name`` as ``call`` reads it (default: unchanged);
+        the model's ``STATE`` variables come here only if this manager's ``roles=`` names
+        ``STATE`` (or ``PERSISTENT``)."""
         return value
 
     def wrap(self, call: WrapContext, next: Callable[..., Any], args: tuple,

@@ -19,9 +19,9 @@ Variables layout
 Sharp edges
     Inputs and variables are validated when a new signature is traced, not on every call:
     arguments against init's examples (rank, feature size, dtype, and one batch size for
-    the arguments that shared one there); the model's variables against the layout, the
-    managers' against init's (paths, shapes, canonical dtypes: float64 fits float32 when
-    x64 is off, bfloat16 does not).
+    those that shared one; a derived function's only where its argument of that name has
+    the example's structure); the model's variables against the layout, the managers'
+    against init's (paths, shapes, dtypes: float64 fits float32 with x64 off, bf16 not).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from graphmod._core._program_record import ProgramRecord, Shared, abstract
 from graphmod._core._program_variables import VariablesByRole
 from graphmod._core._rewrites import Rewrites, RewriteTrace
 from graphmod._core._rng_arguments import with_random_streams
-from graphmod._core._sharding import Placement, on_mesh, put
+from graphmod._core._sharding import Placement, batch_on_mesh, on_mesh, put
 
 __all__ = ["ProgramCore", "ProgramRecord"]
 
@@ -302,9 +302,10 @@ class ProgramCore(VariablesByRole):
         check_binds(self.fn, args, kwargs, "the train step" if costs else f"program.{mode}")
         placement = self._shared.placement
         if mode != "init" and not record:
-            check_arguments(self._shared.examples, self._bind(args, kwargs, lambda x: x))
-            if placement is not None:  # XLA splits a NumPy batch as it is passed
-                args, kwargs = placement.constrain_batch((args, kwargs))
+            own = self._example is not None  # else a derived fn's: its names may mean else
+            check_arguments(self._bind(*self._example, lambda x: x) if own else
+                            self._shared.examples, self._bind(args, kwargs, lambda x: x), own)
+        args, kwargs = batch_on_mesh((args, kwargs), placement, split=mode != "init" and not record)
 
         def fresh() -> Frame:
             return Frame(layout=self._shared.layout, mode=mode, values=values, owned=owned,

@@ -5,9 +5,12 @@ warns of: Flax layers a module flag keeps in eval mode in training."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from flax import nnx
 
 from graphmod import roles as _roles
 from graphmod._core._arguments import (
@@ -23,7 +26,8 @@ from graphmod._core._layout import Layout
 from graphmod._core._manager import Manager
 from graphmod.errors import ManagerConflict, ManagerMatchedNothing, VariablesMismatch
 
-__all__ = ["check_managers", "check_strict", "check_variables", "monitors", "warn_held_off"]
+__all__ = ["check_managers", "check_strict", "check_variables", "monitors", "warn_held_off",
+           "warn_outside_modules"]
 
 
 def check_managers(managers: tuple[Any, ...], layout: Layout) -> tuple[Manager, ...]:
@@ -91,6 +95,15 @@ def _unmatched_hints(manager: Manager) -> str:
             r.is_a(h) or h.is_a(r) for r in f.roles for _, roles in hooks for h in roles):
         hints.append(f"{kind} rewrites the {' and '.join(w for w, _ in hooks)} of "
                      f"application calls, none of roles={[r.name for r in f.roles]}")
+    if f.roles is not None and any(r.is_a(_roles.TARGET) for r in f.roles):
+        hints.append("TARGET variables are the targets of an application that declares them "
+                     "(graphmod.bricks.SoftmaxCrossEntropy, @graphmod.application(targets="
+                     "[...])); a loss written as a function over a Flax model's logits has "
+                     "none: call a cost brick, or apply optax.smooth_labels in the loss")
+    if f.bricks is not None and f.path is None:
+        hints.append("bricks= selects those bricks' own calls (their inputs, outputs and own "
+                     "parameters), not their children's: select the layers inside by class "
+                     "(bricks=[nnx.Conv]) or by path (path='/block/*')")
     if f.path is not None and not f.path.startswith(("/", "*")):
         hints.append(f"Paths start with '/' (path={'/' + f.path!r}?)")
     if f.applications is not None:
@@ -114,6 +127,39 @@ def warn_held_off(frame: Frame) -> None:
         "modes take the place of train()/eval()); to keep a layer frozen without this "
         "warning, pass the flag in the call (e.g. self.norm(x, use_running_average=True))",
         UserWarning, stacklevel=3)
+
+
+def warn_outside_modules(fn: Callable[..., Any], layout: Layout) -> None:
+    """Warns of the modules ``fn`` reads by name from outside the model (its globals and
+    closure): a program holds their variables as constants, so they neither train nor
+    save, and managers do not see their calls.
+
+    Examples:
+        >>> import warnings, graphmod as gm
+        >>> from flax import nnx
+        >>> head = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     _ = gm.compile(lambda m, x: head(m(x)), nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+        >>> "outside the model, 'head' (Linear)" in str(caught[0].message)
+        True
+    """
+    try:
+        names = inspect.getclosurevars(fn)
+    except (TypeError, ValueError):  # a callable object, a builtin; a closure cell unset
+        return
+    outside = [f"{name!r} ({type(value).__name__})"
+               for name, value in {**names.nonlocals, **names.globals}.items()
+               if isinstance(value, nnx.Module) and layout.brick_path(value) is None]
+    if outside:
+        warnings.warn(
+            f"compile(fn, model): fn reads modules from outside the model, "
+            f"{', '.join(outside)}: a program holds their variables as constants (not "
+            "trained, not saved, not seen by managers). Make each part of the model (an "
+            "attribute, or compile(fn, nnx.Dict(model=model, head=head)) and read it from "
+            "the model argument); one meant to stay as it is (a frozen teacher) needs no "
+            "change: ignore this warning",
+            UserWarning, stacklevel=4)
 
 
 def check_variables(variables: Any, layout: Layout, reference: Mapping | None) -> None:

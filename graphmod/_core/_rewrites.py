@@ -102,13 +102,18 @@ class RewriteTrace:
                           self._caption())
 
 
+_MODES = ("init", "train", "infer")
+
+
 class Rewrites:
     """``program.rewrites``: the latest rewrite trace per mode (``train``, ``infer``, ``init``).
 
+    A mode not traced yet gives an empty trace; ``in`` and iteration see the traced modes.
+
     Examples:
         >>> from graphmod._core._rewrites import Rewrites
-        >>> Rewrites()["train"].rewrites
-        ()
+        >>> Rewrites()["train"].rewrites, "train" in Rewrites(), list(Rewrites())
+        ((), False, [])
     """
 
     def __init__(self) -> None:
@@ -118,7 +123,18 @@ class Rewrites:
         self._by_mode[trace.mode] = trace
 
     def __getitem__(self, mode: str) -> RewriteTrace:
+        if mode not in _MODES:
+            raise KeyError(f"program.rewrites[{mode!r}]: the modes are {', '.join(_MODES)}")
         return self._by_mode.get(mode, RewriteTrace(mode))
+
+    def __contains__(self, mode: object) -> bool:
+        return mode in self._by_mode
+
+    def __iter__(self) -> Iterator[str]:  # else Python would index it 0, 1, 2, ... forever
+        return iter(self.modes)
+
+    def __len__(self) -> int:
+        return len(self._by_mode)
 
     @property
     def train(self) -> RewriteTrace:
@@ -131,7 +147,7 @@ class Rewrites:
     @property
     def modes(self) -> list[str]:
         """The modes traced so far, of ``init``, ``train`` and ``infer``."""
-        return [m for m in ("init", "train", "infer") if m in self._by_mode]
+        return [m for m in _MODES if m in self._by_mode]
 
     def _shown(self) -> list[RewriteTrace]:
         return [self._by_mode[m] for m in self.modes]

@@ -62,7 +62,7 @@ def with_random_streams(fn: Callable[..., Any], examples: Mapping[str, Any], arg
     if missing and key is None:
         raise TypeError(f"{where}: argument {next(iter(missing))!r} (an nnx.Rngs in init's "
                         "example) is made from the key only in training; pass one here, "
-                        "e.g. nnx.Rngs(0)")
+                        "e.g. nnx.Rngs(0), or None if the function draws nothing then")
     if missing and axis_name is not None:
         key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
     return args, {**kwargs, **{name: nnx.Rngs(**{

@@ -30,7 +30,9 @@ Sharp edges
     (:func:`on_mesh`), and the loop and evaluations run under it (:func:`mesh_context`),
     where JAX checks the arrays' meshes against the context's. The arrays a program
     returns stay on its mesh of ``Auto`` axes: outside graphmod, under an explicit mesh,
-    work on them in ``with jax.set_mesh(program.placement.mesh):`` or a ``jax.jit``.
+    work on them in ``with jax.set_mesh(program.placement.mesh):`` or a ``jax.jit``. A
+    program without a mesh traced under the user's puts its arguments that are on no mesh
+    on the user's, whole (:func:`batch_on_mesh`).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from graphmod._core._layout import Layout
 from graphmod._core._owned_layout import map_leaves
 from graphmod._core._rules import axis_names, checked_rules, first_rule
 
-__all__ = ["Placement", "mesh_context", "on_mesh", "put"]
+__all__ = ["Placement", "batch_on_mesh", "mesh_context", "on_mesh", "put"]
 
 
 class Placement:
@@ -232,6 +234,29 @@ def mesh_context(placement: Placement | None) -> contextlib.AbstractContextManag
         ('data',)
     """
     return contextlib.nullcontext() if placement is None else jax.set_mesh(placement.mesh)
+
+
+def batch_on_mesh(tree: Any, placement: Placement | None, *, split: bool) -> Any:
+    """A program's traced arguments ``tree`` on its mesh: split along the batch axis where
+    ``split`` (see :meth:`Placement.constrain_batch`); without a placement, those that are
+    on no mesh (passed from NumPy) put whole on the mesh the user set with ``jax.set_mesh``,
+    if any, where explicit-sharding model code (``reshard``, ``out_sharding=``, as Flax's
+    miniGPT writes it) needs them and from which it splits them itself.
+
+    Examples:
+        >>> import jax, numpy as np
+        >>> mesh_of = lambda x: jax.typeof(x).sharding.mesh.axis_names
+        >>> with jax.set_mesh(jax.make_mesh((1,), ("batch",))):
+        ...     jax.jit(lambda x: mesh_of(batch_on_mesh(x, None, split=True)) and x)(
+        ...         np.ones(2)).sharding.mesh.axis_names
+        ('batch',)
+    """
+    if placement is not None:
+        return placement.constrain_batch(tree) if split else tree
+    if jax.sharding.get_abstract_mesh().empty:
+        return tree
+    return jax.tree.map(lambda leaf: jax.sharding.reshard(leaf, PartitionSpec()) if isinstance(
+        leaf, jax.Array) and jax.typeof(leaf).sharding.mesh.empty else leaf, tree)
 
 
 def put(tree: Any, shardings: Any) -> Any:

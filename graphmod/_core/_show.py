@@ -13,9 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from graphmod._core._table import html_table, text_table
-
-WIDTH = 100
+from graphmod._core._table import WIDTH, html_table, text_table
 
 
 def _leaves(tree: Any, roles: Any = None, path: tuple[str, ...] = ()
@@ -55,11 +53,6 @@ def size_text(count: float, unit: str = "") -> str:
             return f"{count:.0f}{suffix}" if suffix in ("", " B") else f"{count:.1f}{suffix}"
         count /= base
     return f"{count:.1f}{suffixes[-1]}"
-
-
-def shorten(text: str, width: int) -> str:
-    """``text`` cut from the left to ``width`` characters (``…`` marks the cut)."""
-    return text if len(text) <= width else "…" + text[len(text) - width + 1:]
 
 
 class VariablesTable:
@@ -127,12 +120,7 @@ class VariablesTable:
         return headers, cells
 
     def __repr__(self) -> str:
-        headers, cells = self._table()
-        widest = len(text_table(headers, cells).split("\n")[1])  # the rule spans all
-        paths = max((len(row[0]) for row in cells), default=0)
-        for row in cells:  # paths give way to fit WIDTH columns
-            row[0] = shorten(row[0], max(20, WIDTH - (widest - paths)))
-        return f"{text_table(headers, cells)}\n{self.totals}"
+        return f"{text_table(*self._table())}\n{self.totals}"  # paths give way to fit
 
     def _repr_html_(self) -> str:
         return html_table(*self._table(), f"{self.title}: {self.totals}")
@@ -154,9 +142,9 @@ def program_lines(program: Any) -> list[str]:
     examples = program.record.examples
     shapes = ", ".join(f"{name}: {tuple(value.shape)} {value.dtype}"
                        for name, value in (examples or {}).items()
-                       if hasattr(value, "shape"))
-    lines.append(shorten(f"  traced: {', '.join(traced) or 'nothing yet'}"
-                         + (f" (example {shapes})" if shapes else ""), WIDTH))
+                       if isinstance(getattr(value, "shape", None), tuple))  # not Rngs
+    lines.append(f"  traced: {', '.join(traced) or 'nothing yet'}"  # cut at its end below
+                 + (f" (example {shapes})" if shapes else ""))
     return [line if len(line) <= WIDTH else line[:WIDTH - 1] + "…" for line in lines]
 
 

@@ -79,6 +79,7 @@ class Checkpoint(Plugin):
         self._saved_step: int | None = None
         self._first_step: int | None = None  # the step this run started from
         self._inputs: Any = None  # the run's provenance inputs, assembled at the first save
+        self.due: Event | None = None  # the event to save at, once it has settled
 
     def _wants_resume(self) -> bool:
         forced = os.environ.get(RESUME_VARIABLE)
@@ -120,6 +121,13 @@ class Checkpoint(Plugin):
                 "directory, or pass Checkpoint(..., overwrite=True) to delete them first")
 
     def __call__(self, event: Event) -> None:
+        # Saved once the event and every event it set off were delivered (the loop calls
+        # settle): what a Validation then an EarlyStopping record at an epoch's end is in.
+        self.due = event
+
+    def settle(self, event: Event) -> None:
+        """Saves at the ``due`` event, now delivered with all it set off."""
+        self.due = None
         self.save(event)
 
     def on_interrupt(self, event: Event) -> None:

@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from graphmod import metrics as _metrics
 from graphmod._train._engine import Engine, metric_list, output_shapes, prepare
 from graphmod._train._events import Event, On, Template
@@ -125,6 +127,17 @@ class Validation(Plugin):
         results = self.evaluate(_variables(event.state, self.name))
         self.history.append((event.time.step, results))
         event.loop.fire("validated", metrics=results)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The history, as JSON (arrays as lists): a resumed run's holds every validation."""
+        return {"history": [[step, {name: np.asarray(value).tolist()
+                                    for name, value in results.items()}]
+                            for step, results in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = [(int(step), {name: np.asarray(value) if isinstance(value, list)
+                                     else value for name, value in results.items()})
+                        for step, results in state.get("history", [])]
 
     def evaluate(self, variables: dict) -> dict[str, Any]:
         """``{prefix + name: value}`` over every row of the source, for ``variables``."""

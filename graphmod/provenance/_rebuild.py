@@ -69,6 +69,8 @@ class Rebuilt:
         ...                      gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0)))
         >>> _ = program.init(jnp.ones((4, 2)))
         >>> again = gm.rebuild(program.provenance)
+        >>> again
+        Rebuilt(Linear from a program record; managers: none; optimizer: none; seeds: init)
         >>> args, kwargs = again.example_arguments()
         >>> args[0].shape, again.managers, again.optimizer
         ((4, 2), (), None)
@@ -81,6 +83,17 @@ class Rebuilt:
     seeds: Mapping[str, Any]
     trainable: tuple[Any, ...] | None
     provenance: Provenance
+
+    def __repr__(self) -> str:
+        """A few lines: the model's class, the managers, optimizer, seeds and record kind
+        (the model itself can hold thousands of lines)."""
+        managers = ", ".join(f"{m.name}: {type(m).__name__}" for m in self.managers)
+        optimizer = "made" if self.optimizer is not None else "none"
+        return (f"Rebuilt({type(self.model).__name__} from a {self.provenance.kind} record;"
+                f" managers: {managers or 'none'}; optimizer: {optimizer}; seeds: "
+                f"{', '.join(self.seeds) or 'none'}"
+                + ("" if self.trainable is None else f"; trainable: {len(self.trainable)}")
+                + ")")
 
     def compile(self, fn: Any, **kwargs: Any) -> Any:
         """``graphmod.compile(fn, model, managers=managers, monitor=...)``."""

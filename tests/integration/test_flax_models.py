@@ -218,15 +218,20 @@ def test_flax_dropout_draws_from_the_program_key_and_is_the_identity_in_inferenc
     model = WithFlaxRegularizers(rngs=nnx.Rngs(0))
     program = gm.compile(lambda m, x: m(x), model)
     variables = program.init(X)
-    out, _ = program.train(variables, X, rng=KEY)
+    out, new = program.train(variables, X, rng=KEY)
     assert rewrites(program) == [("/dropout", "apply", "OUTPUT", "output")]
     assert program.rewrites["train"][0].manager == "nnx.Dropout"
     marked = program.graph(X).rewritten  # the graph marks it too
     assert [(r.tag.path, r.manager) for r in marked] == [("/dropout.apply.output",
                                                           "nnx.Dropout")]
     hidden = nnx.relu(nnx.clone(model).norm(model.linear1(X)))  # batch statistics
-    mask = jax.random.bernoulli(step_key("", "/dropout", "apply", "", ""), 0.5, hidden.shape)
+    drawn = nnx.clone(model).dropout.rngs()  # its stored stream's draw, as Flax makes it
+    key = jax.random.fold_in(step_key("", "/dropout", "apply", "", ""),
+                             jax.random.bits(drawn, (), jnp.uint32))
+    mask = jax.random.bernoulli(key, 0.5, hidden.shape)
     np.testing.assert_allclose(out, model.linear2(jnp.where(mask, hidden / 0.5, 0.0)), **TOL)
+    count = lambda v: int(v["model"]["dropout"]["rngs"]["count"])
+    assert count(new) == count(variables) + 1  # the stream advanced, as in Flax
     other, _ = program.train(variables, X, rng=jax.random.key(4))
     assert not np.allclose(out, other)  # a new mask for another step key
     inferred = program.infer(variables, X)  # traced while the model's flags say training
@@ -249,6 +254,29 @@ def test_flax_batch_norm_follows_the_program_mode() -> None:
     inferred = program.infer(variables, X)  # running averages, whatever the model's flag
     model.eval()
     np.testing.assert_allclose(inferred, model(X), **TOL)
+
+
+@pytest.mark.parametrize("manager", [
+    lambda: managers.WeightNoise(1.0, path="/norm*"),  # by path: its statistics too
+    lambda: managers.Dropout(0.5, path="/norm*"),
+    lambda: managers.Precision("bfloat16"),
+])
+def test_batch_norm_statistics_are_rewritten_only_where_roles_name_state(manager: Any) -> None:
+    model = WithFlaxRegularizers(rngs=nnx.Rngs(0), deterministic=True)
+    program = gm.compile(lambda m, x: m(x), model, managers=[manager()])
+    with pytest.warns(UserWarning, match=r"Dropout.deterministic=True"):
+        variables = program.init(X)
+        _, new = program.train(variables, X, rng=KEY)
+    assert all(r.role != "STATE" for r in program.rewrites["train"])
+    mean, var = new["model"]["norm"]["mean"], new["model"]["norm"]["var"]
+    assert mean.dtype == var.dtype == jnp.float32  # kept as Flax keeps them
+    # One step of momentum 0.99 from (0, 1): noise or dropout on them moved them far.
+    assert np.abs(mean).max() < 0.1 and np.abs(var - 1).max() < 0.1
+    assert np.isfinite(program.infer(new, X)).all()
+    chosen = gm.compile(lambda m, x: m(x), model,  # named by roles=: rewritten
+                        managers=[managers.StopGradient(roles=[roles.STATE])])
+    chosen.init(X)
+    assert {r.name for r in chosen.rewrites["init"]} == {"mean", "var"}
 
 
 def test_explicit_use_running_average_wins_in_training() -> None:
@@ -289,6 +317,25 @@ def test_a_model_left_in_eval_mode_warns_which_layers_stay_off_in_training() -> 
         frozen = gm.compile(lambda m, x: m(x), CalledFrozen(rngs=nnx.Rngs(0)))
         frozen.train(frozen.init(X), X, rng=KEY)  # flags in the calls: no warning
     assert rewrites(trained) == [("/dropout", "apply", "OUTPUT", "output")]
+
+
+HEAD = nnx.Linear(2, 1, rngs=nnx.Rngs(1))  # a module the loss reads by its global name
+
+
+def test_a_module_read_from_outside_the_model_warns_that_it_stays_constant() -> None:
+    body = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    teacher = MLP(rngs=nnx.Rngs(2))
+    with pytest.warns(UserWarning, match=r"fn reads modules from outside the model, "
+                      r"'teacher' \(MLP\), 'HEAD' \(Linear\): a program holds their variables "
+                      r"as constants .*nnx\.Dict\(model=model, head=head\)"):
+        program = gm.compile(lambda m, x: (HEAD(m(x)) + teacher(x).sum()).mean(), body)
+    _, trained = program.train(program.init(X[:, :4]), X[:, :4], rng=KEY)
+    assert set(trained["model"]) == {"kernel", "bias"}  # HEAD's variables are not the model's
+    both = nnx.Dict(body=body, head=HEAD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # read from the model argument: no warning
+        gm.compile(lambda m, x: HEAD(m.body(x)).mean(), both)  # HEAD is in the model
+        gm.compile(lambda m, x: m.head(m.body(x)).mean(), both)
 
 
 def test_overlapping_traces_in_two_threads_share_the_switch_and_restore_it() -> None:
@@ -359,12 +406,13 @@ def test_embed_attend_is_an_application_of_its_own() -> None:
 
 
 def test_attention_dropout_draws_from_the_program_key_and_is_off_in_inference() -> None:
-    model = SelfAttention(rngs=nnx.Rngs(0))  # keeps its Rngs: the program does not use them
+    model = SelfAttention(rngs=nnx.Rngs(0))  # keeps its Rngs: folded into the step key
     program = gm.compile(lambda m, x: m(x), model)
     variables = program.init(SEQUENCE)
     out, _ = program.train(variables, SEQUENCE, rng=KEY)
     assert ("/attention", "apply", "AUXILIARY", "attention_weights") in rewrites(program)
-    key = step_key("", "/attention", "apply", "", "")
+    key = jax.random.fold_in(step_key("", "/attention", "apply", "", ""), jax.random.bits(
+        nnx.clone(model).attention.rngs(), (), jnp.uint32))
     eager = nnx.clone(model).attention(SEQUENCE, deterministic=False, rngs=lambda: key)
     np.testing.assert_allclose(out, eager, **TOL)
     other, _ = program.train(variables, SEQUENCE, rng=jax.random.key(4))

@@ -365,8 +365,11 @@ def test_scan_over_layers_draws_its_own_dropout_mask_per_layer_and_step(
     program = program_of(model, lambda m, x: m(x))
     variables = program.init(X)
     out, _ = program.train(variables, X, rng=KEY)
-    masks = [jax.random.bernoulli(layer_key(keys, "", i), 0.5, X.shape)
-             for i in range(3)]
+    parts, call_id = keys[""]  # each layer's stream (split at construction) sets its mask
+    masks = [jax.random.bernoulli(jax.random.fold_in(
+        jax.random.fold_in(KEY, crc32(f"{parts}#{call_id}")),
+        jax.random.bits(layer(model, i).dropout.rngs(), (), jnp.uint32)), 0.5, X.shape)
+        for i in range(3)]
     assert not np.array_equal(masks[0], masks[1]) and not np.array_equal(masks[1], masks[2])
     x = X
     for i, mask in enumerate(masks):
@@ -375,6 +378,52 @@ def test_scan_over_layers_draws_its_own_dropout_mask_per_layer_and_step(
     np.testing.assert_allclose(out, x, **TOL)
     next_step, _ = program.train(variables, X, rng=jax.random.key(4))
     assert not np.allclose(next_step, out)
+
+
+class RecurrentCell(nnx.Module):
+    """Flax's randomness guide's ``RNNCell``, its output the dropped state: the masks."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(8, 4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs, rng_collection="recurrent_dropout")
+
+    def __call__(self, h: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        dropped = self.drop(h)  # recurrent dropout
+        return nnx.relu(self.linear(jnp.concatenate([dropped, x], -1))) + 1, dropped / h
+
+
+def recurrent_masks(cell: RecurrentCell, x: jax.Array, *, broadcast: bool) -> jax.Array:
+    """The guide's ``rnn_forward``: one mask for every step where the stream is broadcast
+    (``nnx.with_rngs``), a mask per step where it is split."""
+    h = jnp.ones((x.shape[0], 4))
+    streams = nnx.with_rngs(cell, **{"broadcast" if broadcast else "split": x.shape[1]},
+                            graph=False)
+    in_axes = nnx.prefix(streams, {"recurrent_dropout": 0, ...: None}, graph=False)
+
+    @nnx.scan(in_axes=(in_axes, nnx.Carry, 1), out_axes=(nnx.Carry, 1), graph=False)
+    def unroll(cell: RecurrentCell, h: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return cell(h, x)
+
+    return unroll(streams, h, x)[1]
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_recurrent_dropout_keeps_the_streams_structure(broadcast: bool) -> None:
+    cell = RecurrentCell(nnx.Rngs(params=0, recurrent_dropout=1))
+    sequence = jnp.ones((2, 5, 4))
+    program = program_of(cell, lambda c, x: recurrent_masks(c, x, broadcast=broadcast))
+    variables = program.init(sequence)
+    masks, trained = program.train(variables, sequence, rng=KEY)
+    steps = [np.asarray(masks[:, t]) for t in range(5)]
+    assert set(np.unique(steps)) == {0.0, 2.0}
+    same = [np.array_equal(steps[0], step) for step in steps[1:]]
+    assert all(same) if broadcast else not any(same)  # as eager Flax draws them
+    eager = recurrent_masks(nnx.clone(cell), sequence, broadcast=broadcast)
+    assert all(np.array_equal(eager[:, 0], eager[:, t]) for t in range(5)) == broadcast
+    other, _ = program.train(variables, sequence, rng=jax.random.key(4))
+    assert not np.array_equal(other, masks)  # the step key still sets the masks
+    assert not np.array_equal(trained["model"]["drop"]["rngs"]["count"],
+                              variables["model"]["drop"]["rngs"]["count"])
 
 
 def test_managers_inside_a_scan_over_layers_draw_per_layer_from_the_layer_index(

@@ -192,6 +192,10 @@ def test_bad_input_gets_clear_errors(problem: Problem) -> None:
         gm.Loop(problem.step, [], epochs=1)
     with pytest.raises(ValueError, match=r"yielded no batch in epoch 0"):
         gm.Loop(problem.step, iter([]), epochs=1).run(problem.state())
+    batches = (batch for batch in problem.source())  # the data loaders guide's generator
+    with pytest.raises(ValueError, match=r"Loop\(step, data, epochs=2\): data is a generator, "
+                       r"an iterator that its first epoch uses up; .*a list of batches"):
+        gm.Loop(problem.step, batches, epochs=2)
     with pytest.raises(ValueError, match=r"Loop\(steps_per_call=0\)"):
         gm.Loop(problem.step, problem.source(), steps_per_call=0)
     with pytest.raises(TypeError, match=r"loop.on\(template\): expected On\(...\).*each\(10\)"):

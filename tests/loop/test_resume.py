@@ -16,6 +16,7 @@ import pytest
 
 import graphmod as gm
 from graphmod import On, at
+from graphmod._cli import inspect_run
 from graphmod._train._checkpoint import Checkpointer, CheckpointError
 from graphmod.plugins import Checkpoint
 from tests.loop.conftest import Problem
@@ -96,6 +97,19 @@ def test_keep_n_and_in_process_resume(tmp_path) -> None:
     assert int(resumed.step) == 36
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, final.variables),
                  jax.tree.map(np.asarray, resumed.variables))
+
+
+def test_a_finished_run_resumed_has_its_last_metrics(tmp_path) -> None:
+    problem = Problem()
+    finished = gm.Loop(problem.step, problem.source(8), epochs=1,
+                       plugins=[Checkpoint(tmp_path)])
+    finished.run(problem.state())
+    again = gm.Loop(problem.step, problem.source(8), epochs=1,
+                    plugins=[Checkpoint(tmp_path, resume=True)])
+    again.run(problem.state())  # nothing left to run: its metrics are the checkpoint's
+    assert again.metrics == {"loss": float(finished.metrics["loss"])}
+    assert f"metrics at step 12: loss={float(finished.metrics['loss']):.6g}" in inspect_run(
+        str(tmp_path))
 
 
 def test_by_default_the_last_step_of_a_run_stopped_on_steps_is_saved(tmp_path) -> None:

@@ -86,6 +86,24 @@ def test_merge_gives_a_program_without_it_the_averages_and_the_model_too() -> No
         ema.merge(merged)
 
 
+def test_with_lora_it_comes_first_and_inference_keeps_the_adapters() -> None:
+    x, y = _data()
+    ema, lora = managers.EMA(0.5), managers.LoRA(1, bricks=[nnx.Linear])
+    program = gm.compile(_cost, _linear(), managers=[ema, lora])
+    step = gm.optimize(program, optax.adam(0.1), trainable=[lora])
+    state = step.init(program.init(x, y), jax.random.key(0))
+    for _ in range(3):
+        state, _ = step(state, x, y)
+    merged = lora.merge(ema.merge(state.variables))  # the averages, then the adapters
+    assert not np.allclose(merged["model"]["kernel"], state.variables["model"]["kernel"])
+    np.testing.assert_allclose(program.infer(state.variables, x, y),
+                               gm.compile(_cost, _linear()).infer(merged, x, y), rtol=1e-6)
+    late = gm.compile(_cost, _linear(), managers=[managers.LoRA(1), managers.EMA(0.5)])
+    with pytest.raises(gm.errors.ManagerConflict, match=r"parameter /\.kernel reaches it "
+                       r"already rewritten by a manager listed before it.*list EMA first"):
+        late.init(x, y)  # else inference would read the average without the adapters
+
+
 def test_a_parameter_read_by_several_calls_or_loop_steps_moves_once_per_step() -> None:
     x, y = _data()
 

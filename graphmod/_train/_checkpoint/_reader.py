@@ -248,7 +248,7 @@ class CheckpointReader:
         chunks its devices' regions overlap, and a checkpoint is used only if it verifies
         in every process."""
         # Placed as the template is: in a run of several processes, each reads its own.
-        shardings = [None if is_key(leaf) else getattr(leaf, "sharding", None)
+        shardings = [None if is_key(leaf) else _concrete(getattr(leaf, "sharding", None))
                      for leaf in jax.tree.leaves(template)]
         load = functools.partial(self._load, template=template, specs=leaf_specs(template),
                                  want=stored_specs(template), shardings=shardings)
@@ -339,3 +339,11 @@ def _agreed(load: Callable[[int], Any], path: Callable[[int], str]) -> Callable[
         return result
 
     return together
+
+
+def _concrete(sharding: Any) -> Any:
+    """``sharding`` if it names devices; None for one over an abstract mesh (a template
+    traced under ``jax.set_mesh``): such leaves are restored as unplaced arrays, which the
+    step places as it runs."""
+    return None if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh) \
+        else sharding

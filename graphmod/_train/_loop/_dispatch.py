@@ -2,8 +2,10 @@
 
 Plugins receive an event in registration order, ``*_end`` and ``end`` in reverse (LIFO),
 higher ``priority`` first. Events a plugin fires are queued and delivered after the current
-one. Each call is timed into a bounded :class:`DispatchTrace`; a plugin's exception becomes
-a :class:`PluginError` naming the plugin and where it raised.
+one; a plugin with a ``due`` event and a ``settle`` method (a Checkpoint) is called again
+once that event and every event it set off were delivered. Each call is timed into a
+bounded :class:`DispatchTrace`; a plugin's exception becomes a :class:`PluginError` naming
+the plugin and where it raised.
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ class PluginTable:
         self.templates: list[Template] = []  # alternatives apart, for planning fused steps
         self._orders: tuple[list[Registration], list[Registration]] = ([], [])
         self._previous: dict[tuple[int, str], Time] = {}
+        self._settling: list[Registration] = []  # plugins with work put off (settle)
 
     def __repr__(self) -> str:
         """The plugins in order, each with the events it runs on (a :class:`Plugin`
@@ -156,6 +159,8 @@ class PluginTable:
         if priority is None:
             priority = getattr(plugin, "priority", 0)
         self.entries.append(Registration(template, plugin, priority, len(self.entries), name))
+        if callable(getattr(plugin, "settle", None)):
+            self._settling.append(self.entries[-1])
         self.templates += [] if template is None else _parts(template)
         # Dispatch orders, computed once: registration order, and LIFO for *_end events.
         self._orders = (sorted(self.entries, key=lambda e: (-e.priority, e.order)),
@@ -209,6 +214,14 @@ class PluginTable:
             elif not entry.template.matches(event):
                 continue
             self._call(entry, event, order)
+
+    def settle(self) -> None:
+        """Calls ``settle(event)`` of each plugin whose ``due`` event was delivered with
+        every event it set off (a Checkpoint saves then, after Validation and
+        EarlyStopping recorded that event's results)."""
+        for order, entry in enumerate(self._settling):
+            if (due := entry.plugin.due) is not None:
+                self._call(entry, due, order, entry.plugin.settle)
 
     def deliver_interrupt(self, event: Event, error: BaseException) -> None:
         """Gives each plugin, last registered first, the ``interrupt`` event: a

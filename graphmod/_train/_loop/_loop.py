@@ -207,6 +207,7 @@ class Loop:
         self.position = int(meta["position"])
         self._started = True
         self._plugins.load_state_dict(meta.get("plugins", {}))
+        self._metrics = dict(meta.get("metrics", {}))  # a finished run's, resumed: its last
         if meta.get("data") is not None and hasattr(self.data, "load_state_dict"):
             self.data.load_state_dict(meta["data"])
         self.data_changes = changes
@@ -383,6 +384,7 @@ class Loop:
             self._plugins.deliver(self._event(type, self, {}, fresh))
         while self._plugins.queue:
             self._plugins.deliver(self._plugins.queue.popleft())
+        self._plugins.settle()
         self._check_interrupt()
 
     def _interrupt(self, exc: BaseException) -> None:

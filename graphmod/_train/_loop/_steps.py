@@ -238,6 +238,12 @@ def check_loop_settings(step: Any, data: Any, **counts: int | None) -> None:
         raise TypeError(f"Loop(step, data): data must be iterable, got {type(data).__name__}")
     if hasattr(data, "__len__") and len(data) == 0:
         raise ValueError("Loop(step, data): the data source is empty (no batch per epoch)")
+    if isinstance(data, Iterator) and (counts.get("epochs") or 1) > 1:
+        raise ValueError(
+            f"Loop(step, data, epochs={counts['epochs']}): data is a {type(data).__name__}, "
+            "an iterator that its first epoch uses up; pass data that iterates again each "
+            "epoch (a list of batches, a graphmod.data.ArraySource, a DataLoader, or an "
+            "object whose __iter__ returns a new generator), or run one pass (epochs=1)")
     for label, value in counts.items():
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"Loop({label}={value!r}): must be a positive int")

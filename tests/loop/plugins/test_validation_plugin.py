@@ -91,6 +91,26 @@ def test_validated_metrics_match_a_hand_computation_over_every_row(classes: Clas
     assert fired[0][1] != fired[-1][1]  # the metrics follow training
 
 
+def test_a_resumed_run_keeps_the_history_of_every_validation(classes: Classes,
+                                                              tmp_path) -> None:
+    def plugins() -> list:
+        return [Validation(classes.predict, classes.held_out(), metrics=["accuracy"]),
+                EarlyStopping("valid/accuracy", patience=5, mode="max", restore_best=False),
+                gm.plugins.Checkpoint(tmp_path)]
+
+    first = plugins()
+    gm.Loop(classes.step, classes.train(), epochs=2, plugins=first).run(classes.state())
+    again = plugins()
+    gm.Loop.resume(tmp_path, classes.step, classes.train(), epochs=3, plugins=again)
+    whole = plugins()[:2]
+    gm.Loop(classes.step, classes.train(), epochs=3, plugins=whole).run(classes.state())
+    assert [step for step, _ in again[0].history] == [4, 8, 12]  # not only the new epoch
+    assert again[1].state_dict() == whole[1].state_dict()  # the best and its step
+    assert again[0].history[:2] == first[0].history
+    np.testing.assert_allclose([m["valid/accuracy"] for _, m in again[0].history],
+                               [m["valid/accuracy"] for _, m in whole[0].history])
+
+
 def test_default_metrics_come_from_the_programs_outputs(classes: Classes) -> None:
     variables = classes.state().variables
     want = classes.by_hand(variables)
