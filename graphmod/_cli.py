@@ -29,6 +29,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import traceback
 from collections.abc import Sequence
@@ -268,7 +269,8 @@ def inspect_run(directory: str | os.PathLike) -> str:
         rows = log.read_text().splitlines()
         if rows:
             lines.append(f"metrics ({log.name}, {len(rows)} rows), last: {rows[-1]}")
-    return "\n".join(lines)
+    return "\n".join(line if len(line) <= 100 else textwrap.fill(  # 100 columns, nothing cut
+        line, 100, subsequent_indent="    ", break_on_hyphens=False) for line in lines)
 
 
 def _provenance_lines(meta: dict[str, Any]) -> list[str]:

@@ -55,6 +55,13 @@ def _cost(model: Any, x: jax.Array, y: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
 
+def _dict_step(w: World) -> Any:
+    """A train step over a function that returns the model's outputs, not a cost."""
+    program = gm.compile(lambda m, x, y: {"logits": m(x)}, w.mlp)
+    step = gm.optimize(program, optax.sgd(0.1))
+    return step(step.init(program.init(w.x[:2], w.y[:2]), jax.random.key(0)), w.x, w.y)
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     tmp = tmp_path_factory.mktemp("catalogue")
@@ -194,6 +201,9 @@ _PICKLE = {"$call": {"function": "jax._src.pickle_util.loads", "kwargs": {"data"
 
 CASES = [
     # -- managers and filters ---------------------------------------------------------------
+    Case("a train step over a function returning a dict", lambda w: _dict_step(w),
+         TypeError, r"optimize: <lambda> returned a dict, not a cost: a "
+        r"train step needs a float scalar, or \(cost, \{'name': metric"),
     Case("one manager where a list goes", lambda w: gm.compile(_cost, w.mlp,
                                                                managers=managers.L2(1e-4)),
          TypeError, r"compile\(managers=\.\.\.\): expected a list of managers, got one "

@@ -7,7 +7,8 @@ Unmodified Flax modules
     is an application at the module's path. Its inputs are the arrays among its arguments
     (named as in the method's signature; inside tuples, lists and dicts by their keys,
     ``carry.0``; a ``**kwargs`` entry by its key), its outputs the returned array
-    (``output``) or the arrays of a returned tuple (``output_0``, ``output_1``, ...). This
+    (``output``), the arrays of a returned tuple (``output_0``, ``output_1``, ...) or dict
+    (``output.logits``: by key; other results are passed on untagged). This
     works by switching the module instances' class, during a trace only, to a cached
     subclass (same name) whose methods run the chain around the original
     (``graphmod._core._context`` owns the switch and restores it, also after an exception).

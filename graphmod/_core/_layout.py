@@ -176,6 +176,11 @@ class Layout:
         self.marks = self._marks(intercept)
         self._structure = structure(walked)
 
+    @functools.cached_property
+    def identity_at(self) -> dict[str, str]:
+        """Variable identities by variable path."""
+        return {info.path: info.identity for info in self.variables}
+
     def check_unchanged(self, caller: str) -> None:
         """Raises :class:`~graphmod.errors.ModelChanged` if a module or variable of the model
         was replaced, added or removed since compile (a walk of the model: per trace, not

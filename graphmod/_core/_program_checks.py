@@ -119,7 +119,8 @@ def warn_held_off(frame: Frame) -> None:
     Python's warning registry keeps repeated texts quiet."""
     if not frame.held_off:
         return
-    shown = ", ".join(f"{path} ({flag})" for path, flag in frame.held_off.items())
+    held = [f"{path} ({flag})" for path, flag in frame.held_off.items()]
+    shown = ", ".join(held[:6]) + (f" and {len(held) - 6} more" if len(held) > 6 else "")
     warnings.warn(
         f"these Flax layers stay in eval mode in the program's training: {shown}. A flag set "
         "on the module (at construction, or by model.eval()) wins over the program's mode. "

@@ -52,26 +52,28 @@ def scan(
         # Create manager-owned variables at the outer level from one step's shapes, so the
         # scan below can carry them; the body then replays the same call ids.
         _step(frame, f, init, jax.tree.map(lambda x: x[0], xs), jnp.int32(0))
-    state = frame.carry()
+    model, owned = frame.carry()
 
     body = functools.partial(_body, frame, snapshot, f)
     (carry, model_out, owned_out), (ys, monitored) = jax.lax.scan(
-        body, (init, *state), (xs, jnp.arange(length)), length, reverse=reverse, unroll=unroll)
+        body, (init, _by_path(frame, model), owned), (xs, jnp.arange(length)), length,
+        reverse=reverse, unroll=unroll)
     # init never updates: drop the body's values of the owned variables
-    frame.after_loop((model_out, state[1] if first else owned_out), monitored,
-                     owned_written=not first)
+    frame.after_loop((_by_identity(frame, model_out), owned if first else owned_out),
+                     monitored, owned_written=not first)
     return carry, ys
 
 
 def _body(frame: Frame, snapshot: LoopSnapshot, f: Callable, carry: Any, inputs: Any
           ) -> tuple[Any, Any]:
     """One step of the scan: ``f`` with the frame's state carried in and out."""
-    user_carry, *step_state = carry
+    user_carry, model, owned = carry
     x, index = inputs
-    with frame.loop_body(snapshot, tuple(step_state)):
+    step_state = (_by_identity(frame, model), owned)
+    with frame.loop_body(snapshot, step_state):
         user_carry, y = _step(frame, f, user_carry, x, index)
-        new_state, monitored = frame.carried(tuple(step_state))
-    return (user_carry, *new_state), (y, monitored)
+        (model, owned), monitored = frame.carried(step_state)
+    return (user_carry, _by_path(frame, model), owned), (y, monitored)
 
 
 def _step(frame: Frame, f: Callable, carry: Any, x: Any, index: Any) -> tuple[Any, Any]:
@@ -113,7 +115,8 @@ def remat(f: Callable[..., Any], *, policy: Callable[..., bool] | None = None
         snapshot, state = frame.snapshot(), frame.carry()
         out, written, monitored, costs, measured = jax.checkpoint(
             functools.partial(_region, frame, snapshot, state, f), policy=policy)(*args)
-        frame.after_loop(written, monitored, owned_written=True)
+        frame.after_loop((_by_identity(frame, written[0]), written[1]), monitored,
+                         owned_written=True)
         for (owner, key), cost in costs.items():  # in place of the region's own tracers
             frame.add_cost(owner, key, cost)
         for key, value in measured.items():
@@ -133,11 +136,23 @@ def _region(frame: Frame, snapshot: LoopSnapshot, state: tuple[dict, dict], f: C
     with frame.loop_body(snapshot, state):
         out = f(*args)
         new, monitored = frame.carried(state)
-    written = tuple({k: v for k, v in new_part.items() if v is not old_part[k]}
+    model, owned = ({k: v for k, v in new_part.items() if v is not old_part[k]}
                     for new_part, old_part in zip(new, state, strict=True))
-    return (out, written, monitored,
+    return (out, (_by_path(frame, model), owned), monitored,
             {k: v for k, v in _costs(frame).items() if costs.get(k) is not v},
             {k: v for k, v in frame.measured.items() if measured.get(k) is not v})
+
+
+def _by_path(frame: Frame, model: dict[str, Any]) -> dict[str, Any]:
+    """The model's variables keyed by path where they cross a JAX transform: JAX flattens a
+    dict in key order, and identities are spelled from ``id()``, so keyed by identity the
+    jaxpr (and the program's fingerprint) changed from one process to the next."""
+    return {frame.layout.by_identity[identity].path: value for identity, value in model.items()}
+
+
+def _by_identity(frame: Frame, model: dict[str, Any]) -> dict[str, Any]:
+    """:func:`_by_path` undone."""
+    return {frame.layout.identity_at[path]: value for path, value in model.items()}
 
 
 def _costs(frame: Frame) -> dict[tuple[str, str], Any]:

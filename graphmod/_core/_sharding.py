@@ -245,11 +245,15 @@ def batch_on_mesh(tree: Any, placement: Placement | None, *, split: bool) -> Any
 
     Examples:
         >>> import jax, numpy as np
-        >>> mesh_of = lambda x: jax.typeof(x).sharding.mesh.axis_names
+        >>> seen = []  # the traced argument's mesh, before and after
+        >>> def f(x):
+        ...     seen.extend(jax.typeof(y).sharding.mesh.axis_names
+        ...                 for y in (x, batch_on_mesh(x, None, split=True)))
+        ...     return x
         >>> with jax.set_mesh(jax.make_mesh((1,), ("batch",))):
-        ...     jax.jit(lambda x: mesh_of(batch_on_mesh(x, None, split=True)) and x)(
-        ...         np.ones(2)).sharding.mesh.axis_names
-        ('batch',)
+        ...     _ = jax.jit(f)(np.ones(2))
+        >>> seen
+        [(), ('batch',)]
     """
     if placement is not None:
         return placement.constrain_batch(tree) if split else tree

@@ -125,12 +125,18 @@ class MethodSpec(Spec):
             return [("output", out)]
         if isinstance(out, tuple):
             return [(f"output_{i}", v) for i, v in enumerate(out) if is_array(v)]
+        if isinstance(out, dict):  # DETR's {"pred_logits": ..., "pred_boxes": ...}
+            return [(f"output.{k}", v) for k, v in out.items() if is_array(v)]
         return []
 
     def with_outputs(self, out: Any, values: list[Any]) -> Any:
         if is_array(out):
             return values[0]
+        if not isinstance(out, tuple | dict):
+            return out  # no tagged output: nothing to replace
         new = iter(values)
+        if isinstance(out, dict):
+            return type(out)((k, next(new) if is_array(v) else v) for k, v in out.items())
         items = [next(new) if is_array(v) else v for v in out]
         return type(out)._make(items) if hasattr(out, "_make") else tuple(items)
 

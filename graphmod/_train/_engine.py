@@ -191,6 +191,13 @@ def prepare(program: Program, variables: dict, first: Any, metrics: Sequence[Met
     needing = [m.name for m in metrics if m.needs_targets]
     if needing and target is None:
         fields = fields_of(first)
+        left = [f for f in fields if f not in binding.fields]
+        if len(left) > 1:
+            raise ValueError(
+                f"{who}: the metrics {', '.join(needing)} need targets, and several fields "
+                f"of the source {source!r} could be them ({', '.join(map(repr, left))}): "
+                "name one with targets=...; a metric that reads the whole batch itself "
+                "(takes_batch) can say needs_targets = False")
         # Every field an input, more than one: most likely a cost fn(model, x, y).
         cost = len(binding.fields) > 1 and len(binding.fields) == len(fields)
         raise ValueError(

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from graphmod import roles as _roles
@@ -224,12 +225,17 @@ class TrainStep:
         out, new_variables, monitored, costs, measured = program._train_traced(
             program.merge(params, rest), key, batch, kwargs, with_costs=True)
         cost, metrics = _split_output(out, program.fn)
+        name = getattr(program.fn, "__name__", "fn")
+        if not isinstance(cost, jax.Array | np.ndarray | np.generic | float | int):  # a dict
+            raise TypeError(
+                f"optimize: {name} returned a {type(cost).__name__}, not a cost: a train "
+                "step needs a float scalar, or (cost, {'name': metric, ...}); reduce the "
+                "outputs to a loss in the function (program.derive keeps the outputs)")
         if jnp.ndim(cost) != 0 or not jnp.issubdtype(jnp.result_type(cost), jnp.floating):
             raise ValueError(
-                f"optimize: the cost returned by {getattr(program.fn, '__name__', 'fn')} "
-                f"must be a float scalar to differentiate; got shape {jnp.shape(cost)} "
-                f"and dtype {jnp.result_type(cost)} (reduce it, e.g. with .mean())"
-            )
+                f"optimize: the cost returned by {name} must be a float scalar to "
+                f"differentiate; got shape {jnp.shape(cost)} and dtype "
+                f"{jnp.result_type(cost)} (reduce it, e.g. with .mean())")
         owned = {owner: sum(by_key.values()) for owner, by_key in costs.items()}
         total = cost + sum(owned.values()) if owned else cost
         return total, ({**metrics, **owned, **measured, **monitored}, new_variables)

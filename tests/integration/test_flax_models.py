@@ -319,6 +319,33 @@ def test_a_model_left_in_eval_mode_warns_which_layers_stay_off_in_training() -> 
     assert rewrites(trained) == [("/dropout", "apply", "OUTPUT", "output")]
 
 
+class DictHead(nnx.Module):
+    """Returns a dict, as Flax's DETR tutorial's model does."""
+
+    def __init__(self) -> None:
+        self.linear = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+
+    def __call__(self, x: jax.Array) -> dict[str, Any]:
+        logits = self.linear(x)
+        return {"pred_logits": logits, "pred_boxes": nnx.sigmoid(logits), "queries": 3}
+
+
+def test_a_module_returning_a_dict_gives_its_caller_the_dict_its_outputs_tagged() -> None:
+    def loss(model: DictHead, x: jax.Array) -> jax.Array:
+        out = model(x)
+        return (out["pred_logits"].sum() + out["pred_boxes"].sum()) * out["queries"]
+
+    head = DictHead()
+    dropout = managers.Dropout(0.5, bricks=[DictHead], roles=[roles.OUTPUT])
+    program = gm.compile(loss, head, managers=[dropout])
+    variables = program.init(X)
+    assert rewrites(program, "init") == [("/", "apply", "OUTPUT", "output.pred_logits"),
+                                         ("/", "apply", "OUTPUT", "output.pred_boxes")]
+    np.testing.assert_allclose(program.infer(variables, X), loss(head, X), **TOL)
+    out, _ = program.train(variables, X, rng=KEY)
+    assert not np.allclose(out, loss(head, X))  # dropped, and still read by key
+
+
 HEAD = nnx.Linear(2, 1, rngs=nnx.Rngs(1))  # a module the loss reads by its global name
 
 
@@ -336,6 +363,14 @@ def test_a_module_read_from_outside_the_model_warns_that_it_stays_constant() -> 
         warnings.simplefilter("error")  # read from the model argument: no warning
         gm.compile(lambda m, x: HEAD(m.body(x)).mean(), both)  # HEAD is in the model
         gm.compile(lambda m, x: m.head(m.body(x)).mean(), both)
+
+
+def test_many_layers_held_in_eval_mode_are_named_in_a_readable_warning() -> None:
+    frozen = nnx.Sequential(*[nnx.Dropout(0.5, deterministic=True) for _ in range(9)])
+    program = gm.compile(lambda m, x: m(x).sum(), frozen)
+    with pytest.warns(UserWarning, match=r"/layers/0 \(Dropout.deterministic=True\), .*"
+                      r"/layers/5 \(Dropout.deterministic=True\) and 3 more\. A flag"):
+        program.train(program.init(X), X, rng=KEY)
 
 
 def test_overlapping_traces_in_two_threads_share_the_switch_and_restore_it() -> None:

@@ -108,8 +108,9 @@ def test_a_finished_run_resumed_has_its_last_metrics(tmp_path) -> None:
                     plugins=[Checkpoint(tmp_path, resume=True)])
     again.run(problem.state())  # nothing left to run: its metrics are the checkpoint's
     assert again.metrics == {"loss": float(finished.metrics["loss"])}
-    assert f"metrics at step 12: loss={float(finished.metrics['loss']):.6g}" in inspect_run(
-        str(tmp_path))
+    report = inspect_run(str(tmp_path))
+    assert f"metrics at step 12: loss={float(finished.metrics['loss']):.6g}" in report
+    assert max(map(len, report.splitlines())) <= 100  # long lines wrapped, not cut
 
 
 def test_by_default_the_last_step_of_a_run_stopped_on_steps_is_saved(tmp_path) -> None:

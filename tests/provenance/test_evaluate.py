@@ -127,6 +127,10 @@ def test_data_without_targets_is_refused_naming_the_metrics(task: Classifier) ->
                                          r"\(a cost\).*predict=lambda model, x: model\(x\)"):
         gm.evaluate(task.program, task.variables, {"x": task.x, "y": task.y},  # a cost
                     metrics=["accuracy"])
+    with pytest.raises(ValueError, match=r"several fields of the source 'arrays' could be "
+                       r"them \('boxes', 'y'\): name one with targets="):
+        gm.evaluate(task.predict, task.variables,  # DETR's labels and boxes
+                    {"x": task.x, "y": task.y, "boxes": task.x}, metrics=["accuracy"])
 
 
 def test_predictions_and_targets_of_other_shapes_are_refused(task: Classifier) -> None:

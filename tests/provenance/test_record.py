@@ -133,3 +133,30 @@ def test_a_missing_field_is_named_with_the_closest_one() -> None:
                                        r"mean 'seeds'\?\); inputs: seeds; derived: "
                                        r"fingerprint"):
         prov["seed"]
+
+
+class RematLayer(nnx.Module):
+    """Two Flax dropouts whose stored streams a remat region advances: written state."""
+
+    def __init__(self) -> None:
+        self.linear = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        self.first = nnx.Dropout(0.1, rngs=nnx.Rngs(1))
+        self.second = nnx.Dropout(0.1, rngs=nnx.Rngs(2))
+        self.norm = nnx.BatchNorm(4, rngs=nnx.Rngs(3))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.norm(self.second(self.linear(self.first(x))))
+
+
+@pytest.mark.parametrize("looped", [False, True])
+def test_the_fingerprint_of_state_written_in_a_remat_or_scan_does_not_follow_addresses(
+        looped: bool) -> None:
+    def fingerprint() -> str:
+        layer = nnx.Sequential(RematLayer())  # at new addresses each time
+        loss = (lambda m, x: gm.scan(lambda c, _: (m(c), None), x, length=2)[0].sum()) \
+            if looped else (lambda m, x: m(x).sum())
+        program = gm.compile(loss, layer, managers=[managers.Remat(bricks=[RematLayer])])
+        program.init(jnp.ones((2, 4)))
+        return program.provenance.fingerprint
+
+    assert len({fingerprint() for _ in range(6)}) == 1
