@@ -85,8 +85,8 @@ class Rebuilt:
     provenance: Provenance
 
     def __repr__(self) -> str:
-        """A few lines: the model's class, the managers, optimizer, seeds and record kind
-        (the model itself can hold thousands of lines)."""
+        """One line: the model's class, the record's kind, the managers, optimizer and
+        seeds (the model itself can print as thousands of lines)."""
         managers = ", ".join(f"{m.name}: {type(m).__name__}" for m in self.managers)
         optimizer = "made" if self.optimizer is not None else "none"
         return (f"Rebuilt({type(self.model).__name__} from a {self.provenance.kind} record;"

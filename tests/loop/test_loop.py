@@ -185,6 +185,21 @@ def test_update_state_casts_and_annealing_does_not_retrace() -> None:
     assert handle.get(loop.state.variables).dtype == jnp.float32
 
 
+def test_a_plugin_with_a_settle_method_of_its_own_runs_as_any_other(problem: Problem) -> None:
+    class Settling(gm.Plugin):  # a user's plugin that happens to name a method settle
+        calls = 0
+
+        def on_step(self, event: gm.Event) -> None:
+            self.calls += 1
+
+        def settle(self) -> None:
+            raise AssertionError("not the loop's to call: the plugin has no due event")
+
+    plugin = Settling(name="settling")
+    gm.Loop(problem.step, problem.source(), epochs=1, plugins=[plugin]).run(problem.state())
+    assert plugin.calls > 0
+
+
 def test_bad_input_gets_clear_errors(problem: Problem) -> None:
     with pytest.raises(ValueError, match="arrays are empty"):
         ArraySource({"x": np.zeros((0, 4))}, 2)

@@ -220,7 +220,7 @@ class PluginTable:
         every event it set off (a Checkpoint saves then, after Validation and
         EarlyStopping recorded that event's results)."""
         for order, entry in enumerate(self._settling):
-            if (due := entry.plugin.due) is not None:
+            if (due := getattr(entry.plugin, "due", None)) is not None:
                 self._call(entry, due, order, entry.plugin.settle)
 
     def deliver_interrupt(self, event: Event, error: BaseException) -> None:
