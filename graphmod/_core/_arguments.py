@@ -115,9 +115,15 @@ def as_key(rng: Any, where: str) -> Any:
     return key
 
 
+def has_shape(value: Any) -> bool:
+    """Whether ``value`` is array-like: a tuple ``shape`` and a ``dtype`` (an ``nnx.Rngs``
+    answers any attribute, ``shape`` with a stream)."""
+    return isinstance(getattr(value, "shape", None), tuple) and hasattr(value, "dtype")
+
+
 def _describe(value: Any) -> str:
     """A short description of a value for error messages."""
-    if isinstance(getattr(value, "shape", None), tuple) and hasattr(value, "dtype"):
+    if has_shape(value):
         return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
     text = repr(value)
     return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from graphmod._core._arguments import has_shape
 from graphmod._core._table import WIDTH, html_table, text_table
 
 
@@ -142,7 +143,7 @@ def program_lines(program: Any) -> list[str]:
     examples = program.record.examples
     shapes = ", ".join(f"{name}: {tuple(value.shape)} {value.dtype}"
                        for name, value in (examples or {}).items()
-                       if isinstance(getattr(value, "shape", None), tuple))  # not Rngs
+                       if has_shape(value))
     lines.append(f"  traced: {', '.join(traced) or 'nothing yet'}"  # cut at its end below
                  + (f" (example {shapes})" if shapes else ""))
     return [line if len(line) <= WIDTH else line[:WIDTH - 1] + "…" for line in lines]
