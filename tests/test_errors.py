@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -284,3 +285,27 @@ def test_a_dynamic_hyperparameter_used_as_a_number_points_to_hp() -> None:
         program.init(jnp.ones((1, 2)))
     with pytest.raises(TypeError, match=r"self.hp\("):
         jnp.asarray(gm.dynamic(0.5))
+
+
+class _Tokens(nnx.Module):
+    def __init__(self) -> None:
+        self.embed = nnx.Embed(10, 4, rngs=nnx.Rngs(0))
+        self.head = nnx.Linear(4, 2, rngs=nnx.Rngs(1))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return self.head(self.embed(ids)).mean(1)
+
+
+@pytest.mark.parametrize("argument, given", [
+    (jnp.zeros((3, 5)), r"inputs=float32\[3, 5\]"),  # float token ids: Flax's own error
+    (_Tokens(), r"inputs=<_Tokens>"),  # the model passed where the ids belong
+])
+def test_an_error_inside_a_layer_names_the_innermost_application_and_its_inputs(
+        argument: Any, given: str) -> None:
+    program = gm.compile(lambda m, ids: m(ids).sum(), _Tokens())
+    with pytest.raises((ValueError, AttributeError)) as raised:
+        program.init(argument)
+    notes = [note for note in raised.value.__notes__ if note.startswith("graphmod: raised")]
+    assert len(notes) == 1  # the Embed's, not also the model's around it
+    assert re.fullmatch(rf"graphmod: raised in the application 'apply' of /embed \(Embed\), "
+                        rf"called with {given}", notes[0]), notes

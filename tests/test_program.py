@@ -240,6 +240,22 @@ def test_rewrite_trace_prints_as_a_table_and_html() -> None:
     assert "<table>" in program.rewrites._repr_html_()
     assert [r.call_id for r in program.rewrites.train] == [0, 0]
     assert len(program.rewrites.infer) == 0
+    program.infer(variables, x, y)  # dropout matches its two inputs and leaves them
+    assert program.rewrites.infer.unchanged == (("dropout", 2),)
+    assert str(program.rewrites.infer).startswith(
+        "infer: 0 rewrites; variables matched and left as they were: dropout 2\n")
+
+
+def test_managers_that_only_read_are_counted_in_the_rewrite_trace() -> None:
+    mlp = _mlp()
+    program = gm.compile(_cost, mlp, managers=[managers.L2(1e-3), managers.EMA(0.9),
+                                               managers.WeightNoise(0.1, roles=[roles.BIAS])])
+    state = gm.optimize(program, optax.sgd(0.1)).init(program.init(*_data()),
+                                                         jax.random.key(0))
+    program.train(state.variables, *_data(), rng=jax.random.key(1))
+    trace = program.rewrites.train  # L2 reads the 2 weights, EMA all 4 parameters
+    assert trace.unchanged == (("l2", 2), ("ema", 4))
+    assert [(r.manager, r.role) for r in trace] == [("weight_noise", "BIAS")] * 2
 
 
 def test_computation_graph_lists_variables_before_and_after_rewrites() -> None:

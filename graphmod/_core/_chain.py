@@ -30,9 +30,11 @@ import jax
 
 from graphmod import roles as _roles
 from graphmod._core import _context
+from graphmod._core._arguments import has_shape
 from graphmod._core._call import ApplicationCall
 from graphmod._core._filter import Tag
 from graphmod._core._spec import Spec, nested, replaced
+from graphmod.errors import GraphmodError
 
 if TYPE_CHECKING:
     from graphmod._core._frame import Frame
@@ -102,14 +104,16 @@ class Chain:
         """``value`` through ``manager``'s ``hook`` if the manager selects ``tag``."""
         if not manager.selects(tag):
             return value
-        self.frame.note_match(manager)
         if manager.exclusive:
             self.frame.claim_exclusive(tag, manager)
         if manager.once and self.frame.rewrote_around(manager.name):
+            self.frame.note_match(manager)
             return value  # it rewrote the enclosing call's values: these come from them
         bound = self.bound(manager, tag.role, tag.name, parameter)
         new = getattr(manager, hook)(bound, tag.name, value)
-        if new is value:  # the manager left it alone (e.g. dropout in inference)
+        # Left alone: dropout in inference, or only read (L2's cost, EMA's average).
+        self.frame.note_match(manager, left=tag if new is value else None)
+        if new is value:
             return value
         self.frame.note_rewrite(manager.name, tag, value, new)
         return new
@@ -209,7 +213,11 @@ class Chain:
                 layer = functools.partial(_wrapping, manager, self, layer)
         with jax.named_scope(_scope_name(parent, self.path, self.application)):
             self.see_inputs(args, kwargs, self._record)
-            out = layer(*args, **kwargs)
+            try:
+                out = layer(*args, **kwargs)
+            except Exception as error:
+                _note_where(error, self, args, kwargs)
+                raise
         self.see_outputs(out, self._collect)  # monitored: the outputs as the caller sees them
         return out
 
@@ -241,3 +249,39 @@ def _scope_name(parent: Chain | None, path: str, application: str) -> str:
     relative = path[len(base):] if path.startswith(base) else path
     relative = relative.strip("/")
     return f"{relative}.{application}" if relative else application
+
+
+_WHERE = "graphmod: raised in the application "
+
+
+def _note_where(error: Exception, chain: Chain, args: tuple, kwargs: dict) -> None:
+    """Names the innermost application an error came from and what it was given: the
+    traceback shows the code, not which layer of a deep model failed or on what (a module
+    passed where an array belongs, float token ids). graphmod's own errors name theirs."""
+    if isinstance(error, GraphmodError) or any(
+            note.startswith(_WHERE) for note in getattr(error, "__notes__", ())):
+        return
+    try:
+        bound = chain.spec.signature.bind_partial(chain.brick, *args, **kwargs).arguments
+        given = [f"{name}={_short(value)}" for name, value in list(bound.items())[1:]]
+    except TypeError:  # the call's own arguments do not fit: the error says so
+        given = [_short(value) for value in args]
+        given += [f"{name}={_short(value)}" for name, value in kwargs.items()]
+    error.add_note(f"{_WHERE}{chain.application!r} of {chain.path or '/'} "
+                   f"({type(chain.brick).__name__}), called with {', '.join(given) or 'nothing'}")
+
+
+def _short(value: Any) -> str:
+    """``float32[3, 5]`` for an array, ``<Type>`` for anything but a container or a plain
+    constant."""
+    if has_shape(value):
+        return f"{value.dtype}{list(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(_short(item) for item in value)
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key!r}: {_short(item)}" for key, item in value.items()) + "}"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        text = repr(value)
+        return text if len(text) <= 40 else f"{text[:37]}..."
+    return f"<{type(value).__name__}>"

@@ -51,11 +51,22 @@ class Collected:
     measured: dict[str, Any] = dataclasses.field(default_factory=dict)  # call.report()
     rewrites: list[Rewrite] = dataclasses.field(default_factory=list)
     matches: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
+    # manager name -> the (brick path, application, call id, variable path) it matched and
+    # left as they were (a read, or inference); a set, as JAX may trace a loop body twice
+    unchanged: dict[str, set[tuple[str, str, int, str]]] = dataclasses.field(
+        default_factory=dict)
     # (brick path, application, call id, variable path) -> the manager rewriting it alone
     exclusive: dict[tuple[Any, ...], str] = dataclasses.field(default_factory=dict)
     # manager -> the (brick path, application, call id) of the calls it rewrote a value of
     rewritten_calls: dict[str, set[tuple[str, str, int]]] = dataclasses.field(
         default_factory=dict)
+
+    def note_match(self, manager_id: int, by: str, left: Tag | None) -> None:
+        """Counts a match of manager ``by``; ``left``: a variable it left as it was."""
+        self.matches[manager_id] += 1
+        if left is not None:
+            self.unchanged.setdefault(by, set()).add(
+                (left.brick_path, left.application, left.call_id, left.path))
 
     def note_rewritten_call(self, by: str, tag: Tag) -> None:
         """Notes that ``by`` rewrote a value of the call ``tag`` belongs to."""

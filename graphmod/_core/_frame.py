@@ -91,6 +91,7 @@ class Frame:
     records = property(lambda self: self._seen.records, doc="Tagged variables (graph traces).")
     rewrites = property(lambda self: self._seen.rewrites, doc="The rewrites the trace made.")
     matches = property(lambda self: self._seen.matches, doc="Matches per id(manager).")
+    unchanged = property(lambda self: self._seen.unchanged, doc="Variables left, by manager.")
     seen_managers = property(lambda self: self._seen_managers, doc="Managers met, by id.")
     calls = property(lambda self: self._calls, doc="Chain runners in progress.")
     base_trace = property(lambda self: self._scope.base, doc="Where side outputs leave.")
@@ -99,8 +100,7 @@ class Frame:
     out = property(lambda self: self._out, doc="What the traced function returned.")
     held_off = property(lambda self: self._held_off, doc="Layers a module flag held in eval.")
 
-    def returned(self, out: Any) -> None:
-        """Keeps what the traced function returned (``frame.out``)."""
+    def returned(self, out: Any) -> None:  # what the traced function returned: frame.out
         self._out = out
 
     def inner(self) -> bool:
@@ -201,9 +201,10 @@ class Frame:
         active = [*self.managers, *self._local_managers]
         return sorted(active, key=lambda m: -m.priority)
 
-    def note_match(self, manager: Manager) -> None:
-        """Counts a match of ``manager`` (a strict manager must match something)."""
-        self._seen.matches[id(manager)] += 1
+    def note_match(self, manager: Manager, left: Tag | None = None) -> None:
+        """Counts a match of ``manager`` (a strict manager must match something); ``left``:
+        the variable it matched and left as it was, for the rewrite trace."""
+        self._seen.note_match(id(manager), manager.name, left)
 
     def claim_exclusive(self, tag: Tag, manager: Manager) -> None:
         """Claims ``tag`` of its call for ``manager``'s exclusive rewrite; raises
@@ -295,9 +296,8 @@ class Frame:
         return self._seen.rewrote_in(by, self._calls)
 
     def note_held_off(self, path: str, flag: str) -> None:
-        """Notes that the Flax layer at ``path`` stays in eval mode in a training trace
-        because of a flag set on the module (``deterministic=True``, e.g. by
-        ``model.eval()``); the program warns once the trace ends."""
+        """Notes that the Flax layer at ``path`` stays in eval mode in a training trace by a
+        flag on the module (``deterministic=True``: ``model.eval()``); the program warns."""
         self._held_off[path] = flag
 
     def add_cost(self, owner: str, key: str, value: Any) -> None:
@@ -314,8 +314,7 @@ class Frame:
             self._seen.measured[key] = value
 
     def _for_optimize(self, what: str) -> bool:
-        """Whether this trace keeps values for optimize's metrics; raises if ``what`` is
-        made where it cannot leave the trace."""
+        """Whether optimize's metrics keep this trace's values; raises if ``what`` can't leave."""
         if not self.collects_costs:
             return False
         if self._scan_indices:

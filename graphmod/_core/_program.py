@@ -315,7 +315,7 @@ class ProgramCore(VariablesByRole):
 
         frame = _context.traced(self._shared, fresh, self.fn, self.model, *args, **kwargs)
         if not record:
-            self.rewrites.store(RewriteTrace(mode, tuple(frame.rewrites)))
+            self.rewrites.store(RewriteTrace.traced(mode, frame.rewrites, frame.unchanged))
             warn_held_off(frame)
         if self._strict:
             check_strict(frame)

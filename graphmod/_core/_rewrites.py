@@ -64,7 +64,9 @@ class Rewrite:
 
 @dataclasses.dataclass(frozen=True)
 class RewriteTrace:
-    """The rewrites of the latest trace of one mode, in order; prints as a table.
+    """The rewrites of the latest trace of one mode, in order; prints as a table. Beside
+    them ``unchanged``: per manager, how many variables of calls it matched and left as they
+    were (L2 reads a weight for its cost, dropout leaves its inputs at inference).
 
     Examples:
         >>> from graphmod._core._rewrites import Rewrite, RewriteTrace
@@ -79,6 +81,13 @@ class RewriteTrace:
 
     mode: str
     rewrites: tuple[Rewrite, ...] = ()
+    unchanged: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def traced(cls, mode: str, rewrites: list[Rewrite],
+               unchanged: dict[str, set[Any]]) -> RewriteTrace:
+        """The trace of ``mode`` from a frame's rewrites and the variables left by manager."""
+        return cls(mode, tuple(rewrites), tuple((by, len(left)) for by, left in unchanged.items()))
 
     def __iter__(self) -> Iterator[Rewrite]:
         return iter(self.rewrites)
@@ -91,7 +100,9 @@ class RewriteTrace:
 
     def _caption(self) -> str:
         n = len(self.rewrites)
-        return f"{self.mode}: {n} rewrite{'' if n == 1 else 's'}"
+        left = ", ".join(f"{by} {count}" for by, count in self.unchanged)
+        return (f"{self.mode}: {n} rewrite{'' if n == 1 else 's'}"
+                + (f"; variables matched and left as they were: {left}" if left else ""))
 
     def __str__(self) -> str:
         rows = [r.row(i) for i, r in enumerate(self.rewrites)]
