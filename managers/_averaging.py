@@ -15,10 +15,11 @@ Sharp edges
     its own update (the average after step ``t`` has seen the weights of steps
     ``0 .. t - 1``). A parameter read by several calls in a step (tied weights, a layer
     called twice) moves once per step. The model's own variables keep the trained weights:
-    ``program.update_model(variables)`` writes those; :meth:`EMA.merge` puts the averages in
-    their place. Other managers' parameters (``LoRA``'s adapters) are not the model's and
-    are not averaged. In a loop body that sees a whole module (``nnx.RNN``'s cell,
-    ``jax.jit``) an average cannot be updated: use ``graphmod.scan``.
+    ``program.update_model(variables)`` writes those, with a warning that the averages are
+    left out; :meth:`EMA.merge` puts the averages in their place. Other managers'
+    parameters (``LoRA``'s adapters) are not the model's and are not averaged. In a loop
+    body that sees a whole module (``nnx.RNN``'s cell, ``jax.jit``) an average cannot be
+    updated: use ``graphmod.scan``.
 """
 
 from __future__ import annotations

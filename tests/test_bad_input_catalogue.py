@@ -229,7 +229,11 @@ CASES = [
     Case("an invalid name regex", lambda w: gm.VariableFilter(name_regex="("), ValueError,
          r"VariableFilter\(name_regex='\('\).*regular expression"),
     Case("a filter brick given by name", lambda w: gm.VariableFilter(bricks=["linear"]),
-         TypeError, r"bricks=.*'linear'.*Brick instance nor a brick class.*path='linear'"),
+         TypeError, r"bricks=.*'linear'.*Brick instance nor a brick class.*path='/linear\.\*' "
+         r"\(its variables\) or path='/linear\*'"),
+    Case("a Variable type given as a brick class", lambda w: gm.VariableFilter(
+        bricks=[nnx.Param]), TypeError, r"Param is a Variable type, not a brick class: select "
+         r"its variables by role"),
     Case("a filter brick given as a path glob", lambda w: managers.Remat(bricks=["/layers/*"]),
          TypeError, r"'/layers/\*' is neither.*to select by path, give path='/layers/\*'"),
     Case("an unknown dynamic hyperparameter",

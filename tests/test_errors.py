@@ -309,3 +309,13 @@ def test_an_error_inside_a_layer_names_the_innermost_application_and_its_inputs(
     assert len(notes) == 1  # the Embed's, not also the model's around it
     assert re.fullmatch(rf"graphmod: raised in the application 'apply' of /embed \(Embed\), "
                         rf"called with {given}", notes[0]), notes
+
+
+def test_an_abstract_model_from_eval_shape_is_refused_at_compile_naming_the_variable() -> None:
+    # Flax's surgery guide: partial init by nnx.eval_shape, then nnx.update with weights;
+    # forgetting the update left init to fail inside numpy.
+    model = nnx.eval_shape(lambda: _Tokens())
+    model.embed = nnx.Embed(10, 4, rngs=nnx.Rngs(0))  # one layer given real values
+    with pytest.raises(TypeError, match=r"variable /head\.bias is abstract \(float32\[2\], as "
+                       r"nnx\.eval_shape makes them\), not an array: give it values first"):
+        gm.compile(lambda m, ids: m(ids).sum(), model)

@@ -194,6 +194,22 @@ def test_monitor_returns_tagged_intermediates_from_the_jitted_step() -> None:
                               "act:/linear_layers/1.apply.output"}
 
 
+def test_a_monitored_parameter_is_the_value_the_call_read_after_the_rewrites() -> None:
+    mlp = _mlp()
+    noise = managers.WeightNoise(0.5, bricks=[mlp.linear_layers[0]])
+    program = gm.compile(_cost, mlp, managers=[noise], monitor={
+        "w": gm.VariableFilter(roles=[roles.WEIGHT], bricks=[mlp.linear_layers[0]])})
+    x, y = _data()
+    variables = program.init(x, y)
+    stored = variables["model"]["linear_layers"][0]["W"]
+    _, monitored = program.infer(variables, x, y)
+    assert list(monitored) == ["w:/linear_layers/0.apply.W"]
+    np.testing.assert_array_equal(monitored["w:/linear_layers/0.apply.W"], stored)
+    _, _, monitored = program.train(variables, x, y, rng=jax.random.key(0))
+    noisy = monitored["w:/linear_layers/0.apply.W"]  # the weight the noisy call multiplied by
+    assert noisy.shape == stored.shape and not np.allclose(noisy, stored)
+
+
 def test_auxiliary_variables_are_tagged_and_monitorable() -> None:
     class Stats(gm.Brick):
         @gm.application(inputs=["x"], outputs=["y"])

@@ -45,6 +45,17 @@ class Encoder(nnx.Module):
     (lambda: managers.Remat(roles=[roles.INPUT]),
      r"Remat wraps whole application calls: select them by bricks=, applications= or path="),
     (lambda: managers.Dropout(0.1, path="linear*"), r"Paths start with '/' \(path='/linear\*'"),
+    (lambda: managers.Dropout(0.1, path="/linear"),  # as the rewrite trace prints it
+     r"path='/linear' names the brick /linear: path= globs the paths of variables \(the "
+     r"brick's, a dot, the variable's name: '/linear\.bias'\), so write path='/linear\.\*' "
+     r"for its own, or '/linear\*' with its children's"),
+    (lambda: managers.Remat(path="linear"),
+     r"path='linear' names the brick /linear: path= globs the paths of calls .*'/linear\.apply'"),
+    (lambda: managers.Dropout(0.1, path="/nowhere*"), r"The model's bricks are at /linear\."),
+    (lambda: managers.WeightNoise(0.1, variable_name="w"),
+     r"The model's variables are named bias, kernel; an application's inputs are named after"),
+    (lambda: managers.Dropout(0.1, applications=["__call__"]),
+     r"A module's __call__ is the application named 'apply' \(applications=\['apply'\]\)"),
     (lambda: managers.Dropout(0.1, applications=[Encoder.encode]),
      r"compile\(applications=\{TheClass: \['method'\]\}\) names it"),
     (lambda: managers.WeightNoise(0.1, bricks=[Encoder]),  # the parent of the Linear

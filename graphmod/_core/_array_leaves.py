@@ -17,8 +17,10 @@ Sharp edges
     Inside a trace the attribute is a Flax variable, not an array: arithmetic, indexing,
     ``.shape``, ``.T`` and ``jnp`` functions work as on the array, but
     ``isinstance(self.w, jax.Array)`` is False. Only arrays that are attributes of a module
-    are variables: an array inside a list or dict attribute is refused at compile (wrap it
-    in ``nnx.Param`` or ``nnx.Variable``).
+    or an ``nnx.Pytree`` (Flax's pytree guide) are variables: an array inside a list or dict
+    attribute is refused at compile (wrap it in ``nnx.Param`` or ``nnx.Variable``). An
+    ``nnx.Pytree``'s methods are no applications: its arrays are read as parameters of the
+    application calling them (a program over a bare ``nnx.Pytree`` has none to rewrite).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def leaf_role(array: Any, name: str) -> roles.Role:
     return roles.CARRIED
 
 
-def array_leaves(model: nnx.Module, flat: list[tuple[Key, Any]]
+def array_leaves(model: nnx.Pytree, flat: list[tuple[Key, Any]]
                  ) -> dict[Key, tuple[nnx.Module, str, ArrayLeaf]]:
     """``key -> (module, attribute, stand-in)`` for every array leaf of ``model``'s state
     (``flat``: ``nnx.to_flat_state``'s pairs); raises for arrays that are not attributes."""
@@ -92,12 +94,12 @@ def array_leaves(model: nnx.Module, flat: list[tuple[Key, Any]]
         for part in key[:-1]:
             owner = graphlib.get_node_impl(owner).node_dict(owner)[part]
         name = key[-1]
-        if not isinstance(owner, nnx.Module) or vars(owner).get(name) is not value:
+        if not isinstance(owner, nnx.Pytree) or vars(owner).get(name) is not value:
             raise TypeError(
                 f"compile(fn, model): the array at {'/'.join(map(str, key))} is inside a "
                 f"container attribute of a {type(owner).__name__}; graphmod takes arrays "
-                "that are module attributes (self.w = ...) and variables: wrap it in "
-                "nnx.Param (trainable) or nnx.Variable (state)")
+                "that are attributes of a module or nnx.Pytree (self.w = ...) and variables: "
+                "wrap it in nnx.Param (trainable) or nnx.Variable (state)")
         out[key] = (owner, name, ArrayLeaf(value))
     return out
 

@@ -160,6 +160,7 @@ class Chain:
                         not state or manager.filter.names_role(_roles.STATE)):
                     value = self.rewrite(manager, "rewrite_parameter", tag, value,
                                          (info.path, base))
+            self.frame.collect(tag, value, self.monitor_key(info.name))  # as the call reads it
             return value
 
         key = (self.path, self.application, self.call_id, info.identity)

@@ -3,6 +3,7 @@ monitors checked, and a program of the type the caller asks for."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -43,7 +44,13 @@ def compile_program(
     if isinstance(managers, Manager):
         raise TypeError(f"compile(managers=...): expected a list of managers, got one "
                         f"({managers!r}): pass managers=[{type(managers).__name__}(...)]")
-    chosen = _context.active_managers() if managers is None else tuple(managers)
+    active = _context.active_managers()
+    chosen = active if managers is None else tuple(managers)
+    if ignored := [m.name for m in active if all(m is not c for c in chosen)]:
+        warnings.warn(
+            f"compile(managers=[...]) uses exactly the managers listed: {ignored}, active in "
+            "a with block, are not among them and are ignored. List every manager "
+            "(managers=[...]), or enter them all in with blocks", stacklevel=3)
     labelled = monitors(monitor)
     for label, monitor_filter in labelled.items():
         layout.resolve(monitor_filter.brick_instances(), f"monitor[{label!r}]")

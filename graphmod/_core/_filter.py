@@ -178,6 +178,31 @@ def _application(value: Any) -> str | BoundApplication | ClassApplication:
     return application_name(value)
 
 
+def _check_brick(brick: Any) -> None:
+    """Refuses what ``bricks=`` cannot take, naming what was probably meant."""
+    if isinstance(brick, type) and issubclass(brick, nnx.Variable):
+        raise TypeError(
+            f"VariableFilter(bricks=...): {brick.__name__} is a Variable type, not a brick "
+            "class: select its variables by role (roles=[...]: a class attribute role= of "
+            "the type gives its own) or by name (name=...)")
+    if not isinstance(brick, type | nnx.Module):
+        fix = _path_fix(brick) if isinstance(brick, str) else ""
+        raise TypeError(
+            f"VariableFilter(bricks=...): {brick!r} is neither a Brick instance nor a brick "
+            f"class (any flax.nnx.Module instance or class){fix}")
+
+
+def _path_fix(text: str) -> str:
+    """The ``path=`` meant by a string given as a brick: a glob as it is, else the
+    brick's variables or its whole subtree."""
+    rooted = text if text.startswith(("/", "*")) else "/" + text
+    if any(c in text for c in "*?["):
+        return f"; to select by path, give path={rooted!r}"
+    rooted = rooted.rstrip("/") or "/"
+    return (f"; to select by path, give path='{rooted}.*' (its variables) or path='{rooted}*' "
+            "(with its children's)")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class VariableFilter:
     """Selects tagged variables by role, brick, application, name, path and call id.
@@ -224,13 +249,7 @@ class VariableFilter:
         if bricks is not None:
             bricks = _members((self.bricks,) if isinstance(self.bricks, nnx.Dict) else bricks)
             for brick in bricks:
-                if not isinstance(brick, type | nnx.Module):
-                    fix = (f"; to select by path, give path={brick!r}"
-                           if isinstance(brick, str) else "")
-                    raise TypeError(
-                        f"VariableFilter(bricks=...): {brick!r} is neither a Brick instance "
-                        f"nor a brick class (any flax.nnx.Module instance or class){fix}"
-                    )
+                _check_brick(brick)
         set_("bricks", bricks)
         apps = _as_tuple(self.applications)
         set_("applications", None if apps is None else tuple(map(_application, apps)))

@@ -97,8 +97,8 @@ def interceptor(applications: Any) -> Callable[[type], type | None]:
     checked = method_applications(applications)
 
     def intercept(cls: type) -> type | None:
-        if getattr(cls, "__graphmod_brick__", False):
-            return None  # bricks declare theirs with @application
+        if getattr(cls, "__graphmod_brick__", False) or not issubclass(cls, nnx.Module):
+            return None  # bricks declare theirs with @application; an nnx.Pytree has none
         names = ["__call__"] if any("__call__" in vars(c) for c in cls.__mro__[:-1]) else []
         for base, extra in checked.items():
             if issubclass(cls, base):

@@ -100,12 +100,19 @@ def structure(walked: Iterable[tuple[Key, Any]]) -> dict[str, Any]:
     return out
 
 
-def _flat_variables(model: nnx.Module) -> list[tuple[Key, Any]]:
+def _flat_variables(model: nnx.Pytree) -> list[tuple[Key, Any]]:
     """The model's variables by key path. Raises naming the first hijax or ref variable
     (made under ``nnx.var_defaults(hijax=True)`` or ``(ref=True)``): a program reads and
     rewrites variables of NNX's default kind, which hold arrays."""
     flat = list(nnx.to_flat_state(nnx.state(model)))
     for key, value in flat:
+        raw = value.get_raw_value() if isinstance(value, nnx.Variable) else value
+        if isinstance(raw, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"compile(fn, model): the model's variable {variable_path_string(key)} is "
+                f"abstract ({raw.dtype}{list(raw.shape)}, as nnx.eval_shape makes them), not "
+                "an array: give it values first, e.g. nnx.update(model, state) with loaded "
+                "weights, or build the model with real rngs")
         if isinstance(value, variablelib.HijaxVariable):
             kind = "hijax"
         elif isinstance(value, nnx.Variable) and variablelib.is_array_ref(value.get_raw_value()):
@@ -135,11 +142,11 @@ class Layout:
     a program traces, or None for bricks (``graphmod._core._intercept.interceptor``).
     """
 
-    def __init__(self, model: nnx.Module,
+    def __init__(self, model: nnx.Pytree,
                  intercept: Callable[[type], type | None] | None = None) -> None:
-        if not isinstance(model, nnx.Module):
-            raise TypeError(f"compile(fn, model): model must be a flax.nnx.Module (a brick), "
-                            f"got {type(model).__name__}")
+        if not isinstance(model, nnx.Pytree):
+            raise TypeError(f"compile(fn, model): model must be a flax.nnx.Module (a brick) "
+                            f"or nnx.Pytree, got {type(model).__name__}")
         self.model = model
         flat = _flat_variables(model)
         leaves = array_leaves(model, flat)  # arrays kept as module attributes
@@ -229,11 +236,14 @@ class Layout:
             value = variable.get_raw_value()
             if not ((hasattr(value, "shape") and hasattr(value, "dtype"))
                     or isinstance(value, bool | int | float | complex)):
+                fix = ("a function is code, not data: mark it static, module.attribute = "
+                       "nnx.static(fn)" if callable(value) else
+                       f"keep one {type(variable).__name__} per array in the module (e.g. "
+                       "one attribute for each entry of a dict)")
                 raise TypeError(
                     f"compile(fn, model): variable {variable_path_string(key)} holds a "
                     f"{type(value).__name__}, not an array: a program's variables are one "
-                    f"array each; keep one {type(variable).__name__} per array in the "
-                    "module (e.g. one attribute for each entry of a dict)")
+                    f"array each; {fix}")
             aliases = tuple(variable_path_string(k) for k in paths.get(object_id, [key])
                             if k != key)
             name = str(key[-1])

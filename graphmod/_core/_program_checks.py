@@ -12,7 +12,6 @@ from typing import Any
 
 from flax import nnx
 
-from graphmod import roles as _roles
 from graphmod._core._arguments import (
     flat_keys,
     flat_leaves,
@@ -24,6 +23,7 @@ from graphmod._core._filter import VariableFilter
 from graphmod._core._frame import Frame
 from graphmod._core._layout import Layout
 from graphmod._core._manager import Manager
+from graphmod._core._unmatched import unmatched_hints
 from graphmod.errors import ManagerConflict, ManagerMatchedNothing, VariablesMismatch
 
 __all__ = ["check_managers", "check_strict", "check_variables", "monitors", "warn_held_off",
@@ -71,46 +71,10 @@ def check_strict(frame: Frame) -> None:
             raise ManagerMatchedNothing(
                 f"manager {manager.name!r} ({type(manager).__name__}) matched nothing in the "
                 f"{frame.mode} trace: its filter {manager.filter!r} selects no variable of "
-                f"any application call.{_unmatched_hints(manager)} Fix the filter, or pass "
-                "strict=False. (A module the function calls but the model does not hold is "
-                "no application: attach it to the model.)"
+                f"any application call.{unmatched_hints(manager, frame.layout)} Fix the "
+                "filter, or pass strict=False. (A module the function calls but the model "
+                "does not hold is no application: attach it to the model.)"
             )
-
-
-# What each rewriting hook sees: the roles of the values it is offered.
-_HOOK_ROLES = (("rewrite_input", "inputs", (_roles.INPUT, _roles.TARGET)),
-               ("rewrite_output", "outputs", (_roles.OUTPUT, _roles.COST)),
-               ("rewrite_parameter", "parameters", (_roles.PARAMETER,)))
-
-
-def _unmatched_hints(manager: Manager) -> str:
-    """Likely slips behind a filter that matched nothing: roles the manager's hooks are
-    never offered, a relative path, a method that is no application."""
-    f, kind, hints = manager.filter, type(manager).__name__, []
-    hooks = [(what, roles) for hook, what, roles in _HOOK_ROLES if manager.has_hook(hook)]
-    if manager.wraps_only and f.selects_variables:
-        hints.append(f"{kind} wraps whole application calls: select them by bricks=, "
-                     "applications= or path=, not by roles= or name=")
-    elif hooks and f.roles is not None and not any(
-            r.is_a(h) or h.is_a(r) for r in f.roles for _, roles in hooks for h in roles):
-        hints.append(f"{kind} rewrites the {' and '.join(w for w, _ in hooks)} of "
-                     f"application calls, none of roles={[r.name for r in f.roles]}")
-    if f.roles is not None and any(r.is_a(_roles.TARGET) for r in f.roles):
-        hints.append("TARGET variables are the targets of an application that declares them "
-                     "(graphmod.bricks.SoftmaxCrossEntropy, @graphmod.application(targets="
-                     "[...])); a loss written as a function over a Flax model's logits has "
-                     "none: call a cost brick, or apply optax.smooth_labels in the loss")
-    if f.bricks is not None and f.path is None:
-        hints.append("bricks= selects those bricks' own calls (their inputs, outputs and own "
-                     "parameters), not their children's: select the layers inside by class "
-                     "(bricks=[nnx.Conv]) or by path (path='/block/*')")
-    if f.path is not None and not f.path.startswith(("/", "*")):
-        hints.append(f"Paths start with '/' (path={'/' + f.path!r}?)")
-    if f.applications is not None:
-        hints.append("A method other than __call__ is an application call when it is a "
-                     "@graphmod.application or compile(applications={TheClass: ['method']}) "
-                     "names it")
-    return "".join(f" {hint}." for hint in hints)
 
 
 def warn_held_off(frame: Frame) -> None:

@@ -5,9 +5,11 @@ Read from the layout and the roles ``init`` gave the managers' variables: no tra
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from graphmod import roles as _roles
@@ -31,6 +33,7 @@ class VariablesByRole:
     """
 
     _shared: Shared
+    _managers: tuple[Any, ...]
     _unpack: Callable[[Any], tuple[dict, dict, dict]]  # ProgramCore's: checked, then split
 
     def update_model(self, variables: dict) -> None:
@@ -38,9 +41,19 @@ class VariablesByRole:
 
         Checks every path, shape and dtype, and that the model's modules and variables are
         the ones compiled (:class:`~graphmod.errors.ModelChanged`) first; nothing is written
-        if one does not fit.
+        if one does not fit. Managers do nothing outside a program: a manager that can fold
+        its variables into the model's (``lora.merge``, ``ema.merge``) and whose entries
+        ``variables`` still hold gets a warning naming the fix.
         """
         values, _, _ = self._unpack(variables)
+        unmerged = [m.name for m in self._managers if callable(getattr(m, "merge", None))
+                    and jax.tree.leaves(variables["managers"].get(m.name, {}))]
+        if unmerged:
+            warnings.warn(
+                f"program.update_model writes the model's own arrays, and the model called "
+                f"eagerly runs without managers: the variables of {unmerged} would be left "
+                f"out. Fold them in first: program.update_model({unmerged[0]}.merge(variables))",
+                stacklevel=2)
         layout = self._shared.layout
         layout.check_unchanged("program.update_model(variables)")
         for identity, value in values.items():

@@ -11,6 +11,7 @@ Flax's own LoRA layers, ``trainable=nnx.LoRAParam``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,26 +26,56 @@ from graphmod._core._owned_layout import map_leaves
 
 Selector = Any  # a VariableFilter, a Manager or a Flax filter (see is_flax_filter)
 
-# Flax's filter objects (strings and bare callables are Flax filters too, but a typo or a
-# stray function would then select silently: they are refused).
+# Flax's filter objects, and its literals: ``...`` and True (everything), False (nothing).
+# A string is a Flax filter too (a tag), but a typo would then select silently: refused.
 _FLAX_FILTERS = (filterlib.All, filterlib.Any, filterlib.Not, filterlib.Everything,
                  filterlib.Nothing, filterlib.OfType, filterlib.PathContains, filterlib.PathIn,
-                 filterlib.WithTag)
+                 filterlib.WithTag, bool, type(...))
 
 
 def is_flax_filter(item: Any) -> bool:
-    """Whether ``item`` is a Flax filter graphmod takes: a ``Variable`` type or one of
-    Flax's filter objects.
+    """Whether ``item`` is a Flax filter graphmod takes: a ``Variable`` type, one of Flax's
+    filter objects or literals, or a function of ``(path, value)`` (Flax's examples'
+    ``is_trainable``).
 
     Examples:
         >>> from flax import nnx
         >>> is_flax_filter(nnx.LoRAParam), is_flax_filter(nnx.PathContains("head"))
         (True, True)
-        >>> is_flax_filter("head"), is_flax_filter(int)
-        (False, False)
+        >>> is_flax_filter(lambda path, value: "head" in path), is_flax_filter(...)
+        (True, True)
+        >>> is_flax_filter("head"), is_flax_filter(int), is_flax_filter(lambda path: True)
+        (False, False, False)
     """
-    return (isinstance(item, type) and issubclass(item, nnx.Variable)) or isinstance(
-        item, _FLAX_FILTERS)
+    if isinstance(item, type):
+        return issubclass(item, nnx.Variable)
+    return isinstance(item, _FLAX_FILTERS) or _is_predicate(item)
+
+
+def _is_predicate(item: Any) -> bool:
+    """Whether ``item`` is a function Flax would call as ``item(path, value)``."""
+    if not callable(item) or isinstance(item, VariableFilter | Manager):
+        return False
+    try:
+        inspect.signature(item).bind(None, None)
+    except (TypeError, ValueError):  # another arity, or no signature to read
+        return False
+    return True
+
+
+def _refusal(item: Any) -> str:
+    """Why ``item`` selects no stored variable, and the fix."""
+    if isinstance(item, str):
+        return (f"a string is a Flax tag filter, which a typo would leave selecting nothing: "
+                f"pass nnx.WithTag({item!r}), or VariableFilter(path=...) for a path")
+    if isinstance(item, type) and issubclass(item, nnx.Module):
+        return (f"{item.__name__} is a module class, not a Variable type: select its "
+                f"parameters with VariableFilter(bricks=[{item.__name__}])")
+    if isinstance(item, type) and issubclass(item, Manager):
+        return f"pass the {item.__name__} manager itself, the one the program was compiled with"
+    if callable(item) and not isinstance(item, type):
+        return "a function filter takes (path, value), as Flax's filters do"
+    return "not a selector"
 
 
 def as_selectors(value: Any, argument: str) -> tuple[Selector, ...]:
@@ -53,9 +84,10 @@ def as_selectors(value: Any, argument: str) -> tuple[Selector, ...]:
         else (value,)
     for item in items:
         if not (isinstance(item, VariableFilter | Manager) or is_flax_filter(item)):
-            raise TypeError(f"{argument}: expected a VariableFilter, a manager, a Flax filter "
-                            "(a Variable type such as nnx.LoRAParam, nnx.PathContains(...), "
-                            f"nnx.All(...)) or a list of them, got {item!r}")
+            raise TypeError(f"{argument}: got {item!r}: {_refusal(item)} (a VariableFilter, "
+                            "a manager, or a Flax filter: a Variable type such as "
+                            "nnx.LoRAParam, nnx.PathContains(...), nnx.All(...), a function "
+                            "of (path, value); or a list of them)")
         if isinstance(item, VariableFilter) and (item.applications is not None
                                                  or item.call_id is not None):
             raise TypeError(f"{argument}: {item!r} selects application calls; a stored "

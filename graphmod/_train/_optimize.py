@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -146,6 +147,7 @@ class TrainStep:
         variables = _copied(variables)
         params, _ = self._parameters(variables)
         _check_differentiable(params)
+        _warn_frozen_managers(variables, self.trainable, self.program)
         data = jnp.array(jax.random.key_data(key), copy=True)  # key_data shares the buffer
         seed = key_record(key)
         if seed is not None:  # not under a trace (abstract_state)
@@ -212,9 +214,13 @@ class TrainStep:
                           "optimize(trainable=...)")
         trained = select(params, chosen, bool, True)
         if not jax.tree.leaves(trained):
+            owners = [name for name, owned in params["managers"].items()
+                      if jax.tree.leaves(owned)]
+            hint = (f"; a manager's parameters are chosen by the manager itself "
+                    f"(trainable=[{owners[0]}])" if owners else "")
             raise ValueError(f"optimize(trainable={list(self.trainable)!r}) selects no "
                              "PARAMETER leaf of the program's variables; see program.roles("
-                             "variables) for what there is")
+                             f"variables) for what there is{hint}")
         return trained, program.merge(select(params, chosen, bool, False), rest)
 
     def _loss(self, key: jax.Array, batch: tuple, kwargs: dict, rest: dict, params: dict
@@ -281,6 +287,21 @@ def _check_own_managers(selectors: tuple[Any, ...], program: Program) -> None:
                 "object the program was compiled with")
 
 
+def _warn_frozen_managers(variables: dict, selectors: tuple[Any, ...] | None,
+                          program: Program) -> None:
+    """Warns of managers whose parameters ``trainable=`` leaves out: LoRA's adapters, a
+    weight norm's gains stay as initialized (LoRA's zero ``B``: without effect)."""
+    chosen = {s.name for s in selectors if isinstance(s, Manager)} if selectors else None
+    owned = program.split(variables, _roles.PARAMETER)[0]["managers"]
+    frozen = [name for name, leaves in owned.items()
+              if chosen is not None and name not in chosen and jax.tree.leaves(leaves)]
+    if frozen:
+        warnings.warn(
+            f"optimize(trainable=...) leaves out the parameters of the managers {frozen}: "
+            "they stay as initialized. Add the managers to trainable= to train them "
+            f"(trainable=[..., {frozen[0]}])", stacklevel=3)
+
+
 def _copied(tree: Any) -> Any:
     """``tree`` with every array copied into a buffer of its own."""
     return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
@@ -342,10 +363,11 @@ def optimize(program: Program, tx: optax.GradientTransformation, *,
             :func:`graphmod.provenance.optimizer` (which records them itself).
         trainable: what optax trains: a :class:`graphmod.VariableFilter` over the model's
             variables (``bricks``, ``roles``, ``name``, ``name_regex``, ``path``), a Flax
-            filter (``nnx.LoRAParam``, ``nnx.PathContains("head")``: what Flax's ``wrt=``
-            takes), a manager (the parameters it owns, e.g. LoRA's adapters) or a list of
-            them. The other PARAMETER leaves are frozen: no gradient, no update, not in the
-            optimizer state. The training record lists the parameters trained.
+            filter (``nnx.LoRAParam``, ``nnx.PathContains("head")``, a function of
+            ``(path, value)``: what Flax's ``wrt=`` takes), a manager (the parameters it
+            owns, e.g. LoRA's adapters) or a list of them. The other PARAMETER leaves are
+            frozen: no gradient, no update, not in the optimizer state. The training record
+            lists the parameters trained.
         grad_norms: also report each parameter's gradient norm in the metrics, as
             ``metrics["grad_norm/model/linear_layers/0/W"]``.
         optimizer_rules: for a program on a mesh, ``(VariableFilter, PartitionSpec)``

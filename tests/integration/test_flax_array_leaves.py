@@ -178,3 +178,54 @@ def test_array_attributes_inside_nnx_transforms_train_and_count_like_eager_flax(
         assert int(new["model"][name]["calls"]) == int(getattr(eager, name).calls) == 1
         np.testing.assert_allclose(grads["model"][name]["w"], flax_grads[name]["w"], **TOL)
     assert int(lifted.a.calls) == 0
+
+
+class PytreeLinear(nnx.Pytree):  # Flax's pytree guide (docs_nnx/guides/pytree.md)
+    def __init__(self, din: int, dout: int, seed: int) -> None:
+        self.din, self.dout = din, dout  # static
+        self.w = 0.5 * jax.random.normal(jax.random.key(seed), (din, dout))  # data
+        self.b = jnp.zeros((dout,))
+
+
+class PytreeMLP(nnx.Pytree):
+    def __init__(self, num_layers: int = 2, dim: int = 1) -> None:
+        self.layers = nnx.List([PytreeLinear(dim, dim, i) for i in range(num_layers)])
+
+
+class HoldsPytree(nnx.Module):
+    def __init__(self) -> None:
+        self.net = PytreeMLP()
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _through(self.net, x)
+
+
+def _through(net: PytreeMLP, x: jax.Array) -> jax.Array:
+    for layer in net.layers:
+        x = jnp.tanh(x @ layer.w + layer.b)
+    return x
+
+
+@pytest.mark.parametrize("root", [PytreeMLP, HoldsPytree])
+def test_nnx_pytrees_arrays_are_variables_and_train_as_jax_trains_the_pytree(root: Any) -> None:
+    def cost(model: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        out = _through(model, x) if isinstance(model, PytreeMLP) else model(x)
+        return jnp.mean((out - y) ** 2)
+
+    tx = optax.sgd(0.5)
+    by_hand, expected = root(), []
+    opt_state = tx.init(by_hand)
+    for _ in range(3):  # the pytree guide's way: the Pytree itself through jax.grad
+        loss, grads = jax.value_and_grad(cost)(by_hand, X, Y)
+        updates, opt_state = tx.update(grads, opt_state, by_hand)
+        by_hand = optax.apply_updates(by_hand, updates)
+        expected.append(float(loss))
+    program = gm.compile(cost, root())
+    step = gm.optimize(program, tx)
+    state, losses = step.init(program.init(X, Y), KEY), []
+    for _ in range(3):
+        state, metrics = step(state, X, Y)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, expected, **TOL)
+    roles = jax.tree.leaves(program.roles(state.variables))
+    assert [str(role) for role in roles] == ["PARAMETER"] * 4  # w and b of two layers

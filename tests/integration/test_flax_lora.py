@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 import graphmod as gm
+import managers
 
 
 class Adapted(nnx.Module):
@@ -64,6 +65,8 @@ def changed(trainable: Any) -> tuple[set[str], Any]:
     (nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)),
      {"body.kernel", "body.bias", "head.kernel", "head.bias"}),
     ([nnx.LoRAParam, gm.VariableFilter(path="/head.bias")], {"lora_a", "lora_b", "head.bias"}),
+    (lambda path, value: path[0] == "head", {"head.kernel", "head.bias"}),  # Flax's examples'
+    (..., set(PATHS)),  # Flax's literal for everything
 ])
 def test_flax_filters_choose_what_trains_as_in_flax(trainable: Any, expected: set[str]) -> None:
     trained, step = changed(trainable)
@@ -80,10 +83,15 @@ def test_without_trainable_everything_trains_and_the_record_says_none() -> None:
     assert step.provenance["trainable"] is None
 
 
-@pytest.mark.parametrize("wrong", ["lora", lambda path, value: True])
-def test_strings_and_bare_functions_are_refused_naming_what_is_taken(wrong: Any) -> None:
+@pytest.mark.parametrize("wrong, why", [
+    ("lora", r"a string is a Flax tag filter.*pass nnx.WithTag\('lora'\)"),
+    (lambda path: True, r"a function filter takes \(path, value\)"),
+    (nnx.Linear, r"Linear is a module class.*VariableFilter\(bricks=\[Linear\]\)"),
+    (managers.LoRA, r"pass the LoRA manager itself"),
+])
+def test_strings_and_other_filters_are_refused_naming_the_fix(wrong: Any, why: str) -> None:
     program = gm.compile(cost, Adapted())
-    with pytest.raises(TypeError, match=r"optimize\(trainable=\.\.\.\): expected a "
-                       r"VariableFilter, a manager, a Flax filter \(a Variable type such as "
+    with pytest.raises(TypeError, match=rf"optimize\(trainable=\.\.\.\): got .*: {why}.* \(a "
+                       r"VariableFilter, a manager, or a Flax filter: a Variable type such as "
                        r"nnx.LoRAParam"):
         gm.optimize(program, optax.adam(1e-2), trainable=wrong)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -195,15 +196,22 @@ def test_use_manager_with_a_name_already_in_the_chain_raises() -> None:
 
 
 def test_the_managers_argument_overrides_with_blocks() -> None:
+    ignored = r"uses exactly the managers listed: \['add_one'\], active in a with block"
     with AddOne(roles=[roles.OUTPUT]):
-        out, program = _infer(Identity(), [Double(roles=[roles.OUTPUT])], full(3.0, 2))
+        with pytest.warns(UserWarning, match=ignored):
+            out, program = _infer(Identity(), [Double(roles=[roles.OUTPUT])], full(3.0, 2))
         assert [m.name for m in program.managers] == ["double"]
         np.testing.assert_array_equal(out, np.full(2, 6.0))
-        out, program = _infer(Identity(), [], full(3.0, 2))
+        with pytest.warns(UserWarning, match=ignored):
+            out, program = _infer(Identity(), [], full(3.0, 2))
         assert program.managers == ()
         np.testing.assert_array_equal(out, np.full(2, 3.0))
         out, program = _infer(Identity(), None, full(3.0, 2))  # None: the with blocks
         np.testing.assert_array_equal(out, np.full(2, 4.0))
+    with AddOne(roles=[roles.OUTPUT]) as add_one, warnings.catch_warnings():
+        warnings.simplefilter("error")  # listed too: nothing is ignored
+        out, _ = _infer(Identity(), [add_one, Double(roles=[roles.OUTPUT])], full(3.0, 2))
+    np.testing.assert_array_equal(out, np.full(2, 7.0))  # (3 * 2) + 1
 
 
 def test_managers_outside_compile_do_nothing() -> None:

@@ -7,6 +7,7 @@ import contextlib
 import io
 import math
 import re
+import warnings
 from typing import Any
 
 import jax
@@ -141,7 +142,7 @@ def test_trainable_filters_name_the_culprit_and_grad_norms_are_reported() -> Non
     with pytest.raises(ValueError, match=r"trainable=.*selects no PARAMETER leaf"):
         gm.optimize(program, optax.sgd(0.1), trainable=gm.VariableFilter(name="nope")).init(
             variables, key(0))
-    with pytest.raises(TypeError, match=r"trainable=\.\.\.\): expected a VariableFilter"):
+    with pytest.raises(TypeError, match=r"trainable=\.\.\.\): got 'W': a string is a Flax "):
         gm.optimize(program, optax.sgd(0.1), trainable="W")
     # a manager of the same name as the program's stands in for nothing
     own = managers.LoRA(2, roles=[gm.roles.WEIGHT])
@@ -150,6 +151,26 @@ def test_trainable_filters_name_the_culprit_and_grad_norms_are_reported() -> Non
                        r"program's managers \(its managers: lora\); pass the manager object"):
         gm.optimize(adapted, optax.sgd(0.1), trainable=[managers.LoRA(2, roles=[gm.roles.BIAS])])
     gm.optimize(adapted, optax.sgd(0.1), trainable=[own])
+    with pytest.raises(ValueError, match=r"selects no PARAMETER leaf.*a manager's parameters "
+                       r"are chosen by the manager itself \(trainable=\[lora\]\)"):
+        gm.optimize(adapted, optax.sgd(0.1), trainable=nnx.LoRAParam).init(
+            adapted.init(X), key(0))
+
+
+def test_a_trainable_filter_leaving_out_managers_parameters_warns_naming_them() -> None:
+    mlp = gm.bricks.MLP([3, 4, 2], activation=jax.nn.relu, rngs=nnx.Rngs(0))
+    lora = managers.LoRA(2, bricks=[mlp.linear_layers[0]], roles=[roles.WEIGHT])
+    noise = managers.Dropout(gm.dynamic(0.1), roles=[roles.INPUT])  # a hyperparameter only
+    program = gm.compile(mean_square, mlp, managers=[lora, noise])
+    variables = program.init(X)
+    head = gm.VariableFilter(bricks=[mlp.linear_layers[1]])
+    with pytest.warns(UserWarning, match=r"trainable=\.\.\.\) leaves out the parameters of "
+                      r"the managers \['lora'\]: they stay as initialized.*\[\.\.\., lora\]"):
+        gm.optimize(program, optax.sgd(0.1), trainable=head).init(variables, key(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # listed, or everything trains: nothing left out
+        gm.optimize(program, optax.sgd(0.1), trainable=[head, lora]).init(variables, key(0))
+        gm.optimize(program, optax.sgd(0.1)).init(variables, key(0))
 
 
 def _activation_bytes(fn: Any, *args: Any) -> int:

@@ -5,6 +5,7 @@ optimize(trainable=): tests/managers/test_library.py.)"""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -95,6 +96,14 @@ def test_merge_folds_the_adapters_in_and_a_program_without_lora_agrees() -> None
     np.testing.assert_array_equal(variables["model"]["linear_layers"][1]["W"],
                                   model.linear_layers[1].W[...])
     assert "lora" in variables["managers"]
+    # the model called eagerly has no adapters: update_model with them warns, merged it does not
+    with pytest.warns(UserWarning, match=r"variables of \['lora'\] would be left out\. Fold "
+                      r"them in first: program\.update_model\(lora\.merge\(variables\)\)"):
+        program.update_model(variables)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        program.update_model(merged)
+    np.testing.assert_allclose(model(X), program.infer(variables, X), **TOL)
 
 
 def test_merge_of_variables_without_the_adapters_names_the_fix() -> None:
