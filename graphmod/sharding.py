@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flax import nnx
+from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec
 
 from graphmod import roles
@@ -102,7 +103,9 @@ def annotated(model: Any, axis_rules: Mapping[str, str | None] | None = None,
     """Rules from a Flax model's own sharding annotations (``nnx.with_partitioning``, the
     ``out_sharding`` metadata of its variables), as Flax's SPMD guide and its lm1b example
     annotate them: each annotated variable is placed by its names, each name mapped through
-    ``axis_rules`` (logical name to mesh axis or None; a name not in it is a mesh axis).
+    ``axis_rules`` (logical name to mesh axis or None, a dict or Flax's pairs), else the
+    variable's own ``sharding_rules`` metadata, else the ``nnx.logical_axis_rules`` in force
+    when this is called, as Flax maps them; a name none maps is a mesh axis.
 
     Build the model without a mesh under ``nnx.use_eager_sharding(False)``; graphmod places
     its variables when ``init`` runs.
@@ -116,9 +119,14 @@ def annotated(model: Any, axis_rules: Mapping[str, str | None] | None = None,
         >>> gm.sharding.annotated(layer, {"embed": None, "mlp": "model"})["rules"]
         [(VariableFilter(path='/.kernel'), P(None, 'model'))]
     """
-    names = dict(axis_rules or {})
-    rules = []
-    for info, annotation in Layout(model).metadata("out_sharding"):
+    if not isinstance(model, nnx.Pytree):
+        raise TypeError(f"sharding.annotated(model): expected a Flax NNX model, got "
+                        f"{type(model).__name__}")
+    context = dict(core_spmd.get_logical_axis_rules() or ())  # nnx.logical_axis_rules(...)
+    layout, rules = Layout(model), []
+    for info, annotation in layout.metadata("out_sharding"):
+        own = layout.objects[info.identity].get_metadata().get("sharding_rules") or ()
+        names = {**context, **dict(own), **dict(axis_rules or {})}  # the argument wins
         spec = PartitionSpec(*(names.get(name, name) if name is not None else None
                                for name in annotation))
         if any(entry is not None for entry in spec):

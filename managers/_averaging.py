@@ -129,4 +129,4 @@ class EMA(gm.Manager):
             []
         """
         return merged(self, variables, lambda parameter, entries, _: _averaged(
-            entries["average"], entries["weight"], parameter))
+            entries["average"], entries["weight"], parameter), lambda e: e["weight"].ndim)

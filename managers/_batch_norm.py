@@ -72,6 +72,13 @@ class BatchNorm(gm.Manager):
             lambda v: v.reshape([features if a == axis else 1 for a in range(ndim)]))
         mean = call.variable(f"{name}.mean", lambda: jnp.zeros(features, compute))
         var = call.variable(f"{name}.var", lambda: jnp.ones(features, compute))
+        if jnp.shape(mean.value) != (features,):  # the statistics of another feature count
+            raise ValueError(
+                f"BatchNorm(axis={self.axis}) at {call.path} {call.application}.{name}: "
+                f"{features} features along axis {axis} of shape {jnp.shape(value)}, but "
+                f"statistics of shape {jnp.shape(mean.value)} from init"
+                + ("; axis 0 is the batch: pick the feature axis (-1 for dense layers and "
+                   "NHWC images, 1 for NCHW)" if axis == 0 else ""))
         if call.training:
             batch_mean = x.mean(reduce)
             batch_var = x.var(reduce)  # one jitted jnp.var: traces faster than its ops

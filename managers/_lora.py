@@ -110,7 +110,7 @@ class LoRA(gm.Manager):
             update = alpha / self.rank * _product(adapter["a"], adapter["b"], base.shape)
             return base + update.astype(base.dtype)
 
-        return merged(self, variables, fold)
+        return merged(self, variables, fold, lambda adapter: adapter["a"].ndim - 2)
 
 
 def _b_shape(layout: WeightLayout, rank: int) -> tuple[int, ...]:

@@ -11,11 +11,16 @@ import graphmod as gm
 
 
 def merged(manager: gm.Manager, variables: dict,
-           fold: Callable[[jax.Array, dict, dict], jax.Array]) -> dict:
+           fold: Callable[[jax.Array, dict, dict], jax.Array],
+           stacked: Callable[[dict], int] = lambda entries: 0) -> dict:
     """``variables`` with each parameter the manager holds entries for replaced by
     ``fold(parameter, entries, hparams)``, and the manager's variables removed; the
     containers are new, the other arrays shared. Raises
     :class:`graphmod.errors.VariablesMismatch` if ``variables`` hold none of its entries.
+
+    ``stacked(entries)``: how many leading axes a parameter's entries (and the parameter)
+    stack layers on, as in a scan over layers (``nnx.scan`` over ``nnx.vmap``-made
+    blocks): ``fold`` maps over them, one layer at a time.
 
     Examples:
         >>> import jax.numpy as jnp, graphmod as gm, managers
@@ -40,7 +45,10 @@ def merged(manager: gm.Manager, variables: dict,
             continue
         parent = _node(model, path)
         for name, entries in parameters.items():
-            parent[name] = fold(parent[name], entries, hparams)
+            per_layer = fold
+            for _ in range(stacked(entries)):
+                per_layer = jax.vmap(per_layer, in_axes=(0, 0, None))
+            parent[name] = per_layer(parent[name], entries, hparams)
     others = {k: v for k, v in variables["managers"].items() if k != manager.name}
     return {"model": model, "managers": others}
 

@@ -231,6 +231,9 @@ CASES = [
     Case("a filter brick given by name", lambda w: gm.VariableFilter(bricks=["linear"]),
          TypeError, r"bricks=.*'linear'.*Brick instance nor a brick class.*path='/linear\.\*' "
          r"\(its variables\) or path='/linear\*'"),
+    Case("a variable given as a brick", lambda w: gm.VariableFilter(
+        bricks=[nnx.Param(jnp.ones((64, 64)))]), TypeError, r"got a Param variable, not a "
+         r"brick: select variables by name \(name='kernel'\) or path"),
     Case("a Variable type given as a brick class", lambda w: gm.VariableFilter(
         bricks=[nnx.Param]), TypeError, r"Param is a Variable type, not a brick class: select "
          r"its variables by role"),

@@ -115,6 +115,9 @@ def test_train_without_a_key() -> None:
     program = gm.compile(_cost, _mlp())
     with pytest.raises(TypeError, match=r"rng is required"):
         program.train(program.init(X, Y), X, Y, rng=None)
+    with pytest.raises(TypeError, match=r"rng is required, e\.g\. rng=jax\.random\.key\(0\); "
+                       r"the function's argument 3 is a key: pass it as rng=key instead"):
+        program.train(program.init(X, Y), X, Y, jax.random.key(0))
 
 
 def test_compile_rejects_a_non_module_model_and_bad_monitors() -> None:

@@ -92,7 +92,8 @@ def test_derive_shares_layout_and_ignores_unused_manager_entries() -> None:
     foreign = {**variables, "managers": {**variables["managers"], "other": {"hparams": {}}}}
     np.testing.assert_allclose(predict.infer(foreign, x), predict.infer(variables, x))
     missing = {**variables, "managers": {}}
-    with pytest.raises(KeyError, match=r"batch_norm.*'output.mean'.*/linear_layers/0"):
+    with pytest.raises(gm.errors.VariablesMismatch,
+                       match=r"batch_norm.*'output.mean'.*/linear_layers/0"):
         predict.infer(missing, x)
 
 

@@ -36,6 +36,24 @@ class Encoder(nnx.Module):
         return self.encode(x)
 
 
+class Basic(nnx.Module):  # Flax's nnx_basics Linear: parameters named w and b
+    def __init__(self) -> None:
+        self.w = nnx.Param(jnp.ones((4, 4)))
+        self.b = nnx.Param(jnp.zeros((4,)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x @ self.w + self.b
+
+
+def test_a_role_no_parameter_has_gets_the_roles_there_are_named() -> None:
+    program = gm.compile(lambda m, x: m(x).sum(), Basic(),
+                         managers=[managers.WeightNoise(0.1, roles=[roles.WEIGHT])])
+    with pytest.raises(gm.errors.ManagerMatchedNothing, match=r"The model's parameters are "
+                       r"PARAMETER \(b, w\): a parameter's role comes from its name .*select "
+                       r"these by roles=\[PARAMETER\] or variable_name=\. Fix"):
+        program.init(X)
+
+
 @pytest.mark.parametrize("manager, hint", [
     (lambda: managers.BatchNorm(bricks=[nnx.Linear], roles=[roles.WEIGHT]),
      r"BatchNorm rewrites the inputs and outputs of application calls, none of "
@@ -52,6 +70,8 @@ class Encoder(nnx.Module):
     (lambda: managers.Remat(path="linear"),
      r"path='linear' names the brick /linear: path= globs the paths of calls .*'/linear\.apply'"),
     (lambda: managers.Dropout(0.1, path="/nowhere*"), r"The model's bricks are at /linear\."),
+    (lambda: managers.WeightNoise(0.1, path="model/linear/kernel"),  # as a table spells it
+     r"A variable's path is its brick's, a dot and its name \(path='/linear\.kernel'\?\)"),
     (lambda: managers.WeightNoise(0.1, variable_name="w"),
      r"The model's variables are named bias, kernel; an application's inputs are named after"),
     (lambda: managers.Dropout(0.1, applications=["__call__"]),

@@ -129,6 +129,18 @@ def test_variables_and_optimizer_state_are_placed_as_the_rules_say() -> None:
     assert gm.VariablesTable(state.variables).placement  # several devices: shown unasked
 
 
+def test_loaded_variables_are_placed_as_init_places_them(tmp_path) -> None:
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    program = gm.compile(squared_error, mlp(), mesh=mesh, **gm.sharding.tensor_parallel())
+    variables = program.init(X[:8], Y[:8])
+    program.save(tmp_path / "saved", variables)
+    loaded = program.load(tmp_path / "saved")  # whole arrays on disk, split again
+    assert jax.tree.map(lambda a: a.sharding, loaded) == jax.tree.map(lambda a: a.sharding,
+                                                                      variables)
+    assert placed(loaded["model"]["linear_layers"][0]["W"]) == (None, "model")
+    chex.assert_trees_all_equal(loaded, variables)
+
+
 def test_no_rule_means_replicated() -> None:
     mesh = jax.make_mesh((8,), ("data",))
     program = gm.compile(squared_error, mlp(), mesh=mesh, batch_axis="data")
@@ -271,8 +283,19 @@ def test_bad_rules_are_refused_before_anything_runs() -> None:
         gm.compile(squared_error, mlp(), mesh=mesh, batch_axis="batch")
     with pytest.raises(ValueError, match="pass mesh= too"):
         gm.compile(squared_error, mlp(), rules=[(weights, P("data"))])
-    with pytest.raises(TypeError, match=r"rules\[0\] must be a \(VariableFilter, PartitionSpec"):
+    with pytest.raises(TypeError, match=r"rules\[0\] must be a \(VariableFilter, PartitionSpec"
+                                        r".*: write the spec as PartitionSpec\('data'\)"):
         gm.compile(squared_error, mlp(), mesh=mesh, rules=[(weights, ("data",))])
+    with pytest.raises(TypeError, match=r"rules= is a list of pairs, rules=\[\(filter, spec\)\]"):
+        gm.compile(squared_error, mlp(), mesh=mesh, rules=(weights, P("data")))
+    with pytest.raises(ValueError, match=r"rules\[0\].*names mesh axis 'data' twice"):
+        gm.compile(squared_error, mlp(), mesh=mesh, rules=[(weights, P("data", "data"))])
+    tabled = gm.VariableFilter(path="model/linear_layers/0/W")  # as program.sharding() prints
+    with pytest.warns(UserWarning, match=r"no rule selects a variable of the model, so every "
+                      r"variable is replicated; .* such as /linear_layers/0\.W"):
+        gm.compile(squared_error, mlp(), mesh=mesh, rules=[(tabled, P(None, "data"))])
+    listed = gm.compile(squared_error, mlp(), mesh=mesh, batch_axis=["data"])  # as a tuple
+    assert listed.placement.batch_axis == ("data",)
     with pytest.raises(TypeError, match=r"expected a jax\.sharding\.Mesh"):
         gm.compile(squared_error, mlp(), mesh=jax.devices())
     # (8, 6): the 8-way axis does not divide dimension 1
@@ -357,6 +380,27 @@ def assert_same_run(run: tuple[gm.TrainState, list], alone: tuple[gm.TrainState,
                                 jax.device_get(alone[0].variables), rtol=1e-4, atol=1e-6)
 
 
+def test_annotated_maps_logical_names_by_flaxs_rules_in_force_or_the_variables_own() -> None:
+    pairs = (("embed", None), ("hidden", "model"))  # Flax's GSPMD guide's sharding_rules
+    names = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "hidden"))
+    own = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "hidden"),
+                                sharding_rules=pairs)
+    with nnx.use_eager_sharding(False):
+        layer = nnx.Linear(8, 8, kernel_init=names, use_bias=False, rngs=nnx.Rngs(0))
+        ruled = nnx.Linear(8, 8, kernel_init=own, use_bias=False, rngs=nnx.Rngs(0))
+
+    def shown(preset: dict) -> list[tuple[str, Any]]:
+        return [(repr(f), spec) for f, spec in preset["rules"]]
+
+    expected = [("VariableFilter(path='/.kernel')", P(None, "model"))]
+    with nnx.logical_axis_rules(pairs):
+        assert shown(gm.sharding.annotated(layer)) == expected
+    assert shown(gm.sharding.annotated(ruled)) == expected
+    assert shown(gm.sharding.annotated(layer, pairs)) == expected
+    with pytest.raises(TypeError, match=r"annotated\(model\): expected a Flax NNX model, got dict"):
+        gm.sharding.annotated({"kernel": layer.kernel})
+
+
 @pytest.mark.filterwarnings(r"ignore:'\.value' (access|setter) is now deprecated")
 def test_a_flax_models_own_annotations_place_it_unmodified() -> None:
     names = lm1b.MeshRules(embed="embed", mlp="mlp", kv="kv", vocab="vocab")
@@ -420,3 +464,23 @@ def test_the_provenance_record_says_where_a_program_ran() -> None:
     alone = gm.compile(squared_error, mlp())
     alone.init(X[:8], Y[:8])
     assert "placement" not in alone.provenance.inputs
+
+
+class Constrained(nnx.Module):  # Flax's GSPMD guide: model code naming the mesh's axes
+    def __init__(self) -> None:
+        self.linear = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.lax.with_sharding_constraint(self.linear(x), P("data", "model"))
+
+
+def test_model_code_naming_the_mesh_axes_runs_in_every_trace_without_a_context_mesh() -> None:
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    program = gm.compile(squared_error, Constrained(), mesh=mesh, batch_axis="data")
+    variables = program.init(X[:8])  # JAX needs a context mesh: the program's, not the user's
+    assert jax.eval_shape(program.init, X[:8])["model"]["linear"]["kernel"].shape == (8, 8)
+    equations = program.graph(X[:8]).jaxpr.jaxpr.eqns
+    assert "sharding_constraint" in [e.primitive.name for e in equations]
+    step = gm.optimize(program, optax.sgd(0.1))
+    _, metrics = step(step.init(variables, jax.random.key(0)), X)
+    assert np.isfinite(metrics["loss"])

@@ -93,11 +93,15 @@ def is_key(value: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def as_key(rng: Any, where: str) -> Any:
+def as_key(rng: Any, where: str, args: tuple = ()) -> Any:
     """``rng`` as one typed PRNG key (a key, or its ``jax.random.key_data``), else an error
-    naming ``rng`` and the fix."""
+    naming ``rng`` and the fix (``args``: the call's positional arguments, a key among
+    them passed where ``rng=`` was meant)."""
     if rng is None:
-        raise TypeError(f"{where}: rng is required, e.g. rng=jax.random.key(0)")
+        slip = next((i for i, a in enumerate(args) if is_key(a) and jnp.ndim(a) == 0), None)
+        raise TypeError(f"{where}: rng is required, e.g. rng=jax.random.key(0)" + (
+            f"; the function's argument {slip + 1} is a key: pass it as rng=key instead"
+            if slip is not None else ""))
     try:
         dtype = jnp.result_type(rng)
         if jnp.issubdtype(dtype, jax.dtypes.prng_key):

@@ -160,7 +160,8 @@ class Chain:
                         not state or manager.filter.names_role(_roles.STATE)):
                     value = self.rewrite(manager, "rewrite_parameter", tag, value,
                                          (info.path, base))
-            self.frame.collect(tag, value, self.monitor_key(info.name))  # as the call reads it
+            if self.frame.monitor:  # as the call reads it
+                self.frame.collect(tag, value, self.monitor_key(info.name))
             return value
 
         key = (self.path, self.application, self.call_id, info.identity)

@@ -185,6 +185,11 @@ def _check_brick(brick: Any) -> None:
             f"VariableFilter(bricks=...): {brick.__name__} is a Variable type, not a brick "
             "class: select its variables by role (roles=[...]: a class attribute role= of "
             "the type gives its own) or by name (name=...)")
+    if isinstance(brick, nnx.Variable):  # its repr would print the whole array
+        raise TypeError(
+            f"VariableFilter(bricks=...): got a {type(brick).__name__} variable, not a brick: "
+            "select variables by name (name='kernel') or path (path='/layers/linear.kernel'), "
+            "their module by bricks=[the module]")
     if not isinstance(brick, type | nnx.Module):
         fix = _path_fix(brick) if isinstance(brick, str) else ""
         raise TypeError(

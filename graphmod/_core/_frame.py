@@ -100,7 +100,8 @@ class Frame:
     out = property(lambda self: self._out, doc="What the traced function returned.")
     held_off = property(lambda self: self._held_off, doc="Layers a module flag held in eval.")
 
-    def returned(self, out: Any) -> None:  # what the traced function returned: frame.out
+    def returned(self, out: Any) -> None:
+        """Keeps what the traced function returned (``frame.out``)."""
         self._out = out
 
     def inner(self) -> bool:

@@ -56,6 +56,7 @@ from jax._src import source_info_util
 from jax.interpreters import ad, batching, mlir
 
 from graphmod._core._interpret import bind, interpret
+from graphmod.errors import StateEscapesTransform
 
 loop_key_p = jax.extend.core.Primitive("loop_key")
 loop_key_p.def_impl(lambda key: key)
@@ -80,8 +81,8 @@ owned_out_p.def_abstract_eval(lambda aval, *, key, fresh: aval)
 _MARKERS = (loop_key_p, owned_read_p, owned_write_p, owned_out_p)
 
 
-def _refused(key: tuple, place: str) -> RuntimeError:
-    return RuntimeError(
+def _refused(key: tuple, place: str) -> StateEscapesTransform:
+    return StateEscapesTransform(
         f"updating {key[0]} variable {key[4]!r} in application {key[2]!r} of {key[1]} "
         f"happens inside {place}: one value per iteration could not be stored. Use "
         "graphmod.scan, or a loop of static length (lax.scan, nnx.scan, a fori_loop with "

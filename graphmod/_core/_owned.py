@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from graphmod import roles as _roles
 from graphmod._core._loop_keys import read_slice, stacked, write_slice
 from graphmod._core._trace import TraceScope, current_trace
-from graphmod.errors import StateEscapesTransform
+from graphmod.errors import StateEscapesTransform, VariablesMismatch
 
 # (manager name, brick path, application, call_id or None, variable name)
 OwnedKey = tuple[str, str, str, int | None, str]
@@ -83,7 +83,7 @@ class OwnedStore:
                  per_iteration: bool) -> Any:
         manager, path, application, call_id, name = key
         if self._mode != "init":
-            raise KeyError(
+            raise VariablesMismatch(
                 f"manager {manager!r} has no variable {name!r} for {application!r} of "
                 f"{path}" + (f" (call {call_id})" if call_id is not None else "")
                 + " in these variables: make them with this program's init (or a program "
@@ -147,7 +147,7 @@ class OwnedStore:
         inner = self._scope.inner()
         if inner and key in self._shared:
             self._check(f"updating {key[0]} variable {key[4]!r}, shared by every "
-                        "iteration of a loop over one module",
+                        "iteration of a loop over one module (or both branches of a cond)",
                         f"application {key[2]!r} of {key[1]}")
         shape = old.shape[self._depth(key):] if inner else old.shape
         if jnp.shape(value) != shape:

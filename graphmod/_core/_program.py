@@ -57,7 +57,7 @@ from graphmod._core._program_record import ProgramRecord, Shared, abstract
 from graphmod._core._program_variables import VariablesByRole
 from graphmod._core._rewrites import Rewrites, RewriteTrace
 from graphmod._core._rng_arguments import with_random_streams
-from graphmod._core._sharding import Placement, batch_on_mesh, on_mesh, put
+from graphmod._core._sharding import Placement, batch_on_mesh, init_mesh, on_mesh, put
 
 __all__ = ["ProgramCore", "ProgramRecord"]
 
@@ -208,8 +208,9 @@ class ProgramCore(VariablesByRole):
         def trace(values: dict, hparams: dict, key: Any, args: tuple, kwargs: dict) -> Frame:
             return self._trace("init", values, {}, hparams, key, args, kwargs, record=probe)
 
-        return fresh_variables(self._shared.layout, self._managers, trace, args, kwargs, key,
-                               probe=probe)
+        with init_mesh(self._shared.placement):  # model code may name the mesh's axes
+            return fresh_variables(self._shared.layout, self._managers, trace, args, kwargs,
+                                   key, probe=probe)
 
     def _remember_example(self, args: tuple, kwargs: dict, variables: dict, key: Any) -> None:
         """Keeps the shapes of init's examples and variables, and its seed, for provenance."""
@@ -223,7 +224,7 @@ class ProgramCore(VariablesByRole):
     def train(self, variables: dict, *args: Any, rng: Any = None, **kwargs: Any) -> Any:
         """Runs ``fn`` in training mode: ``(out, variables)`` (``+ monitored`` with monitor=)."""
         if not hasattr(rng, "dtype"):  # e.g. rng=0: refused before jit sees it
-            as_key(rng, _TRAIN)
+            as_key(rng, _TRAIN, args)
         try:
             return self._train(variables, rng, args, kwargs)
         except TypeError:  # jit's, for an argument it cannot trace: ours names the fix
@@ -384,9 +385,8 @@ class ProgramCore(VariablesByRole):
             found["frame"] = frame
             return frame.out
 
-        jaxpr = jax.make_jaxpr(trace)(variables, jax.random.key(0))
-        records = found["frame"].records or []
-        return ComputationGraph(tuple(records), jaxpr, mode, self._shared.layout)
+        jaxpr = jax.make_jaxpr(on_mesh(trace, self._shared.placement))(variables, jax.random.key(0))
+        return ComputationGraph(tuple(found["frame"].records or ()), jaxpr, mode, self.layout)
 
     def _bind(self, args: tuple, kwargs: dict, leaf: Callable[[Any], Any]) -> dict[str, Any]:
         return bind_arguments(self._argument_names, args, kwargs, leaf)

@@ -6,16 +6,18 @@ fitted to its shape on a mesh. ``compile(rules=...)`` places variables by them,
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from graphmod._core._filter import VariableFilter
 from graphmod._core._layout import Layout
 from graphmod._core._selection import stored_tag
 
-__all__ = ["Rule", "axis_names", "checked_rules", "first_rule", "fitting", "misfit"]
+__all__ = ["Rule", "axis_names", "checked_rules", "first_rule", "fitting", "misfit",
+           "warn_if_none_match"]
 
 Rule = tuple[VariableFilter, PartitionSpec]
 
@@ -118,20 +120,61 @@ def checked_rules(mesh: Mesh, rules: Any, caller: str = "compile",
                  for index, rule in enumerate(rules))
 
 
+def warn_if_none_match(rules: Sequence[Rule], layout: Layout) -> None:
+    """Warns when ``rules`` place no variable of the model, which would then be replicated
+    without a word (a path copied from a table, ``model/linear1/kernel``, where filters
+    glob ``/linear1.kernel``). A preset's rule that matches nothing is no slip: not named.
+
+    Examples:
+        >>> import warnings, jax, graphmod as gm
+        >>> from flax import nnx
+        >>> from jax.sharding import PartitionSpec as P
+        >>> layout = gm.compile(lambda m, x: m(x), nnx.Linear(2, 4, rngs=nnx.Rngs(0))).layout
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_if_none_match([(gm.VariableFilter(path="/kernel"), P("data"))], layout)
+        >>> "globs the variables' paths, such as /.bias" in str(caught[0].message)
+        True
+    """
+    tags = [stored_tag(layout, info.key) for info in layout.variables]
+    if rules and not any(f.matches(tag, layout.instance_paths) for f, _ in rules for tag in tags):
+        examples = ", ".join(info.path for info in layout.variables[:3])
+        warnings.warn(f"compile(rules=...): no rule selects a variable of the model, so every "
+                      f"variable is replicated; a rule's path= globs the variables' paths, "
+                      f"such as {examples}", stacklevel=5)
+
+
 def _checked_rule(mesh: Mesh, where: str, argument: str, index: int, rule: Any) -> Rule:
     if not (isinstance(rule, tuple | list) and len(rule) == 2
             and isinstance(rule[0], VariableFilter) and isinstance(rule[1], PartitionSpec)):
         raise TypeError(f"{where}: {argument}[{index}] must be a (VariableFilter, "
-                        f"PartitionSpec) pair, got {rule!r}")
+                        f"PartitionSpec) pair, got {rule!r}{_pair_hint(rule, argument)}")
     rule_filter, spec = rule
     if rule_filter.applications is not None or rule_filter.call_id is not None:
         raise TypeError(f"{where}: {argument}[{index}] {rule_filter!r} selects application "
                         "calls; a stored variable belongs to no call: use bricks=, roles=, "
                         "name=, name_regex= or path=")
-    for entry in spec:
-        for axis in axis_names(entry):
-            if axis not in mesh.axis_names:
-                raise ValueError(f"{where}: {argument}[{index}] ({rule_filter!r}, {spec}) "
-                                 f"names mesh axis {axis!r}; the mesh's axes are "
-                                 f"{tuple(mesh.axis_names)}")
+    named = [axis for entry in spec for axis in axis_names(entry)]
+    for axis in named:
+        if axis not in mesh.axis_names:
+            raise ValueError(f"{where}: {argument}[{index}] ({rule_filter!r}, {spec}) "
+                             f"names mesh axis {axis!r}; the mesh's axes are "
+                             f"{tuple(mesh.axis_names)}")
+        if named.count(axis) > 1:
+            raise ValueError(f"{where}: {argument}[{index}] ({rule_filter!r}, {spec}) "
+                             f"names mesh axis {axis!r} twice; an axis splits one dimension "
+                             "of a variable")
     return rule_filter, spec
+
+
+def _pair_hint(rule: Any, argument: str) -> str:
+    """What a rule that is no (filter, spec) pair was probably meant to be."""
+    if isinstance(rule, VariableFilter):
+        return f": {argument}= is a list of pairs, {argument}=[(filter, spec)]"
+    spec = rule[1] if isinstance(rule, tuple | list) and len(rule) == 2 else None
+    if isinstance(spec, NamedSharding):
+        return f": give its PartitionSpec, {spec.spec}"
+    if isinstance(spec, tuple | list | str):
+        entries = tuple(spec) if isinstance(spec, tuple | list) else (spec,)
+        return f": write the spec as PartitionSpec{entries!r}".replace(",)", ")")
+    return ""

@@ -49,9 +49,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from graphmod._core._layout import Layout
 from graphmod._core._owned_layout import map_leaves
-from graphmod._core._rules import axis_names, checked_rules, first_rule
+from graphmod._core._rules import axis_names, checked_rules, first_rule, warn_if_none_match
 
-__all__ = ["Placement", "batch_on_mesh", "mesh_context", "on_mesh", "put"]
+__all__ = ["Placement", "batch_on_mesh", "init_mesh", "mesh_context", "on_mesh", "put"]
 
 
 class Placement:
@@ -81,6 +81,7 @@ class Placement:
         self.mesh = Mesh(mesh.devices, mesh.axis_names,
                          axis_types=(AxisType.Auto,) * len(mesh.axis_names))
         self.rules = checked_rules(mesh, rules)
+        batch_axis = tuple(batch_axis) if isinstance(batch_axis, list) else batch_axis
         for axis in axis_names(batch_axis):
             if axis not in mesh.axis_names:
                 raise ValueError(f"compile(batch_axis={batch_axis!r}): the mesh has no axis "
@@ -94,6 +95,7 @@ class Placement:
         if layout is not None:
             for index, (rule_filter, _) in enumerate(self.rules):
                 layout.resolve(rule_filter.brick_instances(), f"compile(rules[{index}])")
+            warn_if_none_match(self.rules, layout)
 
     def __repr__(self) -> str:
         rules = ", ".join(f"({f!r}, {spec})" for f, spec in self.rules)
@@ -224,7 +226,8 @@ def _explicit(leaf: Any) -> bool:
 def mesh_context(placement: Placement | None) -> contextlib.AbstractContextManager:
     """The program's mesh set as the context mesh (``jax.set_mesh``) for code working on
     its arrays outside a trace (the loop's, an evaluation's): under a mesh the user set
-    with explicit axes, JAX refuses even ``a + 1`` on an array of the program's mesh.
+    with explicit axes, JAX refuses even ``a + 1`` on an array of the program's mesh. In a
+    trace (``jax.eval_shape`` of an init), where JAX refuses ``set_mesh``, its abstract mesh.
 
     Examples:
         >>> import jax
@@ -233,7 +236,27 @@ def mesh_context(placement: Placement | None) -> contextlib.AbstractContextManag
         ...     jax.sharding.get_abstract_mesh().axis_names
         ('data',)
     """
-    return contextlib.nullcontext() if placement is None else jax.set_mesh(placement.mesh)
+    if placement is None:
+        return contextlib.nullcontext()
+    try:
+        return jax.set_mesh(placement.mesh)
+    except ValueError:  # "set_mesh can only be used outside of jax.jit"
+        return jax.sharding.use_abstract_mesh(placement.mesh.abstract_mesh)
+
+
+def init_mesh(placement: Placement | None) -> contextlib.AbstractContextManager:
+    """The context mesh ``init`` evaluates model code under: the program's
+    (:func:`mesh_context`), for code that names its axes (``with_sharding_constraint``, as
+    Flax's SPMD guide writes it); the user's, if one is set (explicit-sharding code reads it).
+
+    Examples:
+        >>> import jax
+        >>> with init_mesh(Placement(jax.make_mesh((1,), ("data",)), [], "data")):
+        ...     jax.sharding.get_abstract_mesh().axis_names
+        ('data',)
+    """
+    empty = jax.sharding.get_abstract_mesh().empty
+    return mesh_context(placement if empty else None)
 
 
 def batch_on_mesh(tree: Any, placement: Placement | None, *, split: bool) -> Any:

@@ -47,9 +47,10 @@ class TraceScope:
         if self.inner():
             raise StateEscapesTransform(
                 f"{what}{where} happens inside a raw JAX transform or an NNX lifted transform "
-                "(jax.jit, lax.scan, jax.checkpoint, nnx.scan, nnx.vmap, nnx.remat, nnx.RNN...):"
-                " the value could not leave it. Use graphmod.scan for recurrences and loops "
-                "over layers, or return the value through the transform."
+                "(jax.jit, lax.scan, lax.cond, jax.checkpoint, nnx.scan, nnx.cond, nnx.vmap, "
+                "nnx.remat, nnx.RNN...): the value could not leave it. Use graphmod.scan for "
+                "recurrences and loops over layers, narrow the manager's filter to layers "
+                "called outside the transform, or return the value through the transform."
             )
 
     @contextmanager

@@ -41,6 +41,8 @@ def unmatched_hints(manager: Manager, layout: Layout) -> str:
             r.is_a(h) or h.is_a(r) for r in f.roles for _, roles in hooks for h in roles):
         hints.append(f"{kind} rewrites the {' and '.join(w for w, _ in hooks)} of "
                      f"application calls, none of roles={[r.name for r in f.roles]}")
+    if f.roles is not None and manager.has_hook("rewrite_parameter"):
+        hints += _role_hints(f.roles, layout)
     if f.roles is not None and any(r.is_a(_roles.TARGET) for r in f.roles):
         hints.append("TARGET variables are the targets of an application that declares them "
                      "(graphmod.bricks.SoftmaxCrossEntropy, @graphmod.application(targets="
@@ -78,6 +80,11 @@ def _path_hints(glob: str, calls: bool, layout: Layout) -> list[str]:
         return [f"Paths start with '/' (path={rooted!r}?)"]
     named = [path for path in bricks if fnmatch.fnmatchcase(path, rooted)]
     if not named:
+        # A path as a variables table or the variables' dict spell it: model/linear1/kernel
+        base, _, last = glob.removeprefix("model/").strip("/").rpartition("/")
+        dotted = f"/{base}.{last}" if base else f"/.{last}"
+        if not calls and any(fnmatch.fnmatchcase(path, dotted) for path in paths):
+            return [f"A variable's path is its brick's, a dot and its name (path={dotted!r}?)"]
         return [f"The model's bricks are at {', '.join(bricks[:8])}"
                 f"{', ...' if len(bricks) > 8 else ''}"] if bricks else []
     brick, more = named[0], " and more" if len(named) > 1 else ""
@@ -89,3 +96,18 @@ def _path_hints(glob: str, calls: bool, layout: Layout) -> list[str]:
         form = f"variables (the brick's, a dot, the variable's name: '{example}')"
     return [f"path={glob!r} names the brick {brick}{more}: path= globs the paths of {form}, "
             f"so write path='{rooted}.*' for its own, or '{rooted}*' with its children's"]
+
+
+def _role_hints(wanted: tuple[_roles.Role, ...], layout: Layout) -> list[str]:
+    """The roles the model's parameters have, when none has one of ``wanted`` (a Flax
+    layer's weight named ``w`` is a PARAMETER, not a WEIGHT)."""
+    parameters = [i for i in layout.variables if i.role.is_a(_roles.PARAMETER)]
+    if not parameters or any(i.role.is_a(r) for i in parameters for r in wanted):
+        return []
+    names: dict[str, list[str]] = {}
+    for info in parameters:
+        names.setdefault(info.role.name, []).append(info.name)
+    have = "; ".join(f"{role} ({', '.join(sorted(set(n))[:4])})" for role, n in names.items())
+    return [f"The model's parameters are {have}: a parameter's role comes from its name "
+            "(kernel and embedding are WEIGHT, bias BIAS, any other name PARAMETER), so "
+            "select these by roles=[PARAMETER] or variable_name="]

@@ -15,6 +15,7 @@ from graphmod._core._compile import compile_program
 from graphmod._core._filter import VariableFilter
 from graphmod._core._manager import Manager
 from graphmod._core._program import ProgramCore
+from graphmod._core._sharding import put
 from graphmod._core._show import VariablesTable, program_html, program_lines
 from graphmod._records._collect import program_provenance
 from graphmod._records._record import Provenance
@@ -197,7 +198,8 @@ class Program(ProgramCore):
 
     def load(self, directory: Any, *, step: int | None = None) -> dict:
         """The variables :meth:`save` wrote to ``directory`` (checked against this program's
-        layout; ``init`` must have run, to know the shapes)."""
+        layout; ``init`` must have run, to know the shapes), placed as ``init`` places them
+        (on the program's mesh, by its rules)."""
         shapes = self.record.variables
         if shapes is None:
             raise RuntimeError("program.load: call program.init(*example_args) first, so the "
@@ -207,4 +209,6 @@ class Program(ProgramCore):
             variables, _ = reader.restore(shapes, step)
         finally:
             reader.close()
-        return variables
+        placement = self.placement
+        return variables if placement is None else put(
+            variables, placement.variables(variables, self.layout))

@@ -15,6 +15,7 @@ from graphmod._records._collect import training_inputs, training_provenance
 from graphmod._train._checkpoint import Checkpointer, CheckpointError
 from graphmod._train._command import RESUME_VARIABLE
 from graphmod._train._events import Event, On, Template
+from graphmod._train._loop._resume import warn_setting_changes
 from graphmod._train._optimize import TrainStep
 from graphmod._train._plugin import Plugin
 from graphmod.typing import LoopLike
@@ -77,6 +78,7 @@ class Checkpoint(Plugin):
         self._writer: Checkpointer | None = None
         self._run_id: str | None = None  # made by the first setup, or a resumed run's
         self._saved_step: int | None = None
+        self._saved_epoch: int | None = None  # a step is saved again once its epoch ended
         self._first_step: int | None = None  # the step this run started from
         self._inputs: Any = None  # the run's provenance inputs, assembled at the first save
         self.due: Event | None = None  # the event to save at, once it has settled
@@ -97,11 +99,12 @@ class Checkpoint(Plugin):
         self._writer = writer
         if self._wants_resume() and writer.steps():
             state, meta = writer.restore(loop.state)  # the newest that verifies, or raises
+            warn_setting_changes(meta, loop.step)
             loop.state = state
             loop.load_state_dict(meta)
             # The same run goes on (a graphmod 0.1 checkpoint has no id: a new one starts).
             writer.run_id = self._run_id = meta.get("run_id") or writer.run_id
-            self._saved_step = loop.time.step
+            self._saved_step, self._saved_epoch = loop.time.step, loop.time.epoch
             return
         if self._run_id is not None:
             return  # the run goes on (Loop.resume, or this plugin's loop run again)
@@ -168,16 +171,19 @@ class Checkpoint(Plugin):
                   file=sys.stderr)
 
     def save(self, event: Event) -> None:
-        """Saves the loop's current state now (once per step)."""
+        """Saves the loop's current state now: once per step, and again at the end of the
+        epoch a step ended (a step event's save, then the run's end: the record of the
+        finished epoch, with what its end's plugins kept)."""
         loop = event.loop
-        if loop.state is None or self._saved_step == loop.time.step:
+        if loop.state is None or (self._saved_step, self._saved_epoch) == (
+                loop.time.step, loop.time.epoch):
             return
         if self._writer is None:
             raise RuntimeError(f"Checkpoint {self.name!r}: save() runs only while its loop "
                                "runs (after setup)")
         self._writer.save(loop.time.step, loop.state, {**loop.state_dict(),
                                                        **self._provenance(loop)})
-        self._saved_step = loop.time.step
+        self._saved_step, self._saved_epoch = loop.time.step, loop.time.epoch
 
     def _provenance(self, loop: LoopLike) -> dict[str, Any]:
         """``{"provenance": record}`` for a graphmod.optimize step (inputs kept from the

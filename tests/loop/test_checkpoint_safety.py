@@ -16,6 +16,7 @@ import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import chex
 import jax
 import numpy as np
 import optax
@@ -357,6 +358,40 @@ def test_a_writer_never_replaces_a_step_another_run_wrote(tmp_path: pathlib.Path
     second.close()
     assert Checkpointer(tmp_path, keep=None).steps() == [3, 5]
     assert {k: v for k, v in _snapshot(tmp_path).items() if k.startswith("3")} == before
+
+
+def test_a_step_saved_on_a_step_event_is_saved_again_when_the_run_ends_on_it(
+        tmp_path: pathlib.Path) -> None:
+    problem = Problem()  # 96 rows in batches of 8: the run's last step, 12, ends its epoch
+    every = _every(4) | On("end")
+    state = gm.Loop(problem.step, problem.source(8), epochs=1,
+                    plugins=[Checkpoint(tmp_path, every=every)]).run(problem.state())
+    assert sorted(os.listdir(tmp_path), key=int) == ["4", "8", "12"]  # and no leftover
+    assert "latest: step=12, epoch=1," in inspect_run(str(tmp_path))  # the epoch finished
+    resumed = gm.Loop.resume(str(tmp_path), problem.step, problem.source(8), epochs=1)
+    chex.assert_trees_all_equal(resumed, state)
+
+
+def test_a_writer_saving_its_own_step_again_replaces_it_whole(tmp_path: pathlib.Path) -> None:
+    writer = Checkpointer(tmp_path, keep=None, run_id="run", asynchronous=False)
+    writer.save(3, {"w": np.zeros(3)}, {"note": "first"})
+    writer.save(3, {"w": np.ones(3)}, {"note": "again"})
+    writer.close()
+    assert os.listdir(tmp_path) == ["3"]
+    restored, meta = Checkpointer(tmp_path, keep=None).restore({"w": np.zeros(3)})
+    np.testing.assert_array_equal(restored["w"], np.ones(3))
+    assert meta["note"] == "again"
+
+
+def test_loading_an_orbax_checkpoint_of_flaxs_guide_says_what_it_is(
+        tmp_path: pathlib.Path) -> None:
+    checkpointer = ocp.StandardCheckpointer()  # as Flax's checkpointing guide saves a state
+    checkpointer.save(tmp_path / "state", {"w": np.ones(3)})
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    with pytest.raises(FileNotFoundError, match=r"it is an orbax checkpoint of its own .*"
+                       r"nnx\.update\(model, state\)\), then compile and init"):
+        Problem().program.load(tmp_path / "state")
 
 
 # -- teardown, interrupts, and orbax's noise -----------------------------------------------

@@ -6,6 +6,7 @@ import hashlib
 import pathlib
 
 import numpy as np
+import optax
 import pytest
 
 import graphmod as gm
@@ -98,3 +99,18 @@ def test_resume_from_a_missing_directory_names_it_and_creates_nothing(saved, tmp
                                                 r"directory \(nothing was created\)"):
         gm.Loop.resume(missing, problem.step, _source(problem))
     assert not (tmp_path / "no").exists()
+
+
+def test_resume_with_other_managers_warns_and_other_trainable_names_it(saved) -> None:
+    _, directory = saved
+    other = Problem(dropout=0.5)  # the same model and state, another dropout rate
+    before = _listing(directory)
+    with pytest.warns(UserWarning, match=r"resume: this run's \['managers'\] differ from those "
+                      r"the checkpoint of step 4 was trained with"):
+        gm.Loop.resume(directory, other.step, _source(other), steps=8)
+    assert _listing(directory) == before  # nothing was saved: no checkpoint plugin
+    head = gm.VariableFilter(bricks=[other.program.model.linear_layers[1]])
+    narrower = gm.optimize(other.program, optax.adam(1e-2), trainable=head)
+    with pytest.raises(ValueError, match="another program's state") as info:
+        gm.Loop.resume(directory, narrower, _source(other), steps=8)
+    assert "trained with other settings: ['managers', 'trainable']" in info.value.__notes__[0]

@@ -196,6 +196,12 @@ def test_a_bad_axis_raises_naming_it() -> None:
     program = _program(axis=2)
     with pytest.raises(ValueError, match=r"BatchNorm\(axis=2\)"):
         program.init(normal(0, 4, 3))
+    batch_axis = _program(axis=0)  # statistics per example: they fit no other batch size
+    variables = batch_axis.init(normal(0, 4, 3))
+    with pytest.raises(ValueError, match=r"BatchNorm\(axis=0\) at / apply\.output: 5 features "
+                       r"along axis 0 of shape \(5, 3\), but statistics of shape \(4,\) from "
+                       r"init; axis 0 is the batch: pick the feature axis"):
+        batch_axis.infer(variables, normal(1, 5, 3))
 
 
 def test_two_batch_norms_of_one_output_raise_naming_both() -> None:

@@ -136,6 +136,12 @@ def test_layers_scanned_by_nnx_scan_each_get_their_own_average() -> None:
     np.testing.assert_allclose(ema["average"], 0.5 * variables["model"]["layers"]["linear"][
         "kernel"], rtol=1e-6)  # (3, 4, 4): one average per layer
     np.testing.assert_allclose(ema["weight"], [0.5] * 3)
+    # merge puts each layer's average in its place (a weight per layer, not per feature)
+    merged = program.managers[0].merge(new)
+    np.testing.assert_allclose(merged["model"]["layers"]["linear"]["kernel"],
+                               variables["model"]["layers"]["linear"]["kernel"], rtol=1e-6)
+    plain = gm.compile(lambda m, x: (m(x) ** 2).mean(), model)
+    np.testing.assert_allclose(plain.infer(merged, x), program.infer(new, x), rtol=1e-6)
 
 
 def test_bfloat16_parameters_are_averaged_in_float32_and_read_in_bfloat16() -> None:

@@ -16,6 +16,7 @@ from flax import nnx
 
 import graphmod as gm
 import managers
+from examples.flax_nnx.scan_over_layers import ScanMLP
 from graphmod import roles
 from tests.managers.helpers import Counted, array, normal
 
@@ -104,6 +105,21 @@ def test_merge_folds_the_adapters_in_and_a_program_without_lora_agrees() -> None
         warnings.simplefilter("error")
         program.update_model(merged)
     np.testing.assert_allclose(model(X), program.infer(variables, X), **TOL)
+
+
+def test_merge_folds_each_layers_adapters_in_a_scan_over_layers() -> None:
+    model = ScanMLP(3, n_layers=4, rngs=nnx.Rngs(0))  # adapters stacked (4, 3, 2), (4, 2, 3)
+    lora = managers.LoRA(2, alpha=3.0, roles=[roles.WEIGHT])
+    program = gm.compile(lambda m, x: m(x), model, managers=[lora])
+    variables = with_random_b(program.init(X))
+    merged = lora.merge(variables)
+    adapter = variables["managers"]["lora"]["/layers/linear"]["kernel"]
+    kernel = variables["model"]["layers"]["linear"]["kernel"]
+    np.testing.assert_allclose(merged["model"]["layers"]["linear"]["kernel"], array(kernel)
+                               + 1.5 * array(adapter["a"]) @ array(adapter["b"]), rtol=1e-5,
+                               atol=1e-6)
+    plain = gm.compile(lambda m, x: m(x), model)
+    np.testing.assert_allclose(plain.infer(merged, X), program.infer(variables, X), **TOL)
 
 
 def test_merge_of_variables_without_the_adapters_names_the_fix() -> None:

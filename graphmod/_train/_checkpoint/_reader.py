@@ -305,6 +305,10 @@ class CheckpointReader:
         steps = self.steps()
         if not steps:
             where = "" if os.path.isdir(self.directory) else " (the directory does not exist)"
+            if os.path.isfile(os.path.join(self.directory, "_CHECKPOINT_METADATA")):
+                where = (": it is an orbax checkpoint of its own (Flax's checkpointing guide), "
+                         "not graphmod's numbered steps; restore it with orbax, write it into "
+                         "the model (nnx.update(model, state)), then compile and init")
             raise FileNotFoundError(f"no checkpoint in {self.directory}{where}")
         return steps
 

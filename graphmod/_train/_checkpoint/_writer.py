@@ -147,14 +147,28 @@ class Checkpointer(CheckpointReader):
         record["arrays"] = array_entries(paths, arrays)
         own = self._owned()
         target = self._path(step)
-        if os.path.exists(target):
+        again = step in own and os.path.exists(target)  # this run saves a step once more
+        if os.path.exists(target) and not again:
             self._make_room(step, own)
         before = set(threading.enumerate())
+        written = f"{target}{TMP_SUFFIX}-again" if again else target
         try:
-            self._orbax_save(target, record, arrays)
+            self._orbax_save(written, record, arrays)
         except Exception as error:
             self._write_failed(step, own, before, error)
+        if again:
+            self._replace(written, step, own)
         self._written(step, own)
+
+    def _replace(self, written: str, step: int, own: list[int]) -> None:
+        """Puts ``written`` in place of this run's earlier checkpoint of ``step`` (a step
+        saved again, once the run ended on it): the earlier one stays whole until the new
+        one is, two renames apart."""
+        target = self._path(step)
+        os.rename(target, f"{target}{TMP_SUFFIX}-replaced")
+        os.rename(written, target)
+        shutil.rmtree(f"{target}{TMP_SUFFIX}-replaced")
+        own.remove(step)
 
     def _orbax_save(self, path: str, record: dict[str, Any], arrays: list[np.ndarray]) -> None:
         """Orbax's write of ``record`` as the ``meta`` item and the non-empty ``arrays`` as
@@ -238,6 +252,9 @@ class Checkpointer(CheckpointReader):
         self._orbax_save(whole, record, [])
         for p, where in enumerate(parts):
             os.rename(where, os.path.join(whole, f"part-{p}.npz"))
+        if step in own and os.path.exists(self._path(step)):
+            self._replace(whole, step, own)
+            return
         if os.path.exists(self._path(step)):
             self._make_room(step, own)
         os.rename(whole, self._path(step))
@@ -274,14 +291,10 @@ class Checkpointer(CheckpointReader):
                 _delete(os.path.join(self.directory, name))
 
     def _make_room(self, step: int, own: list[int]) -> None:
-        """Clears the way for a new write of ``step``: this run's own older write is
-        replaced; a checkpoint that fails verification (a resumed run skipped it) is set
-        aside as ``<step>.unverified``; another run's checkpoint is never touched."""
+        """Clears the way for a new write of ``step`` (not this run's own: :meth:`_write`
+        replaces that): a checkpoint that fails verification (a resumed run skipped it) is
+        set aside as ``<step>.unverified``; another run's checkpoint is never touched."""
         target = self._path(step)
-        if step in own:
-            shutil.rmtree(target)
-            own.remove(step)
-            return
         why = self.verify(step)
         if why is None:
             raise CheckpointError(

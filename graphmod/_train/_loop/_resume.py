@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -29,9 +30,45 @@ def read_checkpoint(directory: str | os.PathLike, template: Any, step: Any,
     try:
         if template is None:
             template = _abstract_state(step, data)
-        return reader.restore(template, checkpoint)
+        try:
+            state, meta = reader.restore(template, checkpoint)
+        except ValueError as error:  # another program's state: which settings changed
+            saved = reader.provenance(checkpoint)
+            changed = setting_changes(saved and saved.to_dict(), step)
+            if changed:
+                error.add_note(f"The checkpoint's run was trained with other settings: "
+                               f"{changed} (graphmod inspect shows its record); resume with "
+                               "those it was trained with")
+            raise
     finally:
         reader.close()
+    warn_setting_changes(meta, step)
+    return state, meta
+
+
+def warn_setting_changes(meta: Mapping[str, Any], step: Any) -> None:
+    """Warns that a run resumed from the checkpoint of ``meta`` trains with other settings
+    (model, managers, optimizer, trainable=) than it was trained with."""
+    if changed := setting_changes(meta.get("provenance"), step):
+        warnings.warn(f"resume: this run's {changed} differ from those the checkpoint of "
+                      f"step {meta['time']['step']} was trained with (graphmod inspect "
+                      "shows its record): it goes on with these, and later checkpoints "
+                      "record them", stacklevel=4)
+
+
+# The parts of a training record that make the program and its training: a resumed run
+# with others goes on as another run (the data are checked on their own, data_changes).
+_SETTINGS = ("bricks", "parameters", "managers", "function", "monitor", "axis_name",
+             "optimizer", "skip_nonfinite", "trainable")
+
+
+def setting_changes(saved: Mapping[str, Any] | None, step: Any) -> list[str]:
+    """The settings of the training record ``saved`` (a checkpoint's provenance) that
+    ``step`` (a ``graphmod.optimize`` step) does not share; none for another step."""
+    if not saved or saved.get("kind") != "training" or not hasattr(step, "provenance"):
+        return []
+    now, before = step.provenance.to_dict()["inputs"], saved.get("inputs", {})
+    return [k for k in _SETTINGS if k in before and k in now and before[k] != now[k]]
 
 
 def loop_record(loop: Any, plugins: dict[str, Any]) -> dict[str, Any]:
