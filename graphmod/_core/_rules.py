@@ -5,6 +5,7 @@ fitted to its shape on a mesh. ``compile(rules=...)`` places variables by them,
 
 from __future__ import annotations
 
+import glob
 import math
 import warnings
 from collections.abc import Sequence
@@ -61,8 +62,10 @@ def fitting(spec: PartitionSpec, source: str, what: str, path: str, shape: tuple
     why = misfit(spec, shape, mesh)
     if why is not None:
         raise ValueError(f"{source} does not fit {what} {path} of shape {shape}: {why}; "
-                         "narrow the rule's filter (e.g. roles=[WEIGHT]) or change the spec "
-                         "(None leaves a dimension whole)")
+                         "narrow the rule's filter (e.g. roles=[WEIGHT]), change the spec "
+                         "(None leaves a dimension whole), or keep this one whole with a rule "
+                         f"before it (VariableFilter(path={glob.escape(path)!r}), "
+                         "PartitionSpec())")
     return spec
 
 
