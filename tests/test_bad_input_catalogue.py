@@ -230,7 +230,7 @@ CASES = [
          r"VariableFilter\(name_regex='\('\).*regular expression"),
     Case("a filter brick given by name", lambda w: gm.VariableFilter(bricks=["linear"]),
          TypeError, r"bricks=.*'linear'.*Brick instance nor a brick class.*path='/linear\.\*' "
-         r"\(its variables\) or path='/linear\*'"),
+         r"\(its own\) or path='/linear\*'"),
     Case("a variable given as a brick", lambda w: gm.VariableFilter(
         bricks=[nnx.Param(jnp.ones((64, 64)))]), TypeError, r"got a Param variable, not a "
          r"brick: select variables by name \(name='kernel'\) or path"),

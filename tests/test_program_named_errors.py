@@ -66,7 +66,7 @@ def test_a_role_no_parameter_has_gets_the_roles_there_are_named() -> None:
     (lambda: managers.Dropout(0.1, path="/linear"),  # as the rewrite trace prints it
      r"path='/linear' names the brick /linear: path= globs the paths of variables \(the "
      r"brick's, a dot, the variable's name: '/linear\.bias'\), so write path='/linear\.\*' "
-     r"for its own, or '/linear\*' with its children's"),
+     r"\(its own\) or path='/linear\*' \(with its children's\)"),
     (lambda: managers.Remat(path="linear"),
      r"path='linear' names the brick /linear: path= globs the paths of calls .*'/linear\.apply'"),
     (lambda: managers.Dropout(0.1, path="/nowhere*"), r"The model's bricks are at /linear\."),

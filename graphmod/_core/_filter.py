@@ -200,12 +200,20 @@ def _check_brick(brick: Any) -> None:
 def _path_fix(text: str) -> str:
     """The ``path=`` meant by a string given as a brick: a glob as it is, else the
     brick's variables or its whole subtree."""
-    rooted = text if text.startswith(("/", "*")) else "/" + text
     if any(c in text for c in "*?["):
-        return f"; to select by path, give path={rooted!r}"
-    rooted = rooted.rstrip("/") or "/"
-    return (f"; to select by path, give path='{rooted}.*' (its variables) or path='{rooted}*' "
-            "(with its children's)")
+        return f"; to select by path, give path={rooted(text)!r}"
+    return f"; to select by path, give {brick_globs(rooted(text).rstrip('/') or '/')}"
+
+
+def rooted(glob: str) -> str:
+    """``glob`` as a path: starting with '/' (or a wildcard, which may match it)."""
+    return glob if glob.startswith(("/", "*")) else "/" + glob
+
+
+def brick_globs(path: str) -> str:
+    """The two ``path=`` globs that select by a brick's ``path``: its own variables (or
+    calls), and with its children's."""
+    return f"path='{path}.*' (its own) or path='{path}*' (with its children's)"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

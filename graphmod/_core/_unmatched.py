@@ -8,6 +8,7 @@ from __future__ import annotations
 import fnmatch
 
 from graphmod import roles as _roles
+from graphmod._core._filter import brick_globs, rooted
 from graphmod._core._layout import Layout
 from graphmod._core._manager import Manager
 
@@ -73,17 +74,17 @@ def _path_hints(glob: str, calls: bool, layout: Layout) -> list[str]:
     """A path that names a brick where ``path=`` globs the paths of variables (of calls,
     for a manager that only wraps them), that does not start with '/', or that names
     nothing there is."""
-    rooted = glob if glob.startswith(("/", "*")) else "/" + glob
-    bricks = [path for path in layout.bricks_at if path != "/"]
+    path = rooted(glob)
+    bricks = [b for b in layout.bricks_at if b != "/"]
     paths = [f"{b}.apply" for b in bricks] if calls else [i.path for i in layout.variables]
-    if rooted != glob and any(fnmatch.fnmatchcase(path, rooted) for path in paths):
-        return [f"Paths start with '/' (path={rooted!r}?)"]
-    named = [path for path in bricks if fnmatch.fnmatchcase(path, rooted)]
+    if path != glob and any(fnmatch.fnmatchcase(p, path) for p in paths):
+        return [f"Paths start with '/' (path={path!r}?)"]
+    named = [b for b in bricks if fnmatch.fnmatchcase(b, path)]
     if not named:
         # A path as a variables table or the variables' dict spell it: model/linear1/kernel
         base, _, last = glob.removeprefix("model/").strip("/").rpartition("/")
         dotted = f"/{base}.{last}" if base else f"/.{last}"
-        if not calls and any(fnmatch.fnmatchcase(path, dotted) for path in paths):
+        if not calls and any(fnmatch.fnmatchcase(p, dotted) for p in paths):
             return [f"A variable's path is its brick's, a dot and its name (path={dotted!r}?)"]
         return [f"The model's bricks are at {', '.join(bricks[:8])}"
                 f"{', ...' if len(bricks) > 8 else ''}"] if bricks else []
@@ -95,7 +96,7 @@ def _path_hints(glob: str, calls: bool, layout: Layout) -> list[str]:
                         if info.path.rpartition(".")[0] == brick), f"{brick}.kernel")
         form = f"variables (the brick's, a dot, the variable's name: '{example}')"
     return [f"path={glob!r} names the brick {brick}{more}: path= globs the paths of {form}, "
-            f"so write path='{rooted}.*' for its own, or '{rooted}*' with its children's"]
+            f"so write {brick_globs(path)}"]
 
 
 def _role_hints(wanted: tuple[_roles.Role, ...], layout: Layout) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +27,7 @@ from graphmod._train._batch import step_arguments
 from graphmod._train._optimizer_placement import OptimizerPlacement
 from graphmod._train._program import Program
 from graphmod._train._train_state import TrainState
+from graphmod._train._trainable import check_own_managers, parameter_owners, warn_frozen_managers
 
 
 def _split_output(out: Any, fn: Any) -> tuple[jax.Array, dict]:
@@ -89,7 +89,7 @@ class TrainStep:
         self.skip_nonfinite = skip_nonfinite
         self.trainable = None if trainable is None else as_selectors(
             trainable, "optimize(trainable=...)")
-        _check_own_managers(self.trainable or (), program)
+        check_own_managers(self.trainable or (), program)
         self.grad_norms = bool(grad_norms)
         self.optimizer_placement = OptimizerPlacement(program.placement, program.layout,
                                                       optimizer_rules)
@@ -147,7 +147,7 @@ class TrainStep:
         variables = _copied(variables)
         params, _ = self._parameters(variables)
         _check_differentiable(params)
-        _warn_frozen_managers(variables, self.trainable, self.program)
+        warn_frozen_managers(variables, self.trainable, self.program)
         data = jnp.array(jax.random.key_data(key), copy=True)  # key_data shares the buffer
         seed = key_record(key)
         if seed is not None:  # not under a trace (abstract_state)
@@ -214,8 +214,7 @@ class TrainStep:
                           "optimize(trainable=...)")
         trained = select(params, chosen, bool, True)
         if not jax.tree.leaves(trained):
-            owners = [name for name, owned in params["managers"].items()
-                      if jax.tree.leaves(owned)]
+            owners = parameter_owners(program, variables)
             hint = (f"; a manager's parameters are chosen by the manager itself "
                     f"(trainable=[{owners[0]}])" if owners else "")
             raise ValueError(f"optimize(trainable={list(self.trainable)!r}) selects no "
@@ -273,33 +272,6 @@ class TrainStep:
         if program.placement is not None:  # outputs placed as inputs: nothing moves
             new_state = jax.lax.with_sharding_constraint(new_state, self._shardings(new_state))
         return new_state, {"loss": cost, **metrics}
-
-
-def _check_own_managers(selectors: tuple[Any, ...], program: Program) -> None:
-    """Refuses a manager among ``trainable`` that the program was not compiled with (one
-    of the same name would otherwise stand in for it)."""
-    for selector in selectors:
-        if isinstance(selector, Manager) and not any(selector is m for m in program.managers):
-            names = ", ".join(m.name for m in program.managers) or "none"
-            raise ValueError(
-                f"optimize(trainable=...): {type(selector).__name__} {selector.name!r} is not "
-                f"one of the program's managers (its managers: {names}); pass the manager "
-                "object the program was compiled with")
-
-
-def _warn_frozen_managers(variables: dict, selectors: tuple[Any, ...] | None,
-                          program: Program) -> None:
-    """Warns of managers whose parameters ``trainable=`` leaves out: LoRA's adapters, a
-    weight norm's gains stay as initialized (LoRA's zero ``B``: without effect)."""
-    chosen = {s.name for s in selectors if isinstance(s, Manager)} if selectors else None
-    owned = program.split(variables, _roles.PARAMETER)[0]["managers"]
-    frozen = [name for name, leaves in owned.items()
-              if chosen is not None and name not in chosen and jax.tree.leaves(leaves)]
-    if frozen:
-        warnings.warn(
-            f"optimize(trainable=...) leaves out the parameters of the managers {frozen}: "
-            "they stay as initialized. Add the managers to trainable= to train them "
-            f"(trainable=[..., {frozen[0]}])", stacklevel=3)
 
 
 def _copied(tree: Any) -> Any:
