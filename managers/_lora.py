@@ -36,7 +36,8 @@ class LoRA(gm.Manager):
     does not contract.
 
     The manager owns ``A`` (normal, scaled by ``1/sqrt(fan_in)``, drawn from ``seed`` and
-    the weight's path) and ``B`` (zeros, so the model is unchanged at init) as PARAMETERs at
+    the weight's path; in a scan over layers also the layer's position) and ``B`` (zeros,
+    so the model is unchanged at init) as PARAMETERs at
     ``variables["managers"]["lora"][<brick path>][<weight name>]``. Train only them with
     ``graphmod.optimize(program, tx, trainable=[lora])``: the base weights get no gradient
     and no optimizer state. :meth:`merge` folds the adapters into the weights for export.
@@ -82,7 +83,7 @@ class LoRA(gm.Manager):
         layout = weight_layout(self, call, name, value)
         fan_in = layout.fan_in_size
         seed = zlib.crc32(f"{self.seed}:{call.parameter}".encode()) & 0x7FFFFFFF
-        a = call.variable("a", lambda: jax.random.normal(jax.random.key(seed), (
+        a = call.variable("a", lambda: jax.random.normal(call.init_key(seed), (
             fan_in, self.rank)) / math.sqrt(fan_in), role=roles.PARAMETER)
         b = call.variable("b", lambda: jnp.zeros(_b_shape(layout, self.rank)),
                           role=roles.PARAMETER)

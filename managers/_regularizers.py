@@ -7,9 +7,11 @@ to the one it differentiates and reports their sum under the manager's name
 
 Sharp edges
     The costs are training-mode only (inference and ``program.train``'s outputs do not
-    include them: :func:`graphmod.optimize` does). A parameter first read inside a raw JAX
-    transform or ``graphmod.scan`` body cannot add a cost there (it would have to leave the
-    inner trace): the error names it.
+    include them: :func:`graphmod.optimize` does). In a loop over stacked layers (Flax's
+    ``nnx.scan`` over layers) each layer's cost is summed over the layers. A parameter first
+    read inside another raw JAX transform (a cell ``nnx.RNN`` runs at every step) or a
+    ``graphmod.scan`` body cannot add a cost there (it would have to leave the inner
+    trace): the error names it.
 """
 
 from __future__ import annotations

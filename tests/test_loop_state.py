@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+import zlib
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -180,6 +183,33 @@ def test_a_lora_pair_per_scanned_layer_gets_its_own_gradients() -> None:
         assert not np.allclose(grads[name][0], grads[name][1])
 
 
+def lora_key(seed: int, parameter: str) -> jax.Array:
+    """The key of LoRA's initial ``A`` outside loops: CRC32 of its seed and the parameter."""
+    return jax.random.key(zlib.crc32(f"{seed}:{parameter}".encode()) & 0x7FFFFFFF)
+
+
+def test_each_scanned_layer_starts_from_its_own_lora_a() -> None:
+    lora = managers.LoRA(rank=2, roles=[roles.WEIGHT], seed=5)
+    program = gm.compile(lambda m, x: (m(x) ** 2).sum(), scan_mlp(), managers=[lora])
+    a = program.init(X)["managers"]["lora"]["/layers/linear"]["kernel"]["a"]
+    key = lora_key(5, "/layers/linear.kernel")
+    for i in range(LAYERS):  # layer i from fold_in(key, i), as call.rng() in a scan body
+        expected = jax.random.normal(jax.random.fold_in(key, i), (4, 2)) / 2.0  # / sqrt(4)
+        np.testing.assert_allclose(a[i], expected, **TOL)
+    assert not np.allclose(a[0], a[1])
+    again = program.init(X)["managers"]["lora"]["/layers/linear"]["kernel"]["a"]
+    np.testing.assert_array_equal(a, again)  # the same at every init
+
+
+def test_a_cell_broadcast_over_time_steps_has_one_lora_a_drawn_as_outside_loops() -> None:
+    rnn = nnx.RNN(nnx.LSTMCell(4, 8, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1))
+    lora = managers.LoRA(rank=2, bricks=[nnx.Linear], roles=[roles.WEIGHT], seed=5)
+    program = gm.compile(lambda m, x: m(x).sum(), rnn, managers=[lora])
+    a = program.init(np.ones((2, 5, 4), np.float32))["managers"]["lora"]["/cell/ii"]["kernel"]
+    expected = jax.random.normal(lora_key(5, "/cell/ii.kernel"), (4, 2)) / 2.0
+    np.testing.assert_allclose(a["a"], expected, **TOL)
+
+
 def test_a_cell_broadcast_over_time_steps_shares_its_variables_at_any_length() -> None:
     rnn = nnx.RNN(nnx.LSTMCell(4, 8, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1))  # a scan over time
     lora = LoRA(bricks=[nnx.Linear], roles=[roles.WEIGHT], manager_name="lora")
@@ -290,3 +320,78 @@ def test_a_scan_over_layers_under_remat_keeps_the_state_of_the_same_step_without
     assert np.shape(results[0][1]["batch_norm"]["/layers"]["apply"]["output.mean"]) == (3, 4)
     for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
         np.testing.assert_allclose(a, b, **TOL)
+
+
+def test_remat_of_a_scanned_flax_block_gives_the_program_without_it() -> None:
+    """Remat(bricks=[Block]) on Flax's scan over layers: the checkpoint runs inside the scan
+    body, where the layer's BatchNorm statistics and Dropout stream count are the scan's
+    copies (Flax refuses their writes from the checkpoint's level unless lifted), and the
+    managers' masks and statistics are each layer's."""
+    from examples.flax_nnx.scan_over_layers import Block
+    results = []
+    for remat in ([], [managers.Remat(bricks=[Block])]):
+        model = ScanMLP(4, n_layers=LAYERS, rngs=nnx.Rngs(0))
+        model.train()  # Flax's own dropout and batch statistics on
+        program = gm.compile(lambda m, x: (m(x) ** 2).sum(), model, managers=[
+            *remat, managers.Dropout(0.3, bricks=[nnx.Linear], roles=[roles.INPUT]),
+            managers.BatchNorm(bricks=[nnx.Linear], roles=[roles.OUTPUT])])
+        variables = program.init(X)
+        (cost, new), grads = jax.value_and_grad(
+            lambda v, p=program: p.train(v, X, rng=KEY), has_aux=True, allow_int=True)(
+                variables)
+        jaxpr = str(jax.make_jaxpr(lambda v, p=program: p.train(v, X, rng=KEY)[0])(variables))
+        assert ("checkpoint" in jaxpr or "remat" in jaxpr) == bool(remat)
+        results.append((cost, new["model"], grads["model"], new["managers"]["batch_norm"]))
+    assert np.shape(results[0][3]["/layers/linear"]["apply"]["output.mean"]) == (LAYERS, 4)
+    stats = results[0][3]["/layers/linear"]["apply"]["output.mean"]
+    assert np.shape(stats) == (LAYERS, 4) and not np.allclose(stats[0], stats[1])
+    np.testing.assert_array_equal(results[0][1]["layers"]["dropout"]["rngs"]["count"], 1)
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        if a.dtype != jax.dtypes.float0:  # the streams' counts and keys have no gradient
+            np.testing.assert_allclose(a, b, **TOL)
+
+
+def test_l2_on_a_scanned_layer_is_the_penalty_on_the_whole_stacked_kernel() -> None:
+    """Each layer's cost leaves the scan body as a slice, summed over the layers: the step
+    equals one whose function adds the penalty itself, also with the layers rematerialized."""
+    from examples.flax_nnx.scan_over_layers import Block
+
+    def stepped(cost: Any, chosen: list) -> tuple[dict, dict]:
+        model = scan_mlp()
+        program = gm.compile(cost, model, managers=chosen)
+        step = gm.optimize(program, optax.sgd(0.1))
+        state, metrics = step(step.init(program.init(X), KEY), X)
+        return state.variables["model"], metrics
+
+    plain = lambda m, x: (m(x) ** 2).mean()
+    by_hand = lambda m, x: plain(m, x) + 0.01 * (m.layers.linear.kernel[...] ** 2).sum()
+    expected, hand_metrics = stepped(by_hand, [])
+    kernel = scan_mlp().layers.linear.kernel[...]
+    for chosen in ([managers.L2(0.01)], [managers.L2(0.01), managers.Remat(bricks=[Block])]):
+        model, metrics = stepped(plain, chosen)
+        np.testing.assert_allclose(metrics["l2"], 0.01 * (kernel ** 2).sum(), **TOL)
+        np.testing.assert_allclose(metrics["loss"], hand_metrics["loss"], **TOL)
+        for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(expected), strict=True):
+            if jnp.issubdtype(a.dtype, jnp.floating):
+                np.testing.assert_allclose(a, b, **TOL)
+
+
+def test_activation_stats_of_a_scanned_layer_are_one_per_layer() -> None:
+    program = gm.compile(lambda m, x: (m(x) ** 2).mean(), scan_mlp(), managers=[
+        managers.ActivationStats(bricks=[nnx.Linear], statistics=["mean", "std"])])
+    variables = program.init(X)
+    step = gm.optimize(program, optax.sgd(0.1))
+    _, metrics = step(step.init(variables, KEY), X)
+    layers, x, expected = variables["model"]["layers"], jnp.asarray(X), []
+    for i in range(LAYERS):  # the layers unrolled by hand
+        h = x @ layers["linear"]["kernel"][i] + layers["linear"]["bias"][i]
+        expected.append((x.mean(), h.mean(), h.std()))
+        bn = layers["bn"]
+        x = jax.nn.gelu(normalize(h, *flax_stats(h)) * bn["scale"][i] + bn["bias"][i])
+    prefix = "activation_stats:/layers/linear.apply."
+    for column, name in enumerate(("inputs.mean", "output.mean", "output.std")):
+        assert np.shape(metrics[prefix + name]) == (LAYERS,)
+        np.testing.assert_allclose(metrics[prefix + name], [e[column] for e in expected],
+                                   **TOL)

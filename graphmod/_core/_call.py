@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from graphmod import roles as _roles
+from graphmod._core._loop_keys import mark
 from graphmod._core._variables import identity_of
 
 if TYPE_CHECKING:
@@ -162,6 +163,30 @@ class ApplicationCall:
         )
         return frame.rng(parts, 0 if by_parameter else self.call_id, per_step=per_step)
 
+    def init_key(self, seed: int) -> jax.Array:
+        """A key for a variable's initial value (:meth:`variable`), from ``seed`` alone: the
+        same at every ``init``; in a loop body over stacked layers (``nnx.scan``), folded
+        with the layer's position, so layer ``i`` draws from ``fold_in(key, i)`` and no
+        two layers start alike (LoRA's ``A``).
+
+        Examples:
+            >>> import jax, jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> class Gain(gm.Manager):  # a random gain per output unit
+            ...     def rewrite_parameter(self, call, name, value):
+            ...         draw = lambda: jax.random.uniform(call.init_key(7), value.shape[-1:])
+            ...         return value * call.variable("g", draw, role=gm.roles.PARAMETER).value
+            >>> lin = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+            >>> with Gain(roles=[gm.roles.WEIGHT]):
+            ...     program = gm.compile(lambda m, x: m(x), lin)
+            >>> g = program.init(jnp.ones((1, 2)))["managers"]["gain"]["/"]["kernel"]["g"]
+            >>> bool(jnp.array_equal(g, jax.random.uniform(jax.random.key(7), (3,))))
+            True
+        """
+        key = jax.random.key(seed)
+        frame = self._frame
+        return mark(key) if frame is not None and frame.inner() else key
+
     def variable(
         self, name: str, init: Any, *, role: _roles.Role = _roles.STATE, per_call: bool = False,
         per_parameter: bool | None = None,
@@ -208,7 +233,7 @@ class ApplicationCall:
             per_parameter = self.parameter is not None
         key = self._owned_key(self.manager, name, per_call, per_parameter)
         given = self.parameter_value if per_parameter and _takes_one_argument(init) else None
-        frame.owned_value(key, init, role, given, _iterates_over(self.brick, frame))
+        frame.owned_value(key, init, role, given, bool(_layers(self.brick, frame)))
         return OwnedVariable(frame, key)
 
     def _owned_key(self, manager: Manager, name: str, per_call: bool, per_parameter: bool
@@ -236,7 +261,8 @@ class ApplicationCall:
         :func:`graphmod.optimize` adds to the cost it differentiates and reports in its
         metrics, summed by owner (the manager's name, or ``path.application.name``). A
         manager's cost in a ``rewrite_parameter`` hook counts once per parameter and step
-        (however many calls read it)."""
+        (however many calls read it); one in a loop over stacked layers (``nnx.scan``) is
+        each layer's, summed over the layers."""
         role_list = _roles.as_roles(roles, argument="add_auxiliary_variable(roles=...)")
         role = role_list[0] if role_list else _roles.AUXILIARY
         name = name or role.name.lower()
@@ -271,8 +297,9 @@ class ApplicationCall:
         if self._runner is not None and self.path is not None:
             owner = self.manager.name if self.manager is not None else "report"
             call = f"#{self.call_id}" if self.call_id else ""
-            self._runner.frame.add_measurement(
-                f"{owner}:{self.path}.{self.application}{call}.{name}", value)
+            frame = self._runner.frame
+            frame.add_measurement(f"{owner}:{self.path}.{self.application}{call}.{name}", value,
+                                  layers=_layers(self.brick, frame))
         return value
 
     def _add_cost(self, value: Any, name: str) -> None:
@@ -287,21 +314,23 @@ class ApplicationCall:
         owner = self.manager.name if self.manager is not None \
             else f"{self.path}.{self.application}.{name}"
         assert self._runner is not None
-        self._runner.frame.add_cost(owner, f"{owner}:{where}.{name}", value)
+        frame = self._runner.frame
+        frame.add_cost(owner, f"{owner}:{where}.{name}", value,
+                       layers=_layers(self.brick, frame))
 
 
-def _iterates_over(brick: Any, frame: Frame) -> bool:
-    """Whether the trace in progress sees a slice of ``brick``'s own variables (a loop over
-    layers stacked on a leading axis), rather than the whole (a cell broadcast over steps,
-    or no loop at all)."""
+def _layers(brick: Any, frame: Frame) -> tuple[int, ...]:
+    """The lengths of the loops over layers stacked on leading axes when the trace in
+    progress sees a slice of ``brick``'s own variables; ``()`` when it sees the whole (a
+    cell broadcast over steps, or no loop at all)."""
     if not frame.inner():
-        return False
+        return ()
     for value in vars(brick).values():
         info = frame.layout.by_identity.get(identity_of(value)) if isinstance(
             value, nnx.Variable) else None
         if info is not None and jnp.ndim(value.get_raw_value()) < len(info.shape):
-            return True
-    return False
+            return tuple(info.shape[:len(info.shape) - jnp.ndim(value.get_raw_value())])
+    return ()
 
 
 def _takes_one_argument(init: Any) -> bool:

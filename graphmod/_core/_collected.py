@@ -9,7 +9,10 @@ import zlib
 from collections.abc import Iterable
 from typing import Any
 
+import jax.numpy as jnp
+
 from graphmod._core._filter import Tag
+from graphmod._core._loop_keys import stacked, write_slice
 from graphmod._core._rewrites import Rewrite
 
 __all__ = ["Collected", "LoopSnapshot", "Recorded", "crc32"]
@@ -48,6 +51,9 @@ class Collected:
     monitored: dict[str, Any] = dataclasses.field(default_factory=dict)
     # auxiliary costs (COST auxiliary variables) by owner, then by key: optimize adds them
     costs: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # ("cost", owner, key) or ("measured", key) -> the loops' lengths, for a cost or
+    # measurement made in loops over stacked layers (one layer's value)
+    layered: dict[tuple[str, ...], tuple[int, ...]] = dataclasses.field(default_factory=dict)
     measured: dict[str, Any] = dataclasses.field(default_factory=dict)  # call.report()
     rewrites: list[Rewrite] = dataclasses.field(default_factory=list)
     matches: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
@@ -60,6 +66,43 @@ class Collected:
     # manager -> the (brick path, application, call id) of the calls it rewrote a value of
     rewritten_calls: dict[str, set[tuple[str, str, int]]] = dataclasses.field(
         default_factory=dict)
+
+    def add_cost(self, owner: str, key: str, value: Any, layers: tuple[int, ...]) -> None:
+        """Notes an auxiliary cost; in loops over ``layers`` stacked layers one layer's (see
+        :meth:`costs_out`)."""
+        self.costs.setdefault(owner, {})[key] = value
+        self._by_layer(("cost", owner, key), value, layers)
+
+    def add_measurement(self, key: str, value: Any, layers: tuple[int, ...]) -> None:
+        """Notes a measurement; in loops over ``layers`` stacked layers one layer's (see
+        :meth:`measured_out`)."""
+        self.measured[key] = value
+        self._by_layer(("measured", key), value, layers)
+
+    def costs_out(self) -> dict[str, dict[str, Any]]:
+        """The costs, each made in loops over stacked layers summed over the layers."""
+        return {owner: {key: self._stack(("cost", owner, key), value, total=True)
+                        for key, value in by_key.items()}
+                for owner, by_key in self.costs.items()}
+
+    def measured_out(self) -> dict[str, Any]:
+        """The measurements, each made in loops over stacked layers stacked: one per layer."""
+        return {key: self._stack(("measured", key), value, total=False)
+                for key, value in self.measured.items()}
+
+    def _by_layer(self, name: tuple[str, ...], value: Any, layers: tuple[int, ...]) -> None:
+        """A layer's value leaves its loops as a slice (``graphmod._core._loop_keys``)."""
+        if layers:
+            write_slice(value, name)
+            self.layered[name] = layers
+
+    def _stack(self, name: tuple[str, ...], value: Any, *, total: bool) -> Any:
+        layers = self.layered.get(name)
+        if layers is None:
+            return value
+        zeros = jnp.zeros((*layers, *jnp.shape(value)), jnp.result_type(value))
+        stack = stacked(zeros, name, fresh=False)
+        return stack.sum() if total else stack
 
     def note_match(self, manager_id: int, by: str, left: Tag | None) -> None:
         """Counts a match of manager ``by``; ``left``: a variable it left as it was."""

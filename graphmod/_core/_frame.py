@@ -86,8 +86,8 @@ class Frame:
     values = property(lambda self: self._values, doc="Model variables by identity.")
     hparams = property(lambda self: self._hparams, doc="Hyperparameters by (manager, name).")
     monitored = property(lambda self: self._seen.monitored, doc="Monitored values by key.")
-    costs = property(lambda self: self._seen.costs, doc="Auxiliary costs by owner, by key.")
-    measured = property(lambda self: self._seen.measured, doc="Reported measurements by key.")
+    costs = property(lambda self: self._seen.costs_out(), doc="Auxiliary costs by owner.")
+    measured = property(lambda self: self._seen.measured_out(), doc="Measurements by key.")
     records = property(lambda self: self._seen.records, doc="Tagged variables (graph traces).")
     rewrites = property(lambda self: self._seen.rewrites, doc="The rewrites the trace made.")
     matches = property(lambda self: self._seen.matches, doc="Matches per id(manager).")
@@ -301,21 +301,20 @@ class Frame:
         flag on the module (``deterministic=True``: ``model.eval()``); the program warns."""
         self._held_off[path] = flag
 
-    def add_cost(self, owner: str, key: str, value: Any) -> None:
+    def add_cost(self, owner: str, key: str, value: Any, *, layers: tuple = ()) -> None:
         """Notes an auxiliary cost of ``owner`` (a manager, or an application's variable),
-        once per ``key`` in a trace (a parameter's cost, read by several calls, counts once).
-        Only :func:`graphmod.optimize`'s trace keeps costs (it adds them)."""
-        if self._for_optimize(f"the auxiliary cost {key}"):
-            self._seen.costs.setdefault(owner, {})[key] = value
+        once per ``key`` in a trace (a parameter's cost, read by several calls, counts once;
+        a layer's in loops over ``layers`` stacked layers: summed). Only optimize keeps costs."""
+        if self._keeps(f"the auxiliary cost {key}", layers):
+            self._seen.add_cost(owner, key, value, layers)
 
-    def add_measurement(self, key: str, value: Any) -> None:
-        """Notes a measurement (``call.report``) that :func:`graphmod.optimize` reports in
-        its metrics under ``key``."""
-        if self._for_optimize(f"the measurement {key}"):
-            self._seen.measured[key] = value
+    def add_measurement(self, key: str, value: Any, *, layers: tuple = ()) -> None:
+        """Notes a measurement (``call.report``): optimize's metric ``key`` (a layer's: stacked)."""
+        if self._keeps(f"the measurement {key}", layers):
+            self._seen.add_measurement(key, value, layers)
 
-    def _for_optimize(self, what: str) -> bool:
-        """Whether optimize's metrics keep this trace's values; raises if ``what`` can't leave."""
+    def _keeps(self, what: str, layers: tuple) -> bool:
+        """Whether optimize keeps this trace's values; raises if ``what`` cannot leave it."""
         if not self.collects_costs:
             return False
         if self._scan_indices:
@@ -323,7 +322,8 @@ class Frame:
                 f"{what} is made inside a loop body (graphmod.scan, nnx.scan, ...), which "
                 "cannot return it to optimize. Select what is computed outside loops, or "
                 "compute it in the model's function instead")
-        self.check_base_trace(what)
+        if not layers:
+            self.check_base_trace(what)
         return True
 
     def collect(self, tag: Tag, value: Any, key: str) -> None:

@@ -19,7 +19,9 @@ slice of the innermost loops' positions; a write, or the creation at ``init``, i
 ``owned_write`` of the iteration's slice (:func:`write_slice`), which the resolved scan
 returns as one more stacked output (so a nested scan stacks outermost first; a remat or a
 cond passes it on); and the variable's output at the end of the trace is an ``owned_out``
-(:func:`stacked`) replaced by that stack (at ``init``: the initial value in every slice).
+(:func:`stacked`) replaced by that stack (at ``init``: each iteration's initial value, the
+same in every slice unless drawn from a marked key: ``call.init_key``). An auxiliary
+cost made in such a body leaves it the same way, its stack summed (``Collected.costs_out``).
 
 Sharp edges
     Markers are resolved through ``jit``/``closed_call``, ``checkpoint`` (``remat``) and

@@ -73,7 +73,7 @@ class OwnedStore:
             self.roles[key] = role
         elif self._mode == "init" and key in self._pending and inner and (
                 self._pending[key][0] != current_trace()):
-            self._write_slice(key, self.values[key])  # JAX may trace a body twice
+            self._write_slice(key, _fresh_slice(init, parameter, self.values[key]))  # traced again
         elif inner and key not in self._slices:
             self._slices[key] = tuple(
                 jax.eval_shape(init, parameter).shape if parameter is not None
@@ -110,7 +110,7 @@ class OwnedStore:
                 "(init=lambda w: ...)"
             )
         if per_iteration:
-            self._write_slice(key, value)
+            self._write_slice(key, _fresh_slice(init, parameter, value))
         return value
 
     def _depth(self, key: OwnedKey) -> int:
@@ -178,3 +178,11 @@ class OwnedStore:
         fresh = self._mode == "init"
         return {key: stacked(value, key, fresh=fresh) if key in self._pending else value
                 for key, value in self.values.items()}
+
+
+def _fresh_slice(init: Any, parameter: Any, value: Any) -> Any:
+    """An iteration's initial slice of a variable created as ``value``, traced in the loop
+    body: a key marked in ``init`` (``call.init_key``) draws each layer its own."""
+    if parameter is not None or not callable(init):
+        return value
+    return jnp.asarray(init(), jnp.result_type(value))

@@ -7,8 +7,11 @@ threads the frame's mutable state (manager-owned variables and the model's non-p
 variables) through the scan carry, stacks monitored values along the scanned axis, and folds
 the step index into every ``call.rng()`` (so masks differ per step unless a manager asks for
 ``per_step=False``). ``graphmod.remat`` returns what the region wrote, monitored and added
-to optimize's costs beside its result. Outside a compiled program they are exactly
-``lax.scan`` and ``jax.checkpoint``.
+to optimize's costs beside its result; inside a loop body JAX traces once (``nnx.scan``
+over layers) it is ``jax.checkpoint`` through which the loop's marks pass (per-layer keys and
+manager variables, see ``graphmod._core._loop_keys``), and the writes to the loop's copies
+of the layer's variables are lifted out (``graphmod._core._lifted``). Outside a compiled
+program they are exactly ``lax.scan`` and ``jax.checkpoint``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import jax.numpy as jnp
 from graphmod._core import _context
 from graphmod._core._collected import LoopSnapshot
 from graphmod._core._frame import Frame
+from graphmod._core._lifted import lifting
 
 
 def scan(
@@ -112,35 +116,54 @@ def remat(f: Callable[..., Any], *, policy: Callable[..., bool] | None = None
             return checkpointed(*args)
         if frame.mode == "init":
             return f(*args)
-        snapshot, state = frame.snapshot(), frame.carry()
-        out, written, monitored, costs, measured = jax.checkpoint(
-            functools.partial(_region, frame, snapshot, state, f), policy=policy)(*args)
-        frame.after_loop((_by_identity(frame, written[0]), written[1]), monitored,
-                         owned_written=True)
-        for (owner, key), cost in costs.items():  # in place of the region's own tracers
-            frame.add_cost(owner, key, cost)
-        for key, value in measured.items():
-            frame.add_measurement(key, value)
+        copies: list[Any] = []
+        if frame.inner():  # in a loop body: its keys and manager variables cross as marks
+            out, lifted = jax.checkpoint(functools.partial(_lifted, copies, f),
+                                         policy=policy)(*args)
+        else:
+            snapshot, state = frame.snapshot(), frame.carry()
+            out, written, monitored, costs, measured, lifted = jax.checkpoint(
+                functools.partial(_region, frame, snapshot, state, copies, f),
+                policy=policy)(*args)
+            frame.after_loop((_by_identity(frame, written[0]), written[1]), monitored,
+                             owned_written=True)
+            for (owner, key), cost in costs.items():  # in place of the region's own tracers
+                frame.add_cost(owner, key, cost)
+            for key, value in measured.items():
+                frame.add_measurement(key, value)
+        for variable, value in zip(copies, lifted, strict=True):  # at the copies' own level
+            variable.set_raw_value(value)
         return out
 
     return run
 
 
-def _region(frame: Frame, snapshot: LoopSnapshot, state: tuple[dict, dict], f: Callable,
-            *args: Any) -> tuple[Any, tuple[dict, dict], dict, dict, dict]:
+def _region(frame: Frame, snapshot: LoopSnapshot, state: tuple[dict, dict], copies: list,
+            f: Callable, *args: Any) -> tuple[Any, tuple[dict, dict], dict, dict, dict, list]:
     """``f`` as the base trace of the frame, and what it changed of ``state`` (read from
     outside, as closed-over values), monitored, and added to optimize's costs and
-    measurements."""
+    measurements, and the values it wrote to the ``copies`` it appends (an NNX transform's
+    copies of model variables, see ``graphmod._core._lifted``)."""
     costs = _costs(frame)
     measured = dict(frame.measured)
     with frame.loop_body(snapshot, state):
-        out = f(*args)
+        out, lifted = _lifted(copies, f, *args)
         new, monitored = frame.carried(state)
     model, owned = ({k: v for k, v in new_part.items() if v is not old_part[k]}
                     for new_part, old_part in zip(new, state, strict=True))
     return (out, (_by_path(frame, model), owned), monitored,
             {k: v for k, v in _costs(frame).items() if costs.get(k) is not v},
-            {k: v for k, v in frame.measured.items() if measured.get(k) is not v})
+            {k: v for k, v in frame.measured.items() if measured.get(k) is not v}, lifted)
+
+
+def _lifted(copies: list, f: Callable, *args: Any) -> tuple[Any, list]:
+    """``f``'s result, and the values it wrote to the ``copies`` it appends: an NNX
+    transform's copies of model variables, written at another trace level (see
+    ``graphmod._core._lifted``)."""
+    with lifting() as writes:
+        out = f(*args)
+    copies.extend(variable for variable, _ in writes.values())
+    return out, [value for _, value in writes.values()]
 
 
 def _by_path(frame: Frame, model: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from flax.nnx import graphlib, tracers
 from flax.typing import MISSING
 
 from graphmod import roles
+from graphmod._core import _lifted
 from graphmod._core._context import current_frame
 
 __all__ = ["Bias", "Filter", "Parameter", "State", "Weight"]
@@ -70,12 +71,12 @@ class Tracked:
     # the stored array: ``var.value += 1``, ``var[...] = x`` and an ``nnx.Rngs`` stream's
     # count update are then program state like any other write.
     def _check_can_update(self) -> None:
-        if not _held(self):
+        if not (_held(self) or _lifted.lifts(self)):
             super()._check_can_update()  # type: ignore[misc]
 
     @property
     def _can_update(self) -> bool:
-        return _held(self) or super()._can_update  # type: ignore[misc]
+        return _held(self) or _lifted.lifts(self) or super()._can_update  # type: ignore[misc]
 
     # NNX lifted transforms (nnx.scan, nnx.vmap, nnx.remat, ...) take the raw values of the
     # variables they are given (as pytree leaves: the ``_raw_value`` slot) and write the
@@ -83,20 +84,26 @@ class Tracked:
     # values and take back non-parameter results (running statistics, RNG counts) into the
     # program, never into the model. The transform's copies hold its values (a layer's
     # slice inside nnx.scan/nnx.vmap): a copy reads its own (``Frame.read``).
+    # Inside a graphmod.remat region, a copy's write at another trace level is kept by the
+    # region (graphmod._core._lifted) and read back from it.
     @property
     def _raw_value(self) -> Any:
         frame = current_frame()
         if frame is not None and frame.holds(self):
             return frame.stored(self)
-        return _RAW_VALUE.__get__(self)
+        found, value = _lifted.read(self)
+        return value if found else _RAW_VALUE.__get__(self)
 
     @_raw_value.setter
     def _raw_value(self, value: Any) -> None:
         frame = current_frame()
-        if frame is None or not frame.holds(self):
+        if frame is not None and frame.holds(self):
+            if frame.carries(self):
+                frame.write(self, value)
+        elif _lifted.lifts(self):
+            _lifted.write(self, value)
+        else:
             _RAW_VALUE.__set__(self, value)
-        elif frame.carries(self):
-            frame.write(self, value)
 
     def update_from_state(self, variable_state: Any) -> None:
         if _held(self):

@@ -172,13 +172,21 @@ def test_ctrl_c_stops_every_process_at_one_step_saved_and_resumed_bit_for_bit(
 def test_an_error_in_one_process_stops_the_run_without_a_save_that_would_wait(
         tmp_path) -> None:
     # Every process takes part in a save: one stopped by an error alone must not start one
-    # (the others would never join it); its checkpoints so far stay whole.
+    # (the others would never join it); its checkpoints so far stay whole, also when process
+    # 0 (a loaded machine) assembles step 2 later than the others' stop would end it.
     script = tmp_path / "fails_at_step_3.py"
     script.write_text(
-        "import sys\nimport graphmod as gm\ngm.distributed.initialize()\n"
+        "import sys, time\nimport graphmod as gm\ngm.distributed.initialize()\n"
         "import jax, optax\nfrom graphmod import On, at\n"
         "from graphmod.data import ArraySource\nfrom graphmod.plugins import Checkpoint\n"
+        "from graphmod._cli import STOP_GRACE_S\n"
+        "from graphmod._train._checkpoint._writer import Checkpointer\n"
         "from tests.test_sharding import X, Y, mlp, squared_error\n"
+        "assemble = Checkpointer._assemble\n"
+        "def late(self, step, *args):\n"
+        "    time.sleep(STOP_GRACE_S + 2 if step == 2 else 0)\n"
+        "    return assemble(self, step, *args)\n"
+        "Checkpointer._assemble = late\n"
         "mesh = jax.make_mesh((jax.device_count(),), ('data',))\n"
         "program = gm.compile(squared_error, mlp(), mesh=mesh, **gm.sharding.fsdp())\n"
         "step = gm.optimize(program, optax.sgd(0.1))\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -198,7 +199,8 @@ class Checkpointer(CheckpointReader):
     def _write_part(self, step: int, paths: list[str], specs: list[tuple[list[int], str]],
                     chunks: list[Chunk], record: dict[str, Any], barrier: str) -> None:
         """Writes this process's ``chunks`` of ``step`` as its part, waits until every
-        process has written its own, then (process 0) assembles the checkpoint."""
+        process has written its own, then (process 0) assembles the checkpoint, which every
+        process waits for."""
         process, part = jax.process_index(), self._part_path(step, jax.process_index())
         own = self._owned()
         before = set(threading.enumerate())
@@ -218,18 +220,28 @@ class Checkpointer(CheckpointReader):
             raise CheckpointError(self._path(step), "the processes did not all finish their "
                                   f"parts within {PART_TIMEOUT_S} s ({failure_reason(error)})",
                                   "resume from the last checkpoint") from None
-        if failure is not None:  # process 0 clears every part: nothing will assemble them
-            self._write_failed(step, own, before, failure,
-                               os.path.basename(part) if process else None)
-        if process == 0:
-            try:
-                self._assemble(step, paths, specs, record, own)
-            except CheckpointError:
-                self._remove_leftovers(step)
-                raise
-            except Exception as error:
-                self._write_failed(step, own, before, error)
-            self._written(step, own)
+        try:
+            if failure is not None:  # process 0 clears every part: nothing will assemble them
+                self._write_failed(step, own, before, failure,
+                                   os.path.basename(part) if process else None)
+            if process == 0:
+                try:
+                    self._assemble(step, paths, specs, record, own)
+                except CheckpointError:
+                    self._remove_leftovers(step)
+                    raise
+                except Exception as error:
+                    self._write_failed(step, own, before, error)
+                self._written(step, own)
+        finally:
+            self._assembled(barrier)
+
+    def _assembled(self, barrier: str) -> None:
+        """Waits, in every process, until process 0 has put the checkpoint in place (or given
+        up): a process stopped by an error of its own ends only then, so the stop of the
+        others it causes never cuts off an assembly under way."""
+        with contextlib.suppress(Exception):  # a process gone: its own error says what is left
+            self._barrier()(key=f"{barrier}-assembled", timeout_ms=PART_TIMEOUT_S * 1000)
 
     def _assemble(self, step: int, paths: list[str], specs: list[tuple[list[int], str]],
                   record: dict[str, Any], own: list[int]) -> None:
