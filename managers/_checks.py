@@ -39,6 +39,12 @@ def _given(kwargs: dict[str, Any], fields: tuple[str, ...]) -> bool:
     return any(kwargs.get(field) is not None for field in fields)
 
 
+def chooses_variables(kwargs: dict[str, Any]) -> bool:
+    """Whether a filter field among ``kwargs`` chooses variables of an application (not
+    only the applications: ``bricks=``, ``applications=``, ``call_id=``)."""
+    return _given(kwargs, _VARIABLE_FIELDS)
+
+
 def default_filter(kwargs: dict[str, Any], **defaults: Any) -> dict[str, Any]:
     """``kwargs`` with the filter fields ``defaults`` added when the caller gave none."""
     return kwargs if _given(kwargs, _FILTER_FIELDS) else {**kwargs, **defaults}
@@ -50,4 +56,4 @@ def roles_by_default(kwargs: dict[str, Any],
     chooses variables of an application (only ``bricks=``, ``applications=`` or
     ``call_id=``, or none): a manager that rewrites weights, given ``bricks=[nnx.Conv]``,
     leaves their biases out."""
-    return kwargs if _given(kwargs, _VARIABLE_FIELDS) else {**kwargs, "roles": list(roles)}
+    return kwargs if chooses_variables(kwargs) else {**kwargs, "roles": list(roles)}

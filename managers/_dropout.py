@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 import graphmod as gm
-from managers._checks import require_floating
+from managers._checks import chooses_variables, require_floating
 
 
 class Dropout(gm.Manager):
@@ -26,7 +27,9 @@ class Dropout(gm.Manager):
         per_step: inside ``graphmod.scan`` or a loop JAX traces once (``nnx.scan`` over
             layers, ``nnx.fori_loop``), a new mask each step (default) or one for all.
         **filter: the manager's filter fields (``bricks``, ``roles``, ``variable_name``,
-            ...), ``manager_name``, etc.
+            ...), ``manager_name``, etc. Without one choosing variables (``roles=``,
+            ``path=``, ...) it drops every input, output and parameter of the applications
+            it selects, and warns.
 
     Examples:
         >>> import jax, jax.numpy as jnp, graphmod as gm, managers
@@ -54,6 +57,13 @@ class Dropout(gm.Manager):
                 isinstance(d, int) for d in broadcast_dims):
             raise TypeError(f"Dropout(broadcast_dims={broadcast_dims!r}): expected a sequence "
                             "of axis indices (ints)")
+        if not chooses_variables(kwargs):
+            warnings.warn(
+                f"Dropout({rate!r}) without roles= drops every input, output and parameter "
+                "of the applications it selects (with no filter, the model's own inputs and "
+                "outputs too): choose roles=[gm.roles.OUTPUT] (after each layer, as a dropout "
+                "layer does), roles=[gm.roles.INPUT], or roles=[gm.roles.WEIGHT] "
+                "(DropConnect)", stacklevel=2)
         self.rate = rate
         self.broadcast_dims = tuple(broadcast_dims)
         self.per_step = per_step

@@ -395,3 +395,32 @@ def test_activation_stats_of_a_scanned_layer_are_one_per_layer() -> None:
         assert np.shape(metrics[prefix + name]) == (LAYERS,)
         np.testing.assert_allclose(metrics[prefix + name], [e[column] for e in expected],
                                    **TOL)
+
+
+class Ensemble(nnx.Module):
+    """Flax's ensemble: members made and called under ``nnx.vmap`` (not a loop)."""
+
+    def __init__(self) -> None:
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def create(rngs: nnx.Rngs) -> nnx.Linear:
+            return nnx.Linear(4, 2, rngs=rngs)
+
+        self.members = create(nnx.Rngs(0))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(self.members, x).mean(0)
+
+
+@pytest.mark.parametrize("manager", ["cost", "measurement"])
+def test_a_cost_or_measurement_under_vmap_is_refused_naming_it(manager: str) -> None:
+    chosen = managers.L2(0.1) if manager == "cost" else managers.ActivationStats(
+        bricks=[nnx.Linear], statistics=["mean"])
+    program = gm.compile(lambda m, x: (m(x) ** 2).mean(), Ensemble(), managers=[chosen])
+    step = gm.optimize(program, optax.sgd(0.1))
+    state = step.init(program.init(X), KEY)
+    named = (r"the auxiliary cost l2:/members\.kernel\.cost" if manager == "cost"
+             else r"the measurement activation_stats:/members\.apply\.\w+\.mean")
+    with pytest.raises(gm.errors.StateEscapesTransform,
+                       match=named + r" happens inside .*\(jax\.vmap, nnx\.vmap\)"):
+        step(state, X)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import warnings
 from typing import Any
 
 import chex
@@ -147,6 +148,26 @@ def test_no_rule_means_replicated() -> None:
     variables = program.init(X[:8], Y[:8])
     assert all(placed(leaf) == () and len(leaf.sharding.device_set) == 8
                for leaf in jax.tree.leaves(variables))
+
+
+def test_a_batch_the_devices_do_not_divide_is_replicated_with_a_warning() -> None:
+    mesh = jax.make_mesh((8,), ("data",))
+    program = gm.compile(squared_error, mlp(), mesh=mesh, batch_axis="data")
+    variables = program.init(X[:8], Y[:8])
+    step = gm.optimize(program, optax.sgd(0.1))
+    state = step.init(variables, jax.random.key(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 16 rows: split, nothing said
+        state, _ = step(state, X[:16], Y[:16])
+    with pytest.warns(UserWarning, match=r"shape \(10, \d\) is not split over the 8 devices "
+                      r"of batch axis 'data'.*multiple of 8 \(e\.g\. 8\)"):
+        _, metrics = step(state, X[:10], Y[:10])
+    one_device = gm.compile(squared_error, mlp())  # the same result, replicated
+    expected = gm.optimize(one_device, optax.sgd(0.1))
+    plain = expected.init(one_device.init(X[:8], Y[:8]), jax.random.key(0))
+    plain, _ = expected(plain, X[:16], Y[:16])
+    np.testing.assert_allclose(metrics["loss"], expected(plain, X[:10], Y[:10])[1]["loss"],
+                               rtol=1e-5)
 
 
 def test_steps_neither_retrace_nor_wait_for_the_host() -> None:

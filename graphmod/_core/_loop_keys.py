@@ -34,7 +34,9 @@ Sharp edges
     at ``init`` only (another length is refused). Which variables are stacked is the frame's
     choice: those of applications whose module the loop slices (a scan over layers), not a
     cell an ``nnx.RNN`` broadcasts over time steps. Under ``vmap`` a marked key is not
-    split: every mapped element draws the same numbers, as Flax's unsplit ``Rngs`` do.
+    split: every mapped element draws the same numbers, as Flax's unsplit ``Rngs`` do; a
+    manager's variable made there is one for every mapped element (an ensemble's members
+    share LoRA's adapters), and its updates, costs and measurements there are refused.
     ``graphmod.scan`` folds its own step index (its body is the frame's base trace, so its
     own draws are not marked): a lifted loop inside its body folds ``graphmod.scan``'s step
     twice (still one key per step), and a lifted loop around a ``graphmod.scan`` is not
@@ -84,9 +86,13 @@ _MARKERS = (loop_key_p, owned_read_p, owned_write_p, owned_out_p)
 
 
 def _refused(key: tuple, place: str) -> StateEscapesTransform:
+    # An owned variable's key (manager, path, application, call id, name), or an auxiliary
+    # cost's ("cost", owner, key) or a measurement's ("measured", key) of a layer.
+    what = (f"updating {key[0]} variable {key[4]!r} in application {key[2]!r} of {key[1]}"
+            if len(key) == 5 else f"the auxiliary cost {key[2]}" if len(key) == 3
+            else f"the measurement {key[1]}")
     return StateEscapesTransform(
-        f"updating {key[0]} variable {key[4]!r} in application {key[2]!r} of {key[1]} "
-        f"happens inside {place}: one value per iteration could not be stored. Use "
+        f"{what} happens inside {place}: one value per iteration could not be stored. Use "
         "graphmod.scan, or a loop of static length (lax.scan, nnx.scan, a fori_loop with "
         "static bounds), where such a variable is stacked, one slice per iteration"
     )

@@ -18,7 +18,8 @@ Sharp edges
     parameter's mesh axis where the two sizes agree, and is whole elsewhere. Variables owned
     per application call (BatchNorm's statistics) and hyperparameters are replicated.
     A batch leaf whose leading size the batch axis does not divide (a last, smaller
-    evaluation batch) is replicated, not refused: the result is the same, only slower.
+    evaluation batch) is replicated, not refused: the result is the same, only slower; the
+    trace warns, naming the shape and a batch size that divides.
     A batch committed to devices other than the mesh's is refused by JAX ("incompatible
     devices"): NumPy and uncommitted arrays are split as they are passed.
     With several processes, every process must pass the same batch (the loop's data sources,
@@ -40,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -171,9 +173,25 @@ class Placement:
     def constrain_batch(self, tree: Any, *, stacked: bool = False) -> Any:
         """``tree`` (traced batch arguments) constrained to the placement :meth:`put_batch`
         gives: XLA then splits a NumPy or uncommitted batch over the mesh as it is passed,
-        and a batch already placed (the loop's) stays where it is."""
+        and a batch already placed (the loop's) stays where it is. Warns (once per trace)
+        of rows the batch axis does not divide."""
+        self._warn_undivided(tree, int(stacked))
         return jax.tree.map(lambda leaf: jax.lax.with_sharding_constraint(
             leaf, self._batch_leaf(leaf, int(stacked))), tree)
+
+    def _warn_undivided(self, tree: Any, dim: int) -> None:
+        shapes = sorted({tuple(np.shape(leaf)) for leaf in jax.tree.leaves(tree)
+                         if np.ndim(leaf) > dim and np.shape(leaf)[dim] % self._batch_size})
+        if self.batch_axis is None or not shapes:
+            return
+        n, rows = self._batch_size, shapes[0][dim]
+        warnings.warn(
+            f"a batch argument of shape {shapes[0]} is not split over the {n} devices of "
+            f"batch axis {self.batch_axis!r}: its {rows} rows are not a multiple of {n}, so "
+            "every device computes the whole batch (the same result, without the speed-up). "
+            f"Use a batch size that is a multiple of {n} (e.g. {max(n, rows - rows % n)}); "
+            "for a last, smaller batch, drop it (ArraySource(drop_remainder=True))",
+            stacklevel=2)
 
     def replicated(self) -> NamedSharding:
         """The placement of a leaf no rule names (the step count, the key, the optimizer's

@@ -245,6 +245,8 @@ def training_inputs(step: Any, loop: Any = None) -> dict[str, Any]:
                                        "class": class_path(type(p))} for p in loop.plugins]}
         if getattr(loop, "data_changes", None):  # resumed on other data, as its caller allowed
             inputs["data_changes"] = list(loop.data_changes)
+        if getattr(loop, "setting_changes", None):  # resumed with other settings
+            inputs["setting_changes"] = list(loop.setting_changes)
     inputs["seeds"] = seeds
     inputs["versions"] = base["versions"]
     inputs["platform"] = base["platform"]

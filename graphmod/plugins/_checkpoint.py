@@ -15,7 +15,6 @@ from graphmod._records._collect import training_inputs, training_provenance
 from graphmod._train._checkpoint import Checkpointer, CheckpointError
 from graphmod._train._command import RESUME_VARIABLE
 from graphmod._train._events import Event, On, Template
-from graphmod._train._loop._resume import warn_setting_changes
 from graphmod._train._optimize import TrainStep
 from graphmod._train._plugin import Plugin
 from graphmod.typing import LoopLike
@@ -99,7 +98,6 @@ class Checkpoint(Plugin):
         self._writer = writer
         if self._wants_resume() and writer.steps():
             state, meta = writer.restore(loop.state)  # the newest that verifies, or raises
-            warn_setting_changes(meta, loop.step)
             loop.state = state
             loop.load_state_dict(meta)
             # The same run goes on (a graphmod 0.1 checkpoint has no id: a new one starts).

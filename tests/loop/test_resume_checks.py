@@ -82,6 +82,31 @@ def test_allow_data_change_continues_and_is_recorded(saved, tmp_path) -> None:
     assert inputs["data_changes"] == meta["data_changes"] and inputs["data"]["seed"] == 2
 
 
+def test_a_resume_with_other_settings_is_recorded_with_the_settings_before(saved,
+                                                                         tmp_path) -> None:
+    _, directory = saved
+    before = Checkpointer(directory, keep=None).meta(4)["provenance"]["inputs"]["managers"]
+    other = Problem(dropout=0.5)  # the same model and state, another dropout rate
+    for resumed in ("Loop.resume", "Checkpoint(resume=True)"):
+        copy = tmp_path / resumed
+        for name, _ in _listing(directory).items():  # the fixture stays as saved
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            (copy / name).write_bytes((directory / name).read_bytes())
+        plugin = Checkpoint(copy, every=On("step"), keep=None,
+                            resume=resumed != "Loop.resume")
+        with pytest.warns(UserWarning, match=r"\['managers'\] differ.*record the change"):
+            if resumed == "Loop.resume":
+                gm.Loop.resume(copy, other.step, _source(other), steps=6, plugins=[plugin])
+            else:
+                gm.Loop(other.step, _source(other), steps=6, plugins=[plugin]).run(
+                    other.state())
+        meta = Checkpointer(copy, keep=None).meta(6)
+        assert meta["setting_changes"] == [{"step": 4, "settings": {"managers": before}}]
+        inputs = meta["provenance"]["inputs"]
+        assert inputs["setting_changes"] == meta["setting_changes"]
+        assert inputs["managers"] != before  # the record's own: the settings now
+
+
 def test_checkpoint_resume_true_checks_the_data_too(saved) -> None:
     problem, directory = saved
     loop = gm.Loop(problem.step, _source(problem, seed=2), steps=8,

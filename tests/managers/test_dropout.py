@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -322,3 +324,13 @@ def test_bad_broadcast_dims_raise_naming_the_argument(dims) -> None:
 
 def test_numpy_scalars_are_accepted_as_rates() -> None:
     assert managers.Dropout(np.float32(0.25)).rate == 0.25
+
+
+def test_dropout_choosing_no_variables_warns_that_it_drops_all_of_them() -> None:
+    with pytest.warns(UserWarning, match=r"Dropout\(0\.1\) without roles= drops every input, "
+                      r"output and parameter.*roles=\[gm\.roles\.OUTPUT\]"):
+        managers.Dropout(0.1, bricks=[nnx.Linear])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        managers.Dropout(0.1, roles=[gm.roles.OUTPUT])
+        managers.Dropout(0.1, variable_name="kernel")

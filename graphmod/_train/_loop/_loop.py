@@ -21,7 +21,7 @@ from graphmod._records._record import Provenance
 from graphmod._train._events import Event, Template, Time, check_event_types
 from graphmod._train._interrupt import SigintGuard, StopAgreement, report_unsaved, stop_notice
 from graphmod._train._loop._dispatch import DispatchTrace, PluginTable
-from graphmod._train._loop._resume import data_changes, loop_record, read_checkpoint
+from graphmod._train._loop._resume import loop_record, read_checkpoint, resume_changes
 from graphmod._train._loop._steps import (
     ReadAhead,
     batch_placer,
@@ -95,6 +95,7 @@ class Loop:
         self.allow_data_change = allow_data_change
         # Data changes allowed on resumes: [{"step": ..., "fields": [...]}] (in checkpoints).
         self.data_changes: list[dict[str, Any]] = []
+        self.setting_changes: list[dict[str, Any]] = []  # resumed with other settings
         self.time = Time()
         self.position = 0  # batches done in the current epoch
         self.state: Any = None
@@ -201,7 +202,7 @@ class Loop:
         Refuses, before changing anything, data whose description (size, shapes, dtypes,
         content hash, batch size, seed, shuffling) differs from the one the checkpoint's
         provenance records, unless the loop was made with ``allow_data_change=True``."""
-        changes = data_changes(meta, self.data, self.allow_data_change)
+        changes = resume_changes(meta, self.data, self.step, self.allow_data_change)
         self.time = Time(**meta["time"])
         self.started_at = meta.get("started_at")
         self.position = int(meta["position"])
@@ -210,7 +211,7 @@ class Loop:
         self._metrics = dict(meta.get("metrics", {}))  # a finished run's, resumed: its last
         if meta.get("data") is not None and hasattr(self.data, "load_state_dict"):
             self.data.load_state_dict(meta["data"])
-        self.data_changes = changes
+        self.data_changes, self.setting_changes = changes
 
     @classmethod
     def resume(cls, directory: str, step: Callable[..., Any], data: Iterable[Any], *,

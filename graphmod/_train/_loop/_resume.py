@@ -42,18 +42,25 @@ def read_checkpoint(directory: str | os.PathLike, template: Any, step: Any,
             raise
     finally:
         reader.close()
-    warn_setting_changes(meta, step)
     return state, meta
 
 
-def warn_setting_changes(meta: Mapping[str, Any], step: Any) -> None:
-    """Warns that a run resumed from the checkpoint of ``meta`` trains with other settings
-    (model, managers, optimizer, trainable=) than it was trained with."""
-    if changed := setting_changes(meta.get("provenance"), step):
+def resume_changes(meta: Mapping[str, Any], data: Iterable[Any], step: Any,
+                   allowed: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The run's data changes and setting changes, each with one more if ``data`` or
+    ``step``'s settings (model, managers, optimizer, trainable=) differ from those the
+    checkpoint of ``meta`` was trained with: data are refused unless ``allowed`` (see
+    :func:`data_changes`), settings are warned of and recorded with their values before."""
+    changes = list(meta.get("setting_changes", []))
+    saved = meta.get("provenance")
+    if changed := setting_changes(saved, step):
+        at = int(meta["time"]["step"])
         warnings.warn(f"resume: this run's {changed} differ from those the checkpoint of "
-                      f"step {meta['time']['step']} was trained with (graphmod inspect "
-                      "shows its record): it goes on with these, and later checkpoints "
-                      "record them", stacklevel=4)
+                      f"step {at} was trained with (graphmod inspect shows its record): it "
+                      "goes on with these, and later checkpoints record the change "
+                      "(setting_changes, with the settings before)", stacklevel=3)
+        changes.append({"step": at, "settings": {k: saved["inputs"][k] for k in changed}})
+    return data_changes(meta, data, allowed), changes
 
 
 # The parts of a training record that make the program and its training: a resumed run
@@ -85,6 +92,7 @@ def loop_record(loop: Any, plugins: dict[str, Any]) -> dict[str, Any]:
         "metrics": scalar_metrics(loop.metrics),
         "data": data() if callable(data) else None,
         "data_changes": list(loop.data_changes),
+        "setting_changes": list(loop.setting_changes),
         "command": recorded_command(),  # what `graphmod resume DIR` runs again
     }
 
