@@ -223,8 +223,9 @@ def _ended(meta: dict[str, Any]) -> str | None:
 
 def inspect_run(directory: str | os.PathLike) -> str:
     """What a run directory holds, as ``graphmod inspect DIR`` prints it: checkpoints (each
-    verified), counters, timelines, plugins, metrics, and a summary of the provenance record
-    (model, managers, optimizer, data, seeds, fingerprint, versions).
+    verified), counters, timelines, plugins, metrics, the resumes on other data or with
+    other settings, and a summary of the provenance record (model, managers, optimizer,
+    data, seeds, fingerprint, versions).
 
     Examples:
         >>> import tempfile, graphmod as gm
@@ -264,6 +265,11 @@ def inspect_run(directory: str | os.PathLike) -> str:
             lines.append(f"plugin {name}: {text if len(text) <= 300 else text[:299] + '…'}")
         if meta.get("command"):
             lines.append(f"command: {command_text(meta['command'])}")
+        lines += [f"resumed on other data at step {change['step']}: "
+                  f"{', '.join(change['fields'])}" for change in meta.get("data_changes", [])]
+        lines += [f"resumed with other settings at step {change['step']}: "
+                  f"{', '.join(change['settings'])} (the checkpoint records those before)"
+                  for change in meta.get("setting_changes", [])]
         lines += _provenance_lines(meta)
     for log in sorted(pathlib.Path(directory).glob("*.jsonl")):
         rows = log.read_text().splitlines()

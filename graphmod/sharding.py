@@ -50,7 +50,8 @@ def fsdp(axis: str = "data") -> dict[str, Any]:
     """Fully sharded data parallel: every weight split along its first dimension over
     ``axis`` (so are the optimizer's moments), biases and norms replicated, batches split
     along ``axis``. A weight whose first dimension ``axis`` does not divide is refused at
-    ``init``, naming it.
+    ``init``, naming it and the rule that splits a later dimension instead (a weight
+    stacked over Flax's scanned layers has the layers first: ``P(None, axis)``).
 
     Examples:
         >>> import graphmod as gm

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 import graphmod as gm
 import managers
 from examples.flax_nnx import lm1b
+from examples.flax_nnx.scan_over_layers import ScanMLP
 from graphmod import On, at
 from graphmod import roles as R
 from graphmod._train._loop._steps import bounded, steps_in_flight
@@ -328,6 +329,13 @@ def test_bad_rules_are_refused_before_anything_runs() -> None:
                                          r"\(path='/linear_layers/0\.W'\), PartitionSpec\(\)\)"):
         narrow.init(X[:8], Y[:8])
     assert narrow.record.examples is None  # the failed init kept nothing
+    # Flax's scan over layers: fsdp's first dimension is the 4 layers; the fix splits the next
+    stacked = gm.compile(lambda m, x: m(x).sum(), ScanMLP(8, n_layers=4, rngs=nnx.Rngs(0)),
+                         mesh=mesh, **gm.sharding.fsdp())
+    with pytest.raises(ValueError, match=r"kernel of shape \(4, 8, 8\): dimension 0 \(4\).*"
+                       r"split a later dimension with a rule before it .*\(VariableFilter\("
+                       r"path='/layers/linear\.kernel'\), P\(None, 'data'\)\)"):
+        stacked.init(X[:8])
     with pytest.raises(ValueError, match=r"names 3 dimensions, the array has 2"):
         gm.compile(squared_error, mlp(), mesh=mesh,
                    rules=[(weights, P(None, None, "data"))]).init(X[:8], Y[:8])

@@ -61,12 +61,32 @@ def fitting(spec: PartitionSpec, source: str, what: str, path: str, shape: tuple
     """
     why = misfit(spec, shape, mesh)
     if why is not None:
+        rule = f"VariableFilter(path={glob.escape(path)!r})"
+        later = _later_dimension(spec, shape, mesh)
         raise ValueError(f"{source} does not fit {what} {path} of shape {shape}: {why}; "
                          "narrow the rule's filter (e.g. roles=[WEIGHT]), change the spec "
-                         "(None leaves a dimension whole), or keep this one whole with a rule "
-                         f"before it (VariableFilter(path={glob.escape(path)!r}), "
+                         "(None leaves a dimension whole), "
+                         + (f"split a later dimension with a rule before it (a weight "
+                            f"stacked over scanned layers has the layers first): ({rule}, "
+                            f"{later}), " if later is not None else "")
+                         + f"or keep this one whole with a rule before it ({rule}, "
                          "PartitionSpec())")
     return spec
+
+
+def _later_dimension(spec: Sequence[Any], shape: Sequence[int], mesh: Mesh
+                     ) -> PartitionSpec | None:
+    """``spec``'s one split moved to the first later dimension it fits, if it has one split
+    (fsdp's ``P('data')``) and such a dimension."""
+    splits = [dim for dim, entry in enumerate(spec) if entry is not None]
+    if len(splits) != 1:
+        return None
+    entry = spec[splits[0]]
+    for dim in range(splits[0] + 1, len(shape)):
+        moved = PartitionSpec(*[None] * dim, entry)
+        if misfit(moved, shape, mesh) is None:
+            return moved
+    return None
 
 
 def misfit(spec: Sequence[Any], shape: Sequence[int], mesh: Mesh) -> str | None:

@@ -80,6 +80,7 @@ def test_allow_data_change_continues_and_is_recorded(saved, tmp_path) -> None:
     assert meta["data_changes"] == [{"step": 4, "fields": ["seed"]}]
     inputs = meta["provenance"]["inputs"]
     assert inputs["data_changes"] == meta["data_changes"] and inputs["data"]["seed"] == 2
+    assert "resumed on other data at step 4: seed" in gm.inspect_run(copy)
 
 
 def test_a_resume_with_other_settings_is_recorded_with_the_settings_before(saved,
@@ -105,6 +106,7 @@ def test_a_resume_with_other_settings_is_recorded_with_the_settings_before(saved
         inputs = meta["provenance"]["inputs"]
         assert inputs["setting_changes"] == meta["setting_changes"]
         assert inputs["managers"] != before  # the record's own: the settings now
+        assert "resumed with other settings at step 4: managers" in gm.inspect_run(copy)
 
 
 def test_checkpoint_resume_true_checks_the_data_too(saved) -> None:
