@@ -71,7 +71,7 @@ class ManagerReentered(GraphmodError, RuntimeError):
 
     Examples:
         >>> import graphmod as gm, managers
-        >>> dropout = managers.Dropout(0.5)
+        >>> dropout = managers.Dropout(0.5, roles=[gm.roles.OUTPUT])
         >>> with dropout:
         ...     try:
         ...         with dropout:

@@ -1,8 +1,8 @@
 """Built-in managers: one module per family.
 
 Examples:
-    >>> import managers
-    >>> managers.Dropout(0.5).name, managers.BatchNorm().name
+    >>> import graphmod as gm, managers
+    >>> managers.Dropout(0.5, roles=[gm.roles.OUTPUT]).name, managers.BatchNorm().name
     ('dropout', 'batch_norm')
 """
 

@@ -355,7 +355,8 @@ def test_remat_of_a_scanned_flax_block_gives_the_program_without_it() -> None:
 
 def test_l2_on_a_scanned_layer_is_the_penalty_on_the_whole_stacked_kernel() -> None:
     """Each layer's cost leaves the scan body as a slice, summed over the layers: the step
-    equals one whose function adds the penalty itself, also with the layers rematerialized."""
+    equals one whose function adds the penalty itself, also with each layer or the whole
+    scan rematerialized."""
     from examples.flax_nnx.scan_over_layers import Block
 
     def stepped(cost: Any, chosen: list) -> tuple[dict, dict]:
@@ -369,7 +370,8 @@ def test_l2_on_a_scanned_layer_is_the_penalty_on_the_whole_stacked_kernel() -> N
     by_hand = lambda m, x: plain(m, x) + 0.01 * (m.layers.linear.kernel[...] ** 2).sum()
     expected, hand_metrics = stepped(by_hand, [])
     kernel = scan_mlp().layers.linear.kernel[...]
-    for chosen in ([managers.L2(0.01)], [managers.L2(0.01), managers.Remat(bricks=[Block])]):
+    for chosen in ([managers.L2(0.01)], [managers.L2(0.01), managers.Remat(bricks=[Block])],
+                   [managers.L2(0.01), managers.Remat(bricks=[ScanMLP])]):  # around the scan
         model, metrics = stepped(plain, chosen)
         np.testing.assert_allclose(metrics["l2"], 0.01 * (kernel ** 2).sum(), **TOL)
         np.testing.assert_allclose(metrics["loss"], hand_metrics["loss"], **TOL)

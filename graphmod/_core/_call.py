@@ -328,8 +328,9 @@ def _layers(brick: Any, frame: Frame) -> tuple[int, ...]:
     for value in vars(brick).values():
         info = frame.layout.by_identity.get(identity_of(value)) if isinstance(
             value, nnx.Variable) else None
-        if info is not None and jnp.ndim(value.get_raw_value()) < len(info.shape):
-            return tuple(info.shape[:len(info.shape) - jnp.ndim(value.get_raw_value())])
+        stacked = 0 if info is None else len(info.shape) - jnp.ndim(value.get_raw_value())
+        if stacked > 0:  # the stored variable has the loops' axes, the slice seen here not
+            return tuple(info.shape[:stacked])
     return ()
 
 

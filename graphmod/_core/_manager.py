@@ -349,7 +349,7 @@ class Manager:
 
         Examples:
             >>> import graphmod as gm, managers
-            >>> managers.Dropout(gm.dynamic(0.5)).hparam("rate")
+            >>> managers.Dropout(gm.dynamic(0.5), roles=[gm.roles.INPUT]).hparam("rate")
             HParam(manager='dropout', name='rate')
         """
         if name not in self.hparams:

@@ -40,7 +40,8 @@ class Anneal(Plugin):
         >>> from graphmod.data import ArraySource
         >>> from graphmod.plugins import Anneal
         >>> mlp = gm.bricks.MLP([2, 8, 1], activation=jax.nn.relu, rngs=nnx.Rngs(0))
-        >>> dropout = managers.Dropout(gm.dynamic(0.5), bricks=mlp.linear_layers[1:])
+        >>> dropout = managers.Dropout(gm.dynamic(0.5), bricks=mlp.linear_layers[1:],
+        ...                            roles=[gm.roles.INPUT])
         >>> program = gm.compile(lambda m, x, y: ((m(x) - y) ** 2).mean(), mlp,
         ...                      managers=[dropout])
         >>> x, y = np.ones((32, 2), np.float32), np.zeros((32, 1), np.float32)
