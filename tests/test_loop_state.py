@@ -426,3 +426,17 @@ def test_a_cost_or_measurement_under_vmap_is_refused_naming_it(manager: str) -> 
     with pytest.raises(gm.errors.StateEscapesTransform,
                        match=named + r" happens inside .*\(jax\.vmap, nnx\.vmap\)"):
         step(state, X)
+
+
+def test_a_layer_cost_written_in_two_loops_is_refused_naming_the_cost() -> None:
+    key = ("cost", "l2", "l2:/layers/linear.kernel.cost")  # as Collected writes a layer's
+
+    def f(x: jax.Array) -> jax.Array:
+        for _ in range(2):
+            jax.lax.scan(lambda c, _: (c, _loop_keys.write_slice(c.sum(), key)), x, None,
+                         length=3)
+        return _loop_keys.stacked(jnp.zeros((3,)), key, fresh=False).sum()
+
+    with pytest.raises(RuntimeError, match=r"the auxiliary cost l2:/layers/linear\.kernel\.cost "
+                                           r"is updated in two loops of one step"):
+        _loop_keys.resolving(f)(jnp.ones(2))

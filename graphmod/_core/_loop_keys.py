@@ -85,12 +85,17 @@ owned_out_p.def_abstract_eval(lambda aval, *, key, fresh: aval)
 _MARKERS = (loop_key_p, owned_read_p, owned_write_p, owned_out_p)
 
 
+def _named(key: tuple) -> str:
+    """What a slice's ``key`` names in an error: an owned variable's key (manager, path,
+    application, call id, name), or a layer's auxiliary cost ``("cost", owner, key)`` or
+    measurement ``("measured", key)`` (``Collected``)."""
+    if len(key) == 5:
+        return f"{key[0]} variable {key[4]!r} of application {key[2]!r} of {key[1]}"
+    return f"the auxiliary cost {key[2]}" if len(key) == 3 else f"the measurement {key[1]}"
+
+
 def _refused(key: tuple, place: str) -> StateEscapesTransform:
-    # An owned variable's key (manager, path, application, call id, name), or an auxiliary
-    # cost's ("cost", owner, key) or a measurement's ("measured", key) of a layer.
-    what = (f"updating {key[0]} variable {key[4]!r} in application {key[2]!r} of {key[1]}"
-            if len(key) == 5 else f"the auxiliary cost {key[2]}" if len(key) == 3
-            else f"the measurement {key[1]}")
+    what = f"updating {_named(key)}" if len(key) == 5 else _named(key)  # a cost is made
     return StateEscapesTransform(
         f"{what} happens inside {place}: one value per iteration could not be stored. Use "
         "graphmod.scan, or a loop of static length (lax.scan, nnx.scan, a fori_loop with "
@@ -250,9 +255,8 @@ def _equation(eqn: Any, invals: list[Any], counters: tuple[Any, ...],
         if eqn.primitive.name == "scan" and not inner.keys().isdisjoint(writes):
             key = next(iter(inner.keys() & writes.keys()))
             raise RuntimeError(
-                f"{key[0]} variable {key[4]!r} of application {key[2]!r} of {key[1]} "
-                "is updated in two loops of one step: the second would read the "
-                "values from before the first. Run the application in one loop")
+                f"{_named(key)} is updated in two loops of one step: the second would "
+                "read the values from before the first. Run the application in one loop")
         writes.update(inner)
         return outs
     if any(_has_markers(inner, _MARKERS[1:]) for inner in inner_jaxprs):
@@ -268,10 +272,9 @@ def _index(stack: Any, counters: tuple, loop_lengths: tuple, *, depth: int, key:
     lengths = loop_lengths[len(loop_lengths) - depth:]
     if depth > len(counters) or stack.shape[:depth] != lengths:
         raise RuntimeError(
-            f"{key[0]} variable {key[4]!r} of application {key[2]!r} of {key[1]} is stacked "
-            f"over loops of lengths {stack.shape[:depth]} (as at init) and read in loops of "
-            f"lengths {lengths}: run its application in loops of the lengths it was created "
-            "in (e.g. the sequence length of an nnx.RNN)")
+            f"{_named(key)} is stacked over loops of lengths {stack.shape[:depth]} (as at "
+            f"init) and read in loops of lengths {lengths}: run its application in loops of "
+            "the lengths it was created in (e.g. the sequence length of an nnx.RNN)")
     return stack[tuple(counters[len(counters) - depth:])]
 
 
@@ -281,7 +284,7 @@ def _collected(writes: dict, value: Any, *, key: tuple, fresh: bool) -> Any:
                                 else new.shape == value.shape)
     if not fits:
         raise RuntimeError(
-            f"{key[0]} variable {key[4]!r} of application {key[2]!r} of {key[1]}: "
+            f"{_named(key)}: "
             + ("its update inside a loop body could not be found (inside a custom_jvp, "
                "custom_vjp or shard_map body?)" if new is None else
                f"its stack has shape {value.shape}, its slices written in loop bodies stack "
@@ -345,9 +348,8 @@ def _cond(invals: list, counters: tuple, loop_lengths: tuple, *, branches: Seque
             order.append(list(writes))
         elif set(order[0]) != set(writes):
             key = next(iter(set(order[0]) ^ set(writes)))
-            raise RuntimeError(f"{key[0]} variable {key[4]!r} of application {key[2]!r} of "
-                               f"{key[1]} is updated in some branches of a cond only: run its "
-                               "application in every branch, or outside the cond")
+            raise RuntimeError(f"{_named(key)} is updated in some branches of a cond only: "
+                               "run its application in every branch, or outside the cond")
         return outs, [writes[k] for k in order[0]]
 
     outs, slices = jax.lax.switch(invals[0], [functools.partial(branch, b) for b in branches],

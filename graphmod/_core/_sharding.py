@@ -180,9 +180,12 @@ class Placement:
             leaf, self._batch_leaf(leaf, int(stacked))), tree)
 
     def _warn_undivided(self, tree: Any, dim: int) -> None:
+        if self.batch_axis is None:
+            return
+        # The leaves with rows that _batch_leaf replicates, the batch axis not dividing them
         shapes = sorted({tuple(np.shape(leaf)) for leaf in jax.tree.leaves(tree)
-                         if np.ndim(leaf) > dim and np.shape(leaf)[dim] % self._batch_size})
-        if self.batch_axis is None or not shapes:
+                         if np.ndim(leaf) > dim and self._batch_leaf(leaf, dim) is self._whole})
+        if not shapes:
             return
         n, rows = self._batch_size, shapes[0][dim]
         warnings.warn(
