@@ -15,8 +15,9 @@ from flax import nnx
 import graphmod as gm
 import managers
 from graphmod import roles
-from graphmod._core import _loop_keys
-from graphmod._core._loop_keys import mark, resolving
+from graphmod._core import _loop_resolution
+from graphmod._core._loop_keys import mark
+from graphmod._core._loop_resolution import resolving
 
 KEY = jax.random.key(5)
 X = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
@@ -94,7 +95,7 @@ def test_a_function_without_markers_keeps_its_jaxpr_and_is_then_traced_as_it_is(
     resolved = resolving(f)
     assert str(jax.make_jaxpr(resolved)(jnp.ones(3))) == str(jax.make_jaxpr(f)(jnp.ones(3)))
     evaluated = []
-    monkeypatch.setattr(_loop_keys, "_evaluate", lambda *a: evaluated.append(a))
+    monkeypatch.setattr(_loop_resolution, "_evaluate", lambda *a: evaluated.append(a))
     assert str(jax.make_jaxpr(resolved)(jnp.ones(4))) == str(jax.make_jaxpr(f)(jnp.ones(4)))
     assert evaluated == []
 

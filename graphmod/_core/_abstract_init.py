@@ -30,7 +30,7 @@ from graphmod._core._arguments import spec_differences
 from graphmod._core._frame import Frame
 from graphmod._core._interpret import bind, interpret
 from graphmod._core._layout import Layout
-from graphmod._core._loop_keys import resolving
+from graphmod._core._loop_resolution import resolving
 from graphmod._core._manager import Manager
 from graphmod._core._owned import OwnedKey
 from graphmod._core._owned_layout import HPARAMS, encode

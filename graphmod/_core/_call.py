@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from graphmod import roles as _roles
-from graphmod._core._loop_keys import mark
+from graphmod._core._loop_keys import Layer, mark
 from graphmod._core._variables import identity_of
 
 if TYPE_CHECKING:
@@ -39,26 +39,27 @@ class OwnedVariable:
         >>> # average.value = 0.9 * average.stored + 0.1 * call.parameter_value
     """
 
-    __slots__ = ("_frame", "_key")
+    __slots__ = ("_frame", "_key", "_layer")
 
-    def __init__(self, frame: Frame, key: tuple) -> None:
+    def __init__(self, frame: Frame, key: tuple, layer: Layer = tuple) -> None:
         self._frame = frame
         self._key = key
+        self._layer = layer  # an ensemble's member reads and writes its slice
 
     @property
     def value(self) -> jax.Array:
-        return self._frame.read_owned(self._key)
+        return self._frame.read_owned(self._key, layer=self._layer)
 
     @value.setter
     def value(self, new: Any) -> None:
         if self._frame.training and self._frame.mode != "init":
-            self._frame.set_owned(self._key, new)
+            self._frame.set_owned(self._key, new, self._layer)
         # inference and init never update state: the update is dropped on purpose
 
     @property
     def stored(self) -> jax.Array:
         """The value the step began with, whatever the trace wrote since (read-only)."""
-        return self._frame.read_owned(self._key, stored=True)
+        return self._frame.read_owned(self._key, stored=True, layer=self._layer)
 
 
 class CallRunner(Protocol):
@@ -67,6 +68,10 @@ class CallRunner(Protocol):
     frame: Frame
 
     def auxiliary(self, value: Any, role: _roles.Role, name: str) -> None: ...
+
+    def arrays(self) -> list[Any]: ...
+
+    def layer_arrays(self) -> list[Any]: ...
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -133,7 +138,10 @@ class ApplicationCall:
         application, role, variable name) and the call id; inside ``graphmod.scan`` also
         the step index, inside a loop JAX traces once (``nnx.scan`` over layers,
         ``nnx.fori_loop``) the iteration's position (unless ``per_step=False``: one key for
-        every step); under ``compile(axis_name=...)`` also the device index.
+        every step); under ``compile(axis_name=...)`` also the device index. Under ``vmap``
+        (an ``nnx.vmap`` ensemble, a vmapped function) where the call's inputs or its
+        layer's own parameters are mapped, also the mapped element's index, so each member
+        draws its own numbers (unless ``per_step=False``).
 
         In a ``rewrite_parameter`` hook the key is the parameter's, not the call's: folded
         with (manager, parameter path, role, name) only, so every application call that
@@ -161,7 +169,13 @@ class ApplicationCall:
             self.role.name if self.role is not None and per_variable else "",
             (self.name or "") if per_variable else "",
         )
-        return frame.rng(parts, 0 if by_parameter else self.call_id, per_step=per_step)
+        return frame.rng(parts, 0 if by_parameter else self.call_id, per_step=per_step,
+                         witnesses=self._witnesses)
+
+    def _witnesses(self) -> list[Any]:
+        """The arrays of this call (what a draw under ``vmap`` is folded by, when mapped)."""
+        arrays = self._runner.arrays() if self._runner is not None else []
+        return arrays if self.parameter_value is None else [self.parameter_value, *arrays]
 
     def init_key(self, seed: int) -> jax.Array:
         """A key for a variable's initial value (:meth:`variable`), from ``seed`` alone: the
@@ -185,7 +199,10 @@ class ApplicationCall:
         """
         key = jax.random.key(seed)
         frame = self._frame
-        return mark(key) if frame is not None and frame.inner() else key
+        if frame is None or not frame.inner():
+            return key
+        assert self._runner is not None
+        return mark(key, self._runner.layer_arrays())  # per layer, per ensemble member
 
     def variable(
         self, name: str, init: Any, *, role: _roles.Role = _roles.STATE, per_call: bool = False,
@@ -233,8 +250,10 @@ class ApplicationCall:
             per_parameter = self.parameter is not None
         key = self._owned_key(self.manager, name, per_call, per_parameter)
         given = self.parameter_value if per_parameter and _takes_one_argument(init) else None
-        frame.owned_value(key, init, role, given, bool(_layers(self.brick, frame)))
-        return OwnedVariable(frame, key)
+        assert self._runner is not None
+        layer = self._runner.layer_arrays
+        frame.owned_value(key, init, role, given, len(_layers(self.brick, frame)), layer)
+        return OwnedVariable(frame, key, layer)
 
     def _owned_key(self, manager: Manager, name: str, per_call: bool, per_parameter: bool
                    ) -> OwnedKey:
@@ -299,7 +318,8 @@ class ApplicationCall:
             call = f"#{self.call_id}" if self.call_id else ""
             frame = self._runner.frame
             frame.add_measurement(f"{owner}:{self.path}.{self.application}{call}.{name}", value,
-                                  layers=_layers(self.brick, frame))
+                                  layers=_layers(self.brick, frame),
+                                  layer=self._runner.layer_arrays)
         return value
 
     def _add_cost(self, value: Any, name: str) -> None:
@@ -316,7 +336,7 @@ class ApplicationCall:
         assert self._runner is not None
         frame = self._runner.frame
         frame.add_cost(owner, f"{owner}:{where}.{name}", value,
-                       layers=_layers(self.brick, frame))
+                       layers=_layers(self.brick, frame), layer=self._runner.layer_arrays)
 
 
 def _layers(brick: Any, frame: Frame) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
+from flax import nnx
 
 from graphmod import roles as _roles
 from graphmod._core import _context
@@ -68,6 +69,7 @@ class Chain:
         self.call = ApplicationCall(brick, spec.name, path, self.call_id, frame.training,
                                     _runner=self)
         self.auxiliary_names: dict[str, int] = {}  # name -> times this call tagged it
+        self.inputs: tuple[tuple, dict] = ((), {})  # the method's arguments, once it runs
 
     def bound(self, manager: Manager, role: _roles.Role | None = None,
               name: str | None = None, parameter: tuple[str, Any] | None = None
@@ -85,6 +87,17 @@ class Chain:
     def monitor_key(self, name: str) -> str:
         call = f"#{self.call_id}" if self.call_id else ""
         return f"{self.path}.{self.application}{call}.{name}"
+
+    def layer_arrays(self) -> list[Any]:
+        """The values of the layer's own variables (an ensemble's vmap maps them)."""
+        values = (v.get_raw_value() for v in vars(self.brick).values()
+                  if isinstance(v, nnx.Variable))
+        return [value for value in values if isinstance(value, jax.Array)]
+
+    def arrays(self) -> list[Any]:
+        """The arrays of the call: its inputs and its layer's own variables' values."""
+        inputs = [leaf for leaf in jax.tree.leaves(self.inputs) if isinstance(leaf, jax.Array)]
+        return [*inputs, *self.layer_arrays()]
 
     def auxiliary(self, value: Any, role: _roles.Role, name: str) -> None:
         """Tags ``value`` as auxiliary variable ``name``: recorded and monitorable. A name
@@ -191,6 +204,7 @@ class Chain:
                     not manager.filter.selects_variables and manager.has_hook("wrap")):
                 self.frame.note_match(manager)  # a middleware matches the application
         parent = self.frame.calls[-1] if self.frame.calls else None
+        self.inputs = (args, kwargs)
 
         def innermost(*args: Any, **kwargs: Any) -> Any:
             self.see_inputs(args, kwargs, self._collect)  # monitored: as the method sees them

@@ -12,7 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from graphmod._core._filter import Tag
-from graphmod._core._loop_keys import stacked, write_slice
+from graphmod._core._loop_keys import Layer, stacked, write_slice
 from graphmod._core._rewrites import Rewrite
 
 __all__ = ["Collected", "LoopSnapshot", "Recorded", "crc32"]
@@ -67,17 +67,19 @@ class Collected:
     rewritten_calls: dict[str, set[tuple[str, str, int]]] = dataclasses.field(
         default_factory=dict)
 
-    def add_cost(self, owner: str, key: str, value: Any, layers: tuple[int, ...]) -> None:
-        """Notes an auxiliary cost; in loops over ``layers`` stacked layers one layer's (see
-        :meth:`costs_out`)."""
+    def add_cost(self, owner: str, key: str, value: Any, layers: tuple[int, ...],
+                 layer: Layer = tuple) -> None:
+        """Notes an auxiliary cost; in loops over ``layers`` stacked layers (or an
+        ensemble's members) one layer's (see :meth:`costs_out`)."""
         self.costs.setdefault(owner, {})[key] = value
-        self._by_layer(("cost", owner, key), value, layers)
+        self._by_layer(("cost", owner, key), value, layers, layer)
 
-    def add_measurement(self, key: str, value: Any, layers: tuple[int, ...]) -> None:
-        """Notes a measurement; in loops over ``layers`` stacked layers one layer's (see
-        :meth:`measured_out`)."""
+    def add_measurement(self, key: str, value: Any, layers: tuple[int, ...],
+                        layer: Layer = tuple) -> None:
+        """Notes a measurement; in loops over ``layers`` stacked layers (or an ensemble's
+        members) one layer's (see :meth:`measured_out`)."""
         self.measured[key] = value
-        self._by_layer(("measured", key), value, layers)
+        self._by_layer(("measured", key), value, layers, layer)
 
     def costs_out(self) -> dict[str, dict[str, Any]]:
         """The costs, each made in loops over stacked layers summed over the layers."""
@@ -90,10 +92,11 @@ class Collected:
         return {key: self._stack(("measured", key), value, total=False)
                 for key, value in self.measured.items()}
 
-    def _by_layer(self, name: tuple[str, ...], value: Any, layers: tuple[int, ...]) -> None:
+    def _by_layer(self, name: tuple[str, ...], value: Any, layers: tuple[int, ...],
+                  layer: Layer) -> None:
         """A layer's value leaves its loops as a slice (``graphmod._core._loop_keys``)."""
         if layers:
-            write_slice(value, name)
+            write_slice(value, name, len(layers), layer())
             self.layered[name] = layers
 
     def _stack(self, name: tuple[str, ...], value: Any, *, total: bool) -> Any:

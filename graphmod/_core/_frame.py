@@ -14,7 +14,7 @@ exclusive claims, and the snapshot, carry and restore of a ``graphmod.scan`` ste
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from graphmod import roles as _roles
 from graphmod._core._collected import Collected, LoopSnapshot, Recorded, crc32
 from graphmod._core._filter import Tag, VariableFilter
-from graphmod._core._loop_keys import mark
+from graphmod._core._loop_keys import Layer, mark
 from graphmod._core._manager import Manager
 from graphmod._core._owned import OwnedKey, OwnedStore
 from graphmod._core._rewrites import Rewrite, shape_and_dtype
@@ -42,19 +42,10 @@ class Frame:
     """Per-trace state of a program (see the module docstring)."""
 
     def __init__(
-        self,
-        *,
-        layout: Layout,
-        mode: str,
-        values: dict[str, Any],
-        owned: dict[OwnedKey, Any],
-        hparams: dict[tuple[str, str], Any],
-        managers: tuple[Manager, ...],
-        key: Any = None,
-        axis_name: Any = None,
-        mesh: Any = None,
-        monitor: dict[str, VariableFilter] | None = None,
-        record: bool = False,
+        self, *, layout: Layout, mode: str, values: dict[str, Any], owned: dict[OwnedKey, Any],
+        hparams: dict[tuple[str, str], Any], managers: tuple[Manager, ...], key: Any = None,
+        axis_name: Any = None, mesh: Any = None,
+        monitor: dict[str, VariableFilter] | None = None, record: bool = False,
         costs: bool = False,
     ) -> None:
         self.layout = layout
@@ -220,13 +211,14 @@ class Frame:
             )
 
     # -- randomness -----------------------------------------------------------------------
-    def rng(self, parts: tuple[str, ...], call_id: int, *, per_step: bool = True) -> Any:
+    def rng(self, parts: tuple[str, ...], call_id: int, *, per_step: bool = True,
+            witnesses: Callable[[], Sequence[Any]] = tuple) -> Any:
         """The key of a draw: the step key folded with CRC32 of ``parts`` and the call id,
-        then (``per_step``) with ``graphmod.scan``'s step indices, then with the device
-        index under ``axis_name``. Inside a loop body that JAX traces once (``nnx.scan``,
-        ``nnx.fori_loop``, ``lax.scan``, ...; ``per_step``), finally with the position of
-        every such loop around it, outermost first: layer ``i`` of a scan over layers draws
-        from ``fold_in(key, i)`` (see ``graphmod._core._loop_keys``)."""
+        then (``per_step``) with ``graphmod.scan``'s step indices and the device index under
+        ``axis_name``; inside a loop body JAX traces once (``nnx.scan``, ``lax.scan``, ...;
+        ``per_step``) with the position of every loop around it, outermost first, and under
+        ``vmap`` with the mapped index if a ``witnesses()`` array is mapped (see
+        ``graphmod._core._loop_keys``)."""
         if self.mode == "init":
             return jax.random.key(0)  # placeholder: init only needs shapes
         if not self.training:
@@ -244,22 +236,22 @@ class Frame:
         if self.axis_name is not None:
             key = jax.random.fold_in(key, jax.lax.axis_index(self.axis_name))
         if per_step and self._scope.inner():
-            key = mark(key)  # maybe a loop body: resolved by the program's trace
+            key = mark(key, witnesses())  # maybe a loop body: resolved by the program's trace
         return key
 
     # -- manager-owned variables and hyperparameters -----------------------------------------
-    def owned_value(self, key: OwnedKey, init: Any, role: _roles.Role,
-                    parameter: Any = None, per_iteration: bool = True) -> None:
+    def owned_value(self, key: OwnedKey, init: Any, role: _roles.Role, parameter: Any = None,
+                    stacked: int = 1, layer: Layer = tuple) -> None:
         """Makes sure owned variable ``key`` exists (see :meth:`OwnedStore.ensure`)."""
-        self._owned.ensure(key, init, role, parameter, per_iteration)
+        self._owned.ensure(key, init, role, parameter, stacked, layer)
 
-    def read_owned(self, key: OwnedKey, stored: bool = False) -> Any:
+    def read_owned(self, key: OwnedKey, stored: bool = False, layer: Layer = tuple) -> Any:
         """Owned variable ``key`` as the current trace sees it, or found it (``stored``)."""
-        return self._owned.stored(key) if stored else self._owned.read(key)
+        return self._owned.stored(key, layer) if stored else self._owned.read(key, layer)
 
-    def set_owned(self, key: OwnedKey, value: Any) -> None:
+    def set_owned(self, key: OwnedKey, value: Any, layer: Layer = tuple) -> None:
         """Sets owned variable ``key`` (see :meth:`OwnedStore.write`)."""
-        self._owned.write(key, value)
+        self._owned.write(key, value, layer)
 
     def owned_out(self) -> dict[OwnedKey, Any]:
         """The owned variables at the end of the trace (see :meth:`OwnedStore.out`)."""
@@ -301,17 +293,19 @@ class Frame:
         flag on the module (``deterministic=True``: ``model.eval()``); the program warns."""
         self._held_off[path] = flag
 
-    def add_cost(self, owner: str, key: str, value: Any, *, layers: tuple = ()) -> None:
+    def add_cost(self, owner: str, key: str, value: Any, *, layers: tuple = (),
+                 layer: Layer = tuple) -> None:
         """Notes an auxiliary cost of ``owner`` (a manager, or an application's variable),
         once per ``key`` in a trace (a parameter's cost, read by several calls, counts once;
         a layer's in loops over ``layers`` stacked layers: summed). Only optimize keeps costs."""
         if self._keeps(f"the auxiliary cost {key}", layers):
-            self._seen.add_cost(owner, key, value, layers)
+            self._seen.add_cost(owner, key, value, layers, layer)
 
-    def add_measurement(self, key: str, value: Any, *, layers: tuple = ()) -> None:
+    def add_measurement(self, key: str, value: Any, *, layers: tuple = (),
+                        layer: Layer = tuple) -> None:
         """Notes a measurement (``call.report``): optimize's metric ``key`` (a layer's: stacked)."""
         if self._keeps(f"the measurement {key}", layers):
-            self._seen.add_measurement(key, value, layers)
+            self._seen.add_measurement(key, value, layers, layer)
 
     def _keeps(self, what: str, layers: tuple) -> bool:
         """Whether optimize keeps this trace's values; raises if ``what`` cannot leave it."""

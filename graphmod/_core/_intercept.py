@@ -21,9 +21,10 @@ Sharp edges
     is not a separate application. Two programs with different
     ``applications=`` tracing one model at the same time share one subclass (the first
     one's). A manager-owned variable of an application whose module a scan slices (``nnx.scan``
-    over layers) is one per iteration, stacked with the loops' lengths as leading axes (see
-    ``graphmod._core._loop_keys``); where the loop sees the whole module (``nnx.RNN``'s cell,
-    ``nnx.vmap``, ``jax.jit``) it is shared by every iteration and cannot be updated there,
+    over layers, an ``nnx.vmap`` over an ensemble's members) is one per iteration or member,
+    stacked with the loops' lengths as leading axes (see ``graphmod._core._loop_keys``);
+    where the transform sees the whole module (``nnx.RNN``'s cell, ``nnx.vmap`` over the
+    batch, ``jax.jit``) it is shared by every iteration and cannot be updated there,
     nor created from a parameter's value (use ``graphmod.scan``). A module may gain a new
     attribute while a program traces (Flax's intermediates, ``nnx.pop``-ed in the loss) but
     must lose it before the function returns (:func:`assign_in_program`).

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from graphmod import roles as _roles
-from graphmod._core._loop_keys import read_slice, stacked, write_slice
+from graphmod._core._loop_keys import Layer, eager, read_slice, stacked, write_slice
 from graphmod._core._trace import TraceScope, current_trace
 from graphmod.errors import StateEscapesTransform, VariablesMismatch
 
@@ -61,26 +61,28 @@ class OwnedStore:
         self._shared: set[OwnedKey] = set()
 
     def ensure(self, key: OwnedKey, init: Any, role: _roles.Role,
-               parameter: Any = None, per_iteration: bool = True) -> None:
+               parameter: Any = None, stacked: int = 1, layer: Layer = tuple) -> None:
         """Makes sure ``key`` exists: created at ``init`` from ``init`` (an array, a
         callable of nothing: shapes only, or given the parameter's value, of it); one per
-        iteration of the loops around it if ``per_iteration`` (see the module docstring)."""
+        iteration of the ``stacked`` loops around it that slice its layer (0: one shared by
+        every iteration; see the module docstring)."""
         inner = self._scope.inner()
-        if inner and not per_iteration:
+        if inner and not stacked:
             self._shared.add(key)
         if key not in self.values:
-            self.values[key] = self._created(key, init, parameter, inner, per_iteration)
+            self.values[key] = self._created(key, init, parameter, inner, stacked, layer)
             self.roles[key] = role
         elif self._mode == "init" and key in self._pending and inner and (
-                self._pending[key][0] != current_trace()):
-            self._write_slice(key, _fresh_slice(init, parameter, self.values[key]))  # traced again
+                self._pending[key][0] != current_trace()):  # traced again
+            self._write_slice(key, _fresh_slice(init, parameter, self.values[key]), stacked,
+                              layer)
         elif inner and key not in self._slices:
             self._slices[key] = tuple(
                 jax.eval_shape(init, parameter).shape if parameter is not None
                 else jax.eval_shape(init).shape if callable(init) else jnp.shape(init))
 
     def _created(self, key: OwnedKey, init: Any, parameter: Any, inner: bool,
-                 per_iteration: bool) -> Any:
+                 stacked: int, layer: Layer) -> Any:
         manager, path, application, call_id, name = key
         if self._mode != "init":
             raise VariablesMismatch(
@@ -100,7 +102,7 @@ class OwnedStore:
         # From shapes only: computed eagerly, so a variable first met inside an inner trace
         # (jax.jit, a scan body) does not leak a tracer; stacked over the loops around it
         # at the end of init's trace.
-        with jax.ensure_compile_time_eval():
+        with jax.ensure_compile_time_eval(), eager():
             value = jnp.asarray(init() if callable(init) else init)
         if isinstance(value, jax.core.Tracer):
             raise ValueError(
@@ -109,8 +111,8 @@ class OwnedStore:
                 "jnp.zeros(n)) or, in a rewrite_parameter hook, from the parameter "
                 "(init=lambda w: ...)"
             )
-        if per_iteration:
-            self._write_slice(key, _fresh_slice(init, parameter, value))
+        if stacked:
+            self._write_slice(key, _fresh_slice(init, parameter, value), stacked, layer)
         return value
 
     def _depth(self, key: OwnedKey) -> int:
@@ -119,7 +121,7 @@ class OwnedStore:
         shape = self._slices.get(key, stored)
         return len(stored) - len(shape) if stored[len(stored) - len(shape):] == shape else 0
 
-    def read(self, key: OwnedKey) -> Any:
+    def read(self, key: OwnedKey, layer: Layer = tuple) -> Any:
         """``key`` as the current trace sees it: in a loop body the iteration's slice (its
         last write in this trace, else the stored stack's slice)."""
         if not self._scope.inner():
@@ -132,22 +134,23 @@ class OwnedStore:
         if pending is not None and pending[0] == current_trace():
             return pending[1]
         depth = self._depth(key)
-        return read_slice(self.values[key], depth, key) if depth else self.values[key]
+        return read_slice(self.values[key], depth, key, layer()) if depth else self.values[key]
 
-    def stored(self, key: OwnedKey) -> Any:
+    def stored(self, key: OwnedKey, layer: Layer = tuple) -> Any:
         """``key`` as the trace found it, whatever it wrote since (in a loop body: that
         value's slice for the iteration); at ``init``, as created."""
         value = self._found.get(key, self.values[key])
         depth = self._depth(key) if self._scope.inner() else 0
-        return read_slice(value, depth, key) if depth else value
+        return read_slice(value, depth, key, layer()) if depth else value
 
-    def write(self, key: OwnedKey, value: Any) -> None:
+    def write(self, key: OwnedKey, value: Any, layer: Layer = tuple) -> None:
         """Sets ``key`` (in a loop body: the iteration's slice) to ``value``."""
         old = self.values[key]
         inner = self._scope.inner()
         if inner and key in self._shared:
             self._check(f"updating {key[0]} variable {key[4]!r}, shared by every "
-                        "iteration of a loop over one module (or both branches of a cond)",
+                        "iteration of a loop over one module (every element of a vmap that "
+                        "leaves the module whole, both branches of a cond)",
                         f"application {key[2]!r} of {key[1]}")
         shape = old.shape[self._depth(key):] if inner else old.shape
         if jnp.shape(value) != shape:
@@ -157,13 +160,13 @@ class OwnedStore:
             )
         value = jnp.asarray(value, old.dtype)
         if inner:
-            self._write_slice(key, value)
+            self._write_slice(key, value, self._depth(key), layer)
         else:
             self.values[key] = value
         self.updated.add(key)
 
-    def _write_slice(self, key: OwnedKey, value: Any) -> None:
-        write_slice(value, key)
+    def _write_slice(self, key: OwnedKey, value: Any, depth: int, layer: Layer) -> None:
+        write_slice(value, key, depth, layer())
         self._pending[key] = (current_trace(), value)
 
     def carried(self, values: dict[OwnedKey, Any], *, updated: bool) -> None:

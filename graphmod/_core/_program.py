@@ -50,7 +50,7 @@ from graphmod._core._filter import VariableFilter
 from graphmod._core._frame import Frame, OwnedKey
 from graphmod._core._graph import ComputationGraph
 from graphmod._core._layout import Layout
-from graphmod._core._loop_keys import resolving
+from graphmod._core._loop_resolution import resolving
 from graphmod._core._manager import Manager
 from graphmod._core._program_checks import check_strict, check_variables, warn_held_off
 from graphmod._core._program_record import ProgramRecord, Shared, abstract
