@@ -41,10 +41,12 @@ class Logger(Plugin):
     """Appends one row per due event: its type, its time on every timeline, its metrics.
 
     Metrics (an event's own when it was fired with some, such as a ``validated`` event's,
-    else the latest step's) are written as Python floats; non-scalar metrics and those
-    the event lacks are left out (an empty CSV cell). A CSV file has a header; when a
-    later row brings a new metric, the file is rewritten once with the wider header
-    (earlier rows get empty cells). JSON lines hold one object per row. A row waits until
+    else the latest step's) are written as Python floats; a one-dimensional metric of at
+    most 64 values (``ActivationStats`` of a scan over layers or an ensemble: one per layer
+    or member) as one column per index, ``name[0]``, ``name[1]``, ...; other non-scalar
+    metrics and those the event lacks are left out (an empty CSV cell). A CSV file has a
+    header; when a later row brings a new metric, the file is rewritten once with the wider
+    header (earlier rows get empty cells). JSON lines hold one object per row. A row waits until
     its metrics have reached the host (the training is never held up for a log line), is
     flushed as written, and every row is on disk when the run ends or saves its state.
 
@@ -141,7 +143,7 @@ class Logger(Plugin):
     def _start(self, event: Event) -> tuple[dict[str, Any], dict[str, Any]]:
         """The row's times, and its scalar metrics on their way to the host."""
         return ({"event": event.type, **event.time.to_dict()},
-                copying(event_metrics(event), self.metrics))
+                copying(event_metrics(event), self.metrics, per_index=True))
 
     def flush(self) -> None:
         """Writes the rows whose metrics are still on their way (waits for the device)."""
@@ -231,7 +233,7 @@ def _free_path(path: str) -> str:
 
 
 def _finish(head: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
-    return {**head, **scalar_metrics(metrics)}
+    return {**head, **scalar_metrics(metrics, per_index=True)}
 
 
 def _csv_line(values: list[Any]) -> str:
