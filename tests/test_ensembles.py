@@ -67,8 +67,10 @@ def loss(model: nnx.Module, x: jax.Array) -> jax.Array:
     return (model(x) ** 2).sum()
 
 
-def test_each_member_draws_its_own_dropout_mask_and_weight_noise() -> None:
-    dropout = managers.Dropout(0.5, bricks=[nnx.Linear], roles=[roles.OUTPUT])
+@pytest.mark.parametrize("per_step", [True, False])
+def test_each_member_draws_its_own_dropout_mask(per_step: bool) -> None:
+    dropout = managers.Dropout(0.5, bricks=[nnx.Linear], roles=[roles.OUTPUT],
+                               per_step=per_step)
     program = gm.compile(lambda m, x: m(x), Ensemble(), managers=[dropout])
     out, _ = program.train(program.init(X), X, rng=KEY)
     kept = np.asarray(out) != 0
@@ -78,6 +80,8 @@ def test_each_member_draws_its_own_dropout_mask_and_weight_noise() -> None:
     again, _ = program.train(program.init(X), X, rng=KEY)
     np.testing.assert_array_equal(again, out)  # the step key sets every member's draw
 
+
+def test_each_member_draws_its_own_weight_noise() -> None:
     noise = managers.WeightNoise(0.5, roles=[roles.WEIGHT])
     ensemble = Ensemble()
     program = gm.compile(lambda m, x: m(x), ensemble, managers=[noise])
@@ -149,6 +153,17 @@ def test_lora_gives_each_member_its_own_adapters_and_their_own_gradients() -> No
             for name in ("a", "b"):
                 np.testing.assert_allclose(grads[f"/members/{layer}"]["kernel"][name][i],
                                            grads_i[f"/{layer}"]["kernel"][name], **TOL)
+
+
+def test_a_variable_from_a_parameter_is_one_per_member() -> None:
+    ensemble = Ensemble()
+    program = gm.compile(lambda m, x: m(x), ensemble, managers=[managers.WeightNorm()])
+    variables = program.init(X)
+    g = variables["managers"]["weight_norm"]["/members/l1"]["kernel"]["g"]
+    np.testing.assert_allclose(g, jnp.linalg.norm(ensemble.members.l1.kernel[...], axis=1),
+                               **TOL)
+    out, _ = program.train(variables, X, rng=KEY)  # W * g / ||W|| = W at init
+    np.testing.assert_allclose(out, ensemble(X), **TOL)
 
 
 def test_a_cost_sums_over_members_and_a_measurement_is_one_per_member() -> None:

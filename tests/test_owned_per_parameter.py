@@ -192,9 +192,37 @@ class ScannedLayers(nnx.Module):
         return body(x, self.layers)[0]
 
 
-def test_a_variable_from_a_parameter_inside_an_nnx_scan_body_names_the_way_around() -> None:
-    program = gm.compile(lambda m, x: m(x), ScannedLayers(),
+def test_a_variable_from_a_parameter_inside_an_nnx_scan_body_is_one_per_layer() -> None:
+    model = ScannedLayers()
+    program = gm.compile(lambda m, x: m(x), model,
                          managers=[WeightNorm(roles=[roles.WEIGHT], manager_name="wn")])
-    with pytest.raises(RuntimeError, match=r"(?s)creating 'g' from parameter /layers.kernel"
+    x = jax.random.normal(KEY, (2, 4))
+    variables = program.init(x)
+    g = variables["managers"]["wn"]["/layers"]["kernel"]["g"]
+    np.testing.assert_allclose(g, jnp.linalg.norm(model.layers.kernel[...], axis=1), **TOL)
+    out, _ = program.train(variables, x, rng=KEY)  # W * g / ||W|| = W at init
+    np.testing.assert_allclose(out, model(x), **TOL)
+    grown = {**variables, "managers": {"wn": {"/layers": {"kernel": {"g": g * 2}},
+                                              "hparams": {}}}}
+    # Each layer reads its own g: doubling both doubles each layer's output (its bias is
+    # zero), 4x in all.
+    np.testing.assert_allclose(program.train(grown, x, rng=KEY)[0], 4 * model(x), **TOL)
+
+
+class JittedCall(nnx.Module):
+    """A layer called inside ``nnx.jit``: the inner trace sees the whole module."""
+
+    def __init__(self) -> None:
+        self.lin = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nnx.jit(lambda m, x: m(x))(self.lin, x)
+
+
+def test_a_variable_from_a_parameter_in_a_transform_that_shares_the_module_is_refused(
+        ) -> None:
+    program = gm.compile(lambda m, x: m(x), JittedCall(),
+                         managers=[WeightNorm(roles=[roles.WEIGHT], manager_name="wn")])
+    with pytest.raises(RuntimeError, match=r"(?s)creating 'g' from parameter /lin.kernel"
                        r".*nnx.scan.*graphmod.scan"):
         program.init(jnp.ones((2, 4)))

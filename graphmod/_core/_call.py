@@ -141,7 +141,8 @@ class ApplicationCall:
         every step); under ``compile(axis_name=...)`` also the device index. Under ``vmap``
         (an ``nnx.vmap`` ensemble, a vmapped function) where the call's inputs or its
         layer's own parameters are mapped, also the mapped element's index, so each member
-        draws its own numbers (unless ``per_step=False``).
+        draws its own numbers (with ``per_step=False`` too: one key per member for every
+        step).
 
         In a ``rewrite_parameter`` hook the key is the parameter's, not the call's: folded
         with (manager, parameter path, role, name) only, so every application call that

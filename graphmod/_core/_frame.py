@@ -217,7 +217,7 @@ class Frame:
         then (``per_step``) with ``graphmod.scan``'s step indices and the device index under
         ``axis_name``; inside a loop body JAX traces once (``nnx.scan``, ``lax.scan``, ...;
         ``per_step``) with the position of every loop around it, outermost first, and under
-        ``vmap`` with the mapped index if a ``witnesses()`` array is mapped (see
+        ``vmap`` with the mapped index if a ``witnesses()`` array is mapped (always; see
         ``graphmod._core._loop_keys``)."""
         if self.mode == "init":
             return jax.random.key(0)  # placeholder: init only needs shapes
@@ -235,8 +235,8 @@ class Frame:
             key = jax.random.fold_in(key, index)
         if self.axis_name is not None:
             key = jax.random.fold_in(key, jax.lax.axis_index(self.axis_name))
-        if per_step and self._scope.inner():
-            key = mark(key, witnesses())  # maybe a loop body: resolved by the program's trace
+        if self._scope.inner():  # maybe a loop body or a vmap: resolved by the program's trace
+            key = mark(key, witnesses(), loops=per_step)
         return key
 
     # -- manager-owned variables and hyperparameters -----------------------------------------

@@ -3,11 +3,11 @@
 A body run by ``lax.scan``/``fori_loop``/``while_loop`` (and so ``nnx.scan``,
 ``nnx.fori_loop``, ``nnx.RNN``, scan over layers) is traced once: a key made inside it from
 what the trace knows is the same in every iteration, and Flax exposes no loop index. So a key
-that ``call.rng()`` makes inside an inner trace (unless ``per_step=False``: one key for
-every iteration) is marked (:func:`mark`: the ``loop_key`` primitive, the identity under
-every JAX transform), and ``_loop_resolution.resolving`` wraps the program's traced
-function: it is traced to a jaxpr, evaluated with each marker replaced by its key folded
-with the position of every loop around it, outermost first (``xs``' index for a scan, so a
+that ``call.rng()`` makes inside an inner trace is marked (:func:`mark`: the ``loop_key``
+primitive, the identity under every JAX transform), and ``_loop_resolution.resolving``
+wraps the program's traced function: it is traced to a jaxpr, evaluated with each marker
+replaced by its key folded (unless ``per_step=False``: one key for every iteration) with
+the position of every loop around it, outermost first (``xs``' index for a scan, so a
 reverse scan, as a transposed one, counts down from ``length - 1``; the iteration count from
 0 for a while loop). The rewrite happens before any differentiation of the program, so a
 remat body recomputed in the backward pass draws what the forward pass drew. A program
@@ -46,8 +46,7 @@ Sharp edges
     ``nnx.RNN`` broadcasts over time steps. Under ``vmap`` a slice is kept only for a layer
     the vmap alone stacks (an ensemble's member that also loops over stacked layers is
     refused: the order of the axes could not be told), and only where the vmap maps the
-    layer (updating a variable of a layer every element shares is refused); a draw with
-    ``per_step=False`` is not folded (one for every element).
+    layer (updating a variable of a layer every element shares is refused).
     ``graphmod.scan`` folds its own step index (its body is the frame's base trace, so its
     own draws are not marked): a lifted loop inside its body folds ``graphmod.scan``'s step
     twice (still one key per step), and a lifted loop around a ``graphmod.scan`` is not
@@ -69,20 +68,22 @@ from jax.interpreters import ad, batching, mlir
 
 from graphmod.errors import StateEscapesTransform
 
-# ``loop_key(key, *witnesses)``: the witnesses are the arrays of the call that draws (its
-# inputs, its layer's parameters), only there for vmap to see (see ``_batch_key``).
+# ``loop_key(key, *witnesses, loops)``: the witnesses are the arrays of the call that draws
+# (its inputs, its layer's parameters), only there for vmap to see (see ``_batch_key``);
+# ``loops``: whether the resolution folds the loops' positions in.
 loop_key_p = jax.extend.core.Primitive("loop_key")
-loop_key_p.def_impl(lambda key, *witnesses: key)
-loop_key_p.def_abstract_eval(lambda aval, *witnesses: aval)
-ad.primitive_jvps[loop_key_p] = lambda primals, tangents: (loop_key_p.bind(*primals), tangents[0])
-mlir.register_lowering(loop_key_p, lambda ctx, key, *witnesses: [key])  # unresolved: the key
+loop_key_p.def_impl(lambda key, *witnesses, loops: key)
+loop_key_p.def_abstract_eval(lambda aval, *witnesses, loops: aval)
+ad.primitive_jvps[loop_key_p] = lambda primals, tangents, loops: (
+    loop_key_p.bind(*primals, loops=loops), tangents[0])
+mlir.register_lowering(loop_key_p, lambda ctx, key, *witnesses, loops: [key])  # unresolved
 
 
-def _batch_key(args: Sequence[Any], dims: Sequence[Any]) -> tuple[Any, Any]:
+def _batch_key(args: Sequence[Any], dims: Sequence[Any], *, loops: bool) -> tuple[Any, Any]:
     """Under ``vmap``, a key drawn by a call whose arrays are mapped is folded with the
     mapped element's index: each member of an ``nnx.vmap`` ensemble, each element of a
     vmapped function, draws its own numbers (as ``nnx.split_rngs`` gives Flax's streams)."""
-    key = loop_key_p.bind(*args)  # outer vmaps fold first: they see the witnesses mapped
+    key = loop_key_p.bind(*args, loops=loops)  # outer vmaps fold first: witnesses mapped
     mapped = [(arg, dim) for arg, dim in zip(args[1:], dims[1:], strict=True)
               if dim is not None]
     if not mapped:
@@ -199,10 +200,11 @@ class Marked(BaseException):
     jaxpr. (Not an ``Exception``: model code catching errors must not swallow it.)"""
 
 
-def mark(key: jax.Array, witnesses: Sequence[jax.Array] = ()) -> jax.Array:
-    """``key``, marked to be folded with the index of every loop around it (see the module
-    docstring); the identity where no loop is. Under ``vmap``, if any of ``witnesses`` is
-    mapped, folded with the mapped element's index as well.
+def mark(key: jax.Array, witnesses: Sequence[jax.Array] = (), *, loops: bool = True
+         ) -> jax.Array:
+    """``key``, marked to be folded with the index of every loop around it (``loops``; see
+    the module docstring); the identity where no loop is. Under ``vmap``, if any of
+    ``witnesses`` is mapped, folded with the mapped element's index as well.
 
     Examples:
         >>> import jax
@@ -219,7 +221,7 @@ def mark(key: jax.Array, witnesses: Sequence[jax.Array] = ()) -> jax.Array:
         >>> bool(members[0] != members[1])
         True
     """
-    return key if _eager.get() else _bind(loop_key_p, key, *witnesses)
+    return key if _eager.get() else _bind(loop_key_p, key, *witnesses, loops=loops)
 
 
 def read_slice(stack: jax.Array, depth: int, key: tuple, layer: Sequence[jax.Array] = ()

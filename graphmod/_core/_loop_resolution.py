@@ -91,7 +91,8 @@ def _equation(eqn: Any, invals: list[Any], counters: tuple[Any, ...],
     """One equation of :func:`_evaluate`: a marker resolved, a loop rewritten (its owned
     slices written into ``writes``), anything else bound as it is."""
     if eqn.primitive is loop_key_p:
-        return [functools.reduce(jax.random.fold_in, counters, invals[0])]
+        folded = counters if eqn.params["loops"] else ()
+        return [functools.reduce(jax.random.fold_in, folded, invals[0])]
     if eqn.primitive is owned_read_p:
         return [_index(invals[0], counters, loop_lengths, **eqn.params)]
     if eqn.primitive is owned_write_p:

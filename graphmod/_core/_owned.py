@@ -2,11 +2,12 @@
 
 A manager's ``call.variable(...)`` is created at ``init`` and read and written by later
 traces. Inside a loop body that JAX traces once (a scan over layers) a variable of an
-application whose parameters the loop slices is one per iteration: stored stacked with the
-loops' lengths as leading axes, read and written as the iteration's slice through the
-markers of ``graphmod._core._loop_keys``; in a body that sees the whole module (a cell
-broadcast over time steps) it is one variable shared by every iteration, which the body
-cannot update.
+application whose parameters the loop slices is one per iteration (under an ensemble's
+``vmap``, one per member): stored stacked with the loops' lengths as leading axes, created,
+read and written as the iteration's slice through the markers of
+``graphmod._core._loop_keys``; in a body that sees the whole module (a cell broadcast over
+time steps) it is one variable shared by every iteration, which the body cannot update nor
+create from a parameter's value.
 """
 
 from __future__ import annotations
@@ -91,14 +92,19 @@ class OwnedStore:
                 + " in these variables: make them with this program's init (or a program "
                 "compiled over the same model and managers)"
             )
-        if parameter is not None:
+        if parameter is not None and not (inner and stacked):
             # From the parameter's value: traced by init's own jit, never in an inner
-            # trace whose values could not leave it.
+            # trace whose values could not leave it (a module every iteration shares).
             self._check(f"manager {manager!r} creating {name!r} from "
                         f"parameter {path}.{application}")
             return jnp.asarray(init(parameter))
         if not inner:  # traced by init's own jit: no eager dispatch per variable
             return jnp.asarray(init() if callable(init) else init)
+        if parameter is not None:  # from a layer's (a member's) slice: that slice's value
+            value = jnp.asarray(init(parameter))
+            self._write_slice(key, value, stacked, layer)
+            with jax.ensure_compile_time_eval():  # only its shape: the stack is written
+                return jnp.zeros(value.shape, value.dtype)
         # From shapes only: computed eagerly, so a variable first met inside an inner trace
         # (jax.jit, a scan body) does not leak a tracer; stacked over the loops around it
         # at the end of init's trace.
@@ -185,7 +191,8 @@ class OwnedStore:
 
 def _fresh_slice(init: Any, parameter: Any, value: Any) -> Any:
     """An iteration's initial slice of a variable created as ``value``, traced in the loop
-    body: a key marked in ``init`` (``call.init_key``) draws each layer its own."""
-    if parameter is not None or not callable(init):
-        return value
-    return jnp.asarray(init(), jnp.result_type(value))
+    body: from this iteration's slice of the parameter, or with a key marked in ``init``
+    (``call.init_key``) that draws each layer its own."""
+    if parameter is not None:
+        return jnp.asarray(init(parameter), jnp.result_type(value))
+    return jnp.asarray(init(), jnp.result_type(value)) if callable(init) else value

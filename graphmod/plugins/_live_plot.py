@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import sys
 import time as _time
 from typing import Any
@@ -23,6 +24,8 @@ from graphmod._train._schedule import each
 from graphmod.plugins._common import event_metrics, metric_names, scalar_metrics, template_or
 from graphmod.typing import LoopLike
 
+_INDEX = re.compile(r"\[\d+\]$")  # a one-dimensional metric's key: "name[i]"
+
 
 class LivePlot(Plugin):
     """Collects metric values on due events and redraws their curves against the step.
@@ -32,7 +35,10 @@ class LivePlot(Plugin):
     On("validated")`` plots validation metrics too); ``history`` keeps one value per
     metric and step. The figure, one panel per
     metric, is redrawn at most every ``redraw_seconds`` of wall time and once more when the
-    run ends, since drawing costs tens of milliseconds.
+    run ends, since drawing costs tens of milliseconds. A one-dimensional metric of at most
+    64 values (``ActivationStats`` of a scan over layers or an ensemble: one per layer or
+    member) is recorded per index (``history["name[0]"]``, ...) and drawn as one line per
+    index in the metric's panel.
 
     Args:
         *metric_names: metrics to plot (none: every scalar metric seen).
@@ -82,7 +88,8 @@ class LivePlot(Plugin):
         self._handle = None
 
     def __call__(self, event: Event) -> None:
-        values = scalar_metrics(event_metrics(event), self.metric_names)  # the one sync
+        values = scalar_metrics(event_metrics(event), self.metric_names,  # the one sync
+                                per_index=True)
         for key, value in values.items():
             points = self.history.setdefault(key, [])
             if not points or points[-1][0] != event.time.step:  # once a step
@@ -117,16 +124,29 @@ class LivePlot(Plugin):
         """A new ``matplotlib.figure.Figure`` of the recorded curves, one panel a metric."""
         from matplotlib.figure import Figure
 
-        names = [n for n in (self.metric_names or tuple(self.history)) if n in self.history]
-        figure = Figure(figsize=(6, 2.2 * max(len(names), 1)), layout="constrained")
-        axes = figure.subplots(max(len(names), 1), 1, squeeze=False)[:, 0]
-        for ax, key in zip(axes, names, strict=False):
-            steps, values = np.asarray(self.history[key], dtype=np.float64).T
-            ax.plot(steps, values, marker="." if len(steps) < 50 else None)
-            ax.set_ylabel(key)
+        panels = self.panels()
+        figure = Figure(figsize=(6, 2.2 * max(len(panels), 1)), layout="constrained")
+        axes = figure.subplots(max(len(panels), 1), 1, squeeze=False)[:, 0]
+        for ax, (name, keys) in zip(axes, panels.items(), strict=False):
+            for key in keys:
+                steps, values = np.asarray(self.history[key], dtype=np.float64).T
+                ax.plot(steps, values, marker="." if len(steps) < 50 else None,
+                        label=key[len(name):])
+            if len(keys) > 1:
+                ax.legend(fontsize="small")
+            ax.set_ylabel(name)
             ax.grid(True, alpha=0.3)
         axes[-1].set_xlabel("step")
         return figure
+
+    def panels(self) -> dict[str, list[str]]:
+        """The figure's panels: each metric recorded (those named, in order), with its keys
+        in :attr:`history` (a one-dimensional metric's ``name[i]``, one line each)."""
+        panels: dict[str, list[str]] = {}
+        for key in self.history:
+            panels.setdefault(_INDEX.sub("", key), []).append(key)
+        return {name: panels[name] for name in (self.metric_names or tuple(panels))
+                if name in panels}
 
     def _display(self, figure: Any) -> None:
         from IPython.display import Image, display

@@ -8,15 +8,49 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import graphmod as gm
+import managers
+from examples.flax_nnx.scan_over_layers import ScanMLP
+from graphmod.data import ArraySource
 from tests.loop.conftest import Problem
 
 
 @pytest.fixture(scope="session")
 def problem() -> Problem:
     return Problem()
+
+
+class PerLayer:
+    """Flax's scan over layers trained with ``ActivationStats``: a metric with one value
+    per layer (:attr:`name`, shape ``(3,)``)."""
+
+    name = "activation_stats:/layers/linear.apply.output.mean"
+
+    def __init__(self) -> None:
+        model = ScanMLP(4, n_layers=3, rngs=nnx.Rngs(0))
+        stats = managers.ActivationStats(bricks=[nnx.Linear], statistics=["mean"])
+        program = gm.compile(lambda m, x: (m(x) ** 2).mean(), model, managers=[stats])
+        self.x = np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)
+        self.step = gm.optimize(program, optax.sgd(0.1))
+        self.variables = program.init(self.x[:1])
+
+    def loop(self, plugins: list[gm.Plugin], seen: list[np.ndarray], every: gm.On) -> gm.Loop:
+        """A loop of one epoch whose due events put the per-layer metric in ``seen``."""
+        loop = gm.Loop(self.step, ArraySource({"x": self.x}, 8), epochs=1, plugins=plugins)
+        loop.on(every, lambda e: seen.append(np.asarray(e.metrics[self.name])))
+        return loop
+
+    def state(self) -> gm.TrainState:
+        return self.step.init(self.variables, jax.random.key(0))
+
+
+@pytest.fixture(scope="session")
+def per_layer() -> PerLayer:
+    return PerLayer()
 
 
 def fire_scores(scores: Iterable[float], metric: str = "valid/loss") -> Callable[[gm.Event], None]:

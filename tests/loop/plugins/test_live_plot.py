@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import IPython.display
+import numpy as np
 import pytest
 
 import graphmod as gm
@@ -10,7 +11,7 @@ from graphmod import On, each
 from graphmod.plugins import LivePlot
 from graphmod.plugins._live_plot import _in_notebook
 from tests.loop.conftest import Problem
-from tests.loop.plugins.conftest import fire_scores
+from tests.loop.plugins.conftest import PerLayer, fire_scores
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -29,6 +30,21 @@ def test_headless_run_records_the_metrics_and_writes_a_png(problem: Problem, tmp
     assert [(s, v) for s, v in plot.history["loss"] if s % 3 == 0] == losses
     assert path.read_bytes().startswith(PNG) and plot.draws >= 2  # once early, once at the end
     assert not list(path.parent.glob("*.tmp*"))
+
+
+def test_a_metric_per_layer_is_one_line_per_layer_in_its_panel(per_layer: PerLayer,
+                                                                tmp_path) -> None:
+    every = On("step", step=each(2))
+    seen: list[np.ndarray] = []
+    plot = LivePlot(per_layer.name, "loss", path=tmp_path / "plot.png", every=every)
+    per_layer.loop([plot], seen, every).run(per_layer.state())
+    name = per_layer.name
+    assert plot.panels() == {name: [f"{name}[{i}]" for i in range(3)], "loss": ["loss"]}
+    for i in range(3):
+        assert [v for _, v in plot.history[f"{name}[{i}]"]] == [float(m[i]) for m in seen]
+    layers, loss = plot.figure().axes
+    assert [line.get_label() for line in layers.get_lines()] == ["[0]", "[1]", "[2]"]
+    assert len(loss.get_lines()) == 1
 
 
 class _Handle:

@@ -7,20 +7,14 @@ import importlib.util
 import json
 import os
 
-import jax
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 
 import graphmod as gm
-import managers
-from examples.flax_nnx.scan_over_layers import ScanMLP
 from graphmod import On, at, each
-from graphmod.data import ArraySource
 from graphmod.plugins import Logger, _logger
 from tests.loop.conftest import Problem
-from tests.loop.plugins.conftest import fire_scores
+from tests.loop.plugins.conftest import PerLayer, fire_scores
 
 TIMES = ["step", "epoch", "examples", "seconds", "train_seconds"]
 
@@ -105,20 +99,13 @@ def test_a_resumed_run_cuts_the_log_back_to_its_checkpoint(problem: Problem, tmp
     assert resumed.rows == 3
 
 
-def test_a_metric_per_layer_is_one_column_per_index(tmp_path) -> None:
-    model = ScanMLP(4, n_layers=3, rngs=nnx.Rngs(0))  # Flax's scan over layers
-    stats = managers.ActivationStats(bricks=[nnx.Linear], statistics=["mean"])
-    program = gm.compile(lambda m, x: (m(x) ** 2).mean(), model, managers=[stats])
-    x = np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)
-    step = gm.optimize(program, optax.sgd(0.1))
-    name = "activation_stats:/layers/linear.apply.output.mean"
+def test_a_metric_per_layer_is_one_column_per_index(per_layer: PerLayer, tmp_path) -> None:
     every = On("step", step=each(2))
     seen: list[np.ndarray] = []
     log = Logger(tmp_path / "log.csv", every=every, tensorboard=False)
-    loop = gm.Loop(step, ArraySource({"x": x}, 8), epochs=1, plugins=[log])
-    loop.on(every, lambda e: seen.append(np.asarray(e.metrics[name])))
-    loop.run(step.init(program.init(x[:1]), jax.random.key(0)))
+    per_layer.loop([log], seen, every).run(per_layer.state())
     rows = _csv_rows(log.path)
+    name = per_layer.name
     assert {"loss", *(f"{name}[{i}]" for i in range(3))} <= set(rows[0])
     assert f"{name}[3]" not in rows[0]
     assert [[float(r[f"{name}[{i}]"]) for i in range(3)] for r in rows] == [
