@@ -206,7 +206,7 @@ def test_a_slice_under_vmap_is_refused_unless_the_vmap_alone_maps_the_layer(case
     message = ("does not map the layer's own variables" if shared else
                "belongs to a layer that a vmap maps .* stacked over 2 axes")
     with pytest.raises(gm.errors.StateEscapesTransform,
-                       match=r"m variable 's' of application 'apply' of /members.*" + message):
+                       match=r"m variable 's' of /members\.apply.*" + message):
         jax.make_jaxpr(jax.vmap(write))(jnp.zeros((3, 2)))
 
 

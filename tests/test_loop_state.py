@@ -18,6 +18,8 @@ import managers
 from examples.flax_nnx.scan_over_layers import ScanMLP
 from graphmod import roles
 from graphmod._core import _loop_keys, _loop_resolution
+from graphmod._core._owned import OwnedStore
+from graphmod._core._trace import TraceScope
 from tests.test_loop_keys import Stack
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -411,3 +413,47 @@ def test_a_layer_cost_written_in_two_loops_is_refused_naming_the_cost() -> None:
     with pytest.raises(RuntimeError, match=r"the auxiliary cost l2:/layers/linear\.kernel\.cost "
                                            r"is updated in two loops of one step"):
         _loop_resolution.resolving(f)(jnp.ones(2))
+
+
+MEAN = ("batch_norm", "/layers/linear", "apply", None, "mean")  # an owned variable's key
+
+
+def test_a_stack_read_in_loops_of_other_lengths_than_at_init_is_refused() -> None:
+    def f(stack: jax.Array) -> jax.Array:
+        return jax.lax.scan(lambda c, _: (c, _loop_keys.read_slice(stack, 1, MEAN)), 0.0,
+                            length=2)[1]
+
+    with pytest.raises(RuntimeError, match=r"batch_norm variable 'mean' of "
+                       r"/layers/linear\.apply is stacked over loops of lengths \(3,\) \(as "
+                       r"at init\) and read in loops of lengths \(2,\)"):
+        _loop_resolution.resolving(f)(jnp.zeros((3, 2)))
+
+
+def test_a_slice_written_in_some_branches_of_a_cond_only_is_refused() -> None:
+    def f(x: jax.Array) -> jax.Array:
+        def write(c: jax.Array) -> jax.Array:
+            _loop_keys.write_slice(c, MEAN)
+            return c
+
+        y = jax.lax.scan(lambda c, p: (jax.lax.cond(p > 0, write, lambda c: c, c), None), x,
+                         jnp.arange(3.0))[0]
+        return _loop_keys.stacked(jnp.zeros((3, 2)), MEAN, fresh=False).sum() + y.sum()
+
+    with pytest.raises(RuntimeError, match=r"batch_norm variable 'mean' of /layers/linear\."
+                       r"apply is updated in some branches of a cond only"):
+        _loop_resolution.resolving(f)(jnp.ones(2))
+
+
+def test_a_variable_read_at_the_base_trace_after_a_loop_wrote_it_is_refused() -> None:
+    store = OwnedStore({MEAN: jnp.zeros((3, 2))}, "train", TraceScope(), lambda *a: None)
+
+    def body(c: jax.Array, _: None) -> tuple[jax.Array, None]:
+        store.ensure(MEAN, jnp.zeros(2), roles.STATE)
+        store.write(MEAN, store.read(MEAN) + c)
+        return c, None
+
+    jax.lax.scan(body, jnp.ones(2), length=3)
+    with pytest.raises(gm.errors.StateEscapesTransform,
+                       match=r"batch_norm variable 'mean' of /layers/linear\.apply is read "
+                             r"outside the loop body that updated it in this step"):
+        store.read(MEAN)

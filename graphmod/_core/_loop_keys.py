@@ -119,10 +119,12 @@ MARKERS = (loop_key_p, owned_read_p, owned_write_p, owned_out_p)
 
 def named(key: tuple) -> str:
     """What a slice's ``key`` names in an error: an owned variable's key (manager, path,
-    application, call id, name), or a layer's auxiliary cost ``("cost", owner, key)`` or
-    measurement ``("measured", key)`` (``Collected``)."""
+    application or parameter name, call id, name: ``lora variable 'a' of /mlp.kernel``), or
+    a layer's auxiliary cost ``("cost", owner, key)`` or measurement ``("measured", key)``
+    (``Collected``)."""
     if len(key) == 5:
-        return f"{key[0]} variable {key[4]!r} of application {key[2]!r} of {key[1]}"
+        call = "" if key[3] is None else f"#{key[3]}"
+        return f"{key[0]} variable {key[4]!r} of {key[1]}.{key[2]}{call}"
     return f"the auxiliary cost {key[2]}" if len(key) == 3 else f"the measurement {key[1]}"
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from graphmod import roles as _roles
-from graphmod._core._loop_keys import Layer, eager, read_slice, stacked, write_slice
+from graphmod._core._loop_keys import Layer, eager, named, read_slice, stacked, write_slice
 from graphmod._core._trace import TraceScope, current_trace
 from graphmod.errors import StateEscapesTransform, VariablesMismatch
 
@@ -133,8 +133,8 @@ class OwnedStore:
         if not self._scope.inner():
             if key in self._pending and self._mode != "init":
                 raise StateEscapesTransform(
-                    f"{key[0]} variable {key[4]!r} of application {key[2]!r} of {key[1]} is "
-                    "read outside the loop body that updated it in this step")
+                    f"{named(key)} is read outside the loop body that updated it in this "
+                    "step")
             return self.values[key]
         pending = self._pending.get(key)
         if pending is not None and pending[0] == current_trace():
