@@ -5,7 +5,10 @@ to spread into :func:`graphmod.compile`. The rules place the model's variables (
 matching rule wins, unmatched variables are replicated); a manager's variables for a
 parameter and the optimizer's moments follow the parameter; batches are split along
 ``batch_axis``. The program is the one-device program run by JAX's SPMD partitioner: the
-same losses, gradients and random masks, to float rounding.
+same losses, gradients and random masks, to float rounding. The presets' specs describe one
+layer (:func:`per_layer`): on Flax's scan over layers, whose weights are stacked with the
+layers first, they split the dimensions of each layer, so each step of the scan gathers one
+layer, never the whole stack.
 
 Examples:
     >>> import jax, jax.numpy as jnp, graphmod as gm
@@ -30,9 +33,35 @@ from jax.sharding import PartitionSpec
 from graphmod import roles
 from graphmod._core._filter import VariableFilter
 from graphmod._core._layout import Layout
-from graphmod._core._rules import misfit
+from graphmod._core._rules import PerLayer, misfit
 
-__all__ = ["annotated", "data_parallel", "fsdp", "misfit", "tensor_parallel"]
+__all__ = ["annotated", "data_parallel", "fsdp", "misfit", "per_layer", "tensor_parallel"]
+
+
+def per_layer(spec: PartitionSpec) -> PerLayer:
+    """``spec`` as one layer's placement, for a rule: a variable stacked over layers (Flax's
+    scan over layers: ``nnx.vmap``-made layers applied by ``nnx.scan``) or an ensemble's
+    members keeps those leading axes whole and is split as ``spec`` says after them, as
+    Flax's ``nnx.vmap`` inserts ``None`` for the stacking axis into a variable's sharding
+    annotation; any other variable is split as ``spec`` says. A plain ``PartitionSpec``
+    places the stored variable as it is (``P('data')`` on a stacked weight splits its
+    layers: each step of the scan would gather the whole stack). The stacking is what
+    ``init``'s trace sees, so a rule's placement is known from ``init`` on.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm
+        >>> from flax import nnx
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from examples.flax_nnx.scan_over_layers import ScanMLP
+        >>> rules = [(gm.VariableFilter(roles=[gm.roles.WEIGHT]), gm.sharding.per_layer(P("data")))]
+        >>> program = gm.compile(lambda m, x: m(x).sum(), ScanMLP(4, n_layers=3, rngs=nnx.Rngs(0)),
+        ...                      mesh=jax.make_mesh((1,), ("data",)), rules=rules)
+        >>> program.init(jnp.ones((2, 4)))["model"]["layers"]["linear"]["kernel"].sharding.spec
+        P(None, 'data')
+    """
+    if not isinstance(spec, PartitionSpec):
+        raise TypeError(f"sharding.per_layer(spec): expected a PartitionSpec, got {spec!r}")
+    return PerLayer(spec)
 
 
 def data_parallel(axis: str = "data") -> dict[str, Any]:
@@ -49,16 +78,17 @@ def data_parallel(axis: str = "data") -> dict[str, Any]:
 def fsdp(axis: str = "data") -> dict[str, Any]:
     """Fully sharded data parallel: every weight split along its first dimension over
     ``axis`` (so are the optimizer's moments), biases and norms replicated, batches split
-    along ``axis``. A weight whose first dimension ``axis`` does not divide is refused at
-    ``init``, naming it and the rule that splits a later dimension instead (a weight
-    stacked over Flax's scanned layers has the layers first: ``P(None, axis)``).
+    along ``axis``. A weight stacked over Flax's scanned layers (or an ensemble's members)
+    is split along its first dimension after the stacking axes (:func:`per_layer`), so the
+    scan gathers one layer at a time. A weight whose dimension ``axis`` does not divide is
+    refused at ``init``, naming it and the rule that splits a later dimension instead.
 
     Examples:
         >>> import graphmod as gm
         >>> gm.sharding.fsdp()["rules"][0][1]
-        P('data',)
+        per_layer(P('data',))
     """
-    return {"rules": [(VariableFilter(roles=[roles.WEIGHT]), PartitionSpec(axis))],
+    return {"rules": [(VariableFilter(roles=[roles.WEIGHT]), per_layer(PartitionSpec(axis)))],
             "batch_axis": axis}
 
 
@@ -73,28 +103,31 @@ def tensor_parallel(axis: str = "model", batch_axis: str | None = "data") -> dic
     layers 0, 2, ... split by output feature, layers 1, 3, ... by input feature, so each
     pair needs one reduction. Everything else is replicated (a Flax model's MLP layers
     have no names to pair them by: split them with ``annotated`` or rules of your own);
-    batches are split along ``batch_axis`` (None: replicated).
+    batches are split along ``batch_axis`` (None: replicated). The specs are per layer
+    (:func:`per_layer`): attention stacked over scanned layers is split the same way.
 
     Examples:
         >>> import graphmod as gm
         >>> [(f.path, spec) for f, spec in gm.sharding.tensor_parallel()["rules"]][:2]
-        [('*/query.W', P(None, 'model')), ('*/query.b', P('model',))]
+        [('*/query.W', per_layer(P(None, 'model'))), ('*/query.b', per_layer(P('model',)))]
     """
-    columns, rows = PartitionSpec(None, axis), PartitionSpec(axis, None)
-    rules: list[tuple[VariableFilter, PartitionSpec]] = []
+    def split(*entries: Any) -> PerLayer:
+        return per_layer(PartitionSpec(*entries))
+
+    columns, rows = split(None, axis), split(axis, None)
+    rules: list[tuple[VariableFilter, PerLayer]] = []
     for projection in ("query", "key", "value"):
         rules += [(VariableFilter(path=f"*/{projection}.W"), columns),
-                  (VariableFilter(path=f"*/{projection}.b"), PartitionSpec(axis))]
+                  (VariableFilter(path=f"*/{projection}.b"), split(axis))]
     flax = [nnx.LinearGeneral]
     for projection in ("query", "key", "value"):
         rules += [(VariableFilter(bricks=flax, path=f"*/{projection}.kernel"),
-                   PartitionSpec(None, axis, None)),
-                  (VariableFilter(bricks=flax, path=f"*/{projection}.bias"),
-                   PartitionSpec(axis, None))]
-    rules += [(VariableFilter(bricks=flax, path="*/out.kernel"), PartitionSpec(axis, None, None)),
+                   split(None, axis, None)),
+                  (VariableFilter(bricks=flax, path=f"*/{projection}.bias"), split(axis, None))]
+    rules += [(VariableFilter(bricks=flax, path="*/out.kernel"), split(axis, None, None)),
               (VariableFilter(path="*/out.W"), rows),
               (VariableFilter(path="*/linear_layers/*[02468].W"), columns),
-              (VariableFilter(path="*/linear_layers/*[02468].b"), PartitionSpec(axis)),
+              (VariableFilter(path="*/linear_layers/*[02468].b"), split(axis)),
               (VariableFilter(path="*/linear_layers/*[13579].W"), rows)]
     return {"rules": rules, "batch_axis": batch_axis}
 

@@ -312,6 +312,13 @@ def test_bad_rules_are_refused_before_anything_runs() -> None:
         gm.compile(squared_error, mlp(), mesh=mesh, rules=(weights, P("data")))
     with pytest.raises(ValueError, match=r"rules\[0\].*names mesh axis 'data' twice"):
         gm.compile(squared_error, mlp(), mesh=mesh, rules=[(weights, P("data", "data"))])
+    with pytest.raises(TypeError, match=r"per_layer\(spec\): expected a PartitionSpec, got "
+                                        r"'data'"):
+        gm.sharding.per_layer("data")
+    with pytest.raises(ValueError, match=r"rules\[0\] \(VariableFilter\(roles=\(WEIGHT,\)\), "
+                                         r"per_layer\(P\('model',\)\)\) names mesh axis 'model'"):
+        gm.compile(squared_error, mlp(), mesh=mesh,
+                   rules=[(weights, gm.sharding.per_layer(P("model")))])
     tabled = gm.VariableFilter(path="model/linear_layers/0/W")  # as program.sharding() prints
     with pytest.warns(UserWarning, match=r"no rule selects a variable of the model, so every "
                       r"variable is replicated; .* such as /linear_layers/0\.W"):
@@ -329,9 +336,9 @@ def test_bad_rules_are_refused_before_anything_runs() -> None:
                                          r"\(path='/linear_layers/0\.W'\), PartitionSpec\(\)\)"):
         narrow.init(X[:8], Y[:8])
     assert narrow.record.examples is None  # the failed init kept nothing
-    # Flax's scan over layers: fsdp's first dimension is the 4 layers; the fix splits the next
+    # Flax's scan over layers split along the 4 layers; the fix splits the next dimension
     stacked = gm.compile(lambda m, x: m(x).sum(), ScanMLP(8, n_layers=4, rngs=nnx.Rngs(0)),
-                         mesh=mesh, **gm.sharding.fsdp())
+                         mesh=mesh, rules=[(weights, P("data"))])
     with pytest.raises(ValueError, match=r"kernel of shape \(4, 8, 8\): dimension 0 \(4\).*"
                        r"split a later dimension with a rule before it .*\(VariableFilter\("
                        r"path='/layers/linear\.kernel'\), P\(None, 'data'\)\)"):
@@ -339,6 +346,24 @@ def test_bad_rules_are_refused_before_anything_runs() -> None:
     with pytest.raises(ValueError, match=r"names 3 dimensions, the array has 2"):
         gm.compile(squared_error, mlp(), mesh=mesh,
                    rules=[(weights, P(None, None, "data"))]).init(X[:8], Y[:8])
+
+
+def test_fsdp_on_flax_scan_over_layers_splits_each_layer_and_gathers_one_at_a_time() -> None:
+    mesh = jax.make_mesh((8,), ("data",))
+    model = ScanMLP(8, n_layers=8, rngs=nnx.Rngs(0))  # 8 layers: P('data') would fit them
+    model.eval()
+    program = gm.compile(lambda m, x: (m(x) ** 2).mean(), model, mesh=mesh,
+                         **gm.sharding.fsdp())
+    variables = program.init(X)
+    assert variables["model"]["layers"]["linear"]["kernel"].sharding.spec == P(None, "data")
+    step = gm.optimize(program, optax.sgd(0.1))
+    state = step.init(variables, jax.random.key(0))
+    hlo = step._step.lower(state, X).compile().as_text()
+    gathered = [line for line in hlo.splitlines() if " all-gather(" in line]
+    assert gathered and all("f32[8,8]{" in line for line in gathered), gathered
+    alone = gm.compile(lambda m, x: (m(x) ** 2).mean(), model)
+    np.testing.assert_allclose(program.infer(variables, X), alone.infer(alone.init(X), X),
+                               rtol=1e-5)
 
 
 def test_a_checkpoint_saved_on_eight_devices_resumes_on_eight_four_and_one(tmp_path) -> None:
@@ -488,9 +513,10 @@ def test_the_provenance_record_says_where_a_program_ran() -> None:
     placement = program.provenance.inputs["placement"]
     assert placement["mesh"] == {"data": 2, "model": 4} and placement["batch_axis"] == "data"
     first = placement["rules"][0]
-    assert dict(first[0]) == {"path": "*/query.W"} and list(first[1]) == [None, "model"]
+    assert dict(first[0]) == {"path": "*/query.W"}
+    assert list(first[1]["per_layer"]) == [None, "model"]  # the preset's spec: one layer's
     stored = json.loads(json.dumps(program.provenance.to_dict()))["inputs"]["placement"]
-    assert stored["rules"][0] == [{"path": "*/query.W"}, [None, "model"]]
+    assert stored["rules"][0] == [{"path": "*/query.W"}, {"per_layer": [None, "model"]}]
     assert len(stored["rules"]) == len(gm.sharding.tensor_parallel()["rules"])
     alone = gm.compile(squared_error, mlp())
     alone.init(X[:8], Y[:8])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
@@ -23,6 +23,7 @@ from graphmod._core._variables import identity_of
 
 if TYPE_CHECKING:
     from graphmod._core._frame import Frame, OwnedKey
+    from graphmod._core._layout import VariableInfo
     from graphmod._core._manager import Manager
 
 
@@ -340,18 +341,25 @@ class ApplicationCall:
                        layers=_layers(self.brick, frame), layer=self._runner.layer_arrays)
 
 
+def stacked_slices(brick: Any, frame: Frame) -> Iterator[tuple[VariableInfo, int]]:
+    """``brick``'s own variables the trace in progress sees a slice of (inside a loop over
+    stacked layers, an ensemble's vmap), each with how many leading axes the slice lacks."""
+    for value in vars(brick).values():
+        info = frame.layout.by_identity.get(identity_of(value)) if isinstance(
+            value, nnx.Variable) else None
+        stacked = 0 if info is None else len(info.shape) - jnp.ndim(value.get_raw_value())
+        if stacked > 0:  # the stored variable has the loops' axes, the slice seen here not
+            yield info, stacked
+
+
 def _layers(brick: Any, frame: Frame) -> tuple[int, ...]:
     """The lengths of the loops over layers stacked on leading axes when the trace in
     progress sees a slice of ``brick``'s own variables; ``()`` when it sees the whole (a
     cell broadcast over steps, or no loop at all)."""
     if not frame.inner():
         return ()
-    for value in vars(brick).values():
-        info = frame.layout.by_identity.get(identity_of(value)) if isinstance(
-            value, nnx.Variable) else None
-        stacked = 0 if info is None else len(info.shape) - jnp.ndim(value.get_raw_value())
-        if stacked > 0:  # the stored variable has the loops' axes, the slice seen here not
-            return tuple(info.shape[:stacked])
+    for info, stacked in stacked_slices(brick, frame):
+        return tuple(info.shape[:stacked])
     return ()
 
 

@@ -32,7 +32,7 @@ from flax import nnx
 from graphmod import roles as _roles
 from graphmod._core import _context
 from graphmod._core._arguments import has_shape
-from graphmod._core._call import ApplicationCall
+from graphmod._core._call import ApplicationCall, stacked_slices
 from graphmod._core._filter import Tag
 from graphmod._core._spec import Spec, nested, replaced
 from graphmod.errors import GraphmodError
@@ -55,6 +55,8 @@ class Chain:
             # trace may replay it. Calls at the outer level run their Python anyway, so JAX's
             # own jitted helpers (random bits, ...) stay cached across them.
             _context.split_trace_caches()
+            for info, axes in stacked_slices(brick, frame):  # placed by rules per layer
+                frame.layout.note_stacked(info.identity, axes)
         self.frame = frame
         self.spec = spec
         self.brick = brick

@@ -184,6 +184,22 @@ class Layout:
         self._structure = structure(walked)
 
     @functools.cached_property
+    def _stacked(self) -> dict[str, int]:
+        """Variable identity -> the leading axes it stacks over loops or an ensemble's
+        members, as a trace saw a slice of it; filled as programs trace."""
+        return {}
+
+    def note_stacked(self, identity: str, axes: int) -> None:
+        """Notes that a trace saw variable ``identity`` without its ``axes`` leading axes (a
+        layer of a scan over layers, an ensemble's member)."""
+        self._stacked[identity] = axes
+
+    def stacked(self, identity: str) -> int:
+        """How many leading axes of variable ``identity`` stack layers or members (0 until
+        a trace saw a slice of it: ``init`` traces the program)."""
+        return self._stacked.get(identity, 0)
+
+    @functools.cached_property
     def identity_at(self) -> dict[str, str]:
         """Variable identities by variable path."""
         return {info.path: info.identity for info in self.variables}

@@ -5,6 +5,7 @@ fitted to its shape on a mesh. ``compile(rules=...)`` places variables by them,
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import math
 import warnings
@@ -17,10 +18,34 @@ from graphmod._core._filter import VariableFilter
 from graphmod._core._layout import Layout
 from graphmod._core._selection import stored_tag
 
-__all__ = ["Rule", "axis_names", "checked_rules", "first_rule", "fitting", "misfit",
-           "warn_if_none_match"]
+__all__ = ["PerLayer", "Rule", "axis_names", "checked_rules", "first_rule", "fitting",
+           "misfit", "warn_if_none_match"]
 
-Rule = tuple[VariableFilter, PartitionSpec]
+
+@dataclasses.dataclass(frozen=True)
+class PerLayer:
+    """A ``PartitionSpec`` of one layer's own dimensions (``graphmod.sharding.per_layer``):
+    a variable stacked over layers (Flax's scan over layers) or an ensemble's members gets
+    its stacking axes whole in front, as Flax's ``nnx.vmap`` inserts ``None`` into a
+    variable's sharding annotation; an unstacked variable gets ``spec`` as it is.
+
+    Examples:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> PerLayer(P("data")).placing(2)
+        P(None, None, 'data')
+    """
+
+    spec: PartitionSpec
+
+    def placing(self, stacked: int) -> PartitionSpec:
+        """The spec of a variable with ``stacked`` leading axes of layers or members."""
+        return PartitionSpec(*[None] * stacked, *self.spec)
+
+    def __repr__(self) -> str:
+        return f"per_layer({self.spec})"
+
+
+Rule = tuple[VariableFilter, PartitionSpec | PerLayer]
 
 
 def first_rule(rules: Sequence[Rule], argument: str, layout: Layout, key: tuple,
@@ -41,7 +66,9 @@ def first_rule(rules: Sequence[Rule], argument: str, layout: Layout, key: tuple,
     tag = stored_tag(layout, key)
     for index, (rule_filter, spec) in enumerate(rules):
         if rule_filter.matches(tag, layout.instance_paths):
-            return fitting(spec, f"{argument}[{index}] ({rule_filter!r}, {spec})", what,
+            placed = (spec.placing(layout.stacked(layout.by_key[key].identity))
+                      if isinstance(spec, PerLayer) else spec)
+            return fitting(placed, f"{argument}[{index}] ({rule_filter!r}, {spec})", what,
                            tag.path, shape, mesh)
     return None
 
@@ -169,7 +196,8 @@ def warn_if_none_match(rules: Sequence[Rule], layout: Layout) -> None:
 
 def _checked_rule(mesh: Mesh, where: str, argument: str, index: int, rule: Any) -> Rule:
     if not (isinstance(rule, tuple | list) and len(rule) == 2
-            and isinstance(rule[0], VariableFilter) and isinstance(rule[1], PartitionSpec)):
+            and isinstance(rule[0], VariableFilter)
+            and isinstance(rule[1], PartitionSpec | PerLayer)):
         raise TypeError(f"{where}: {argument}[{index}] must be a (VariableFilter, "
                         f"PartitionSpec) pair, got {rule!r}{_pair_hint(rule, argument)}")
     rule_filter, spec = rule
@@ -177,7 +205,8 @@ def _checked_rule(mesh: Mesh, where: str, argument: str, index: int, rule: Any) 
         raise TypeError(f"{where}: {argument}[{index}] {rule_filter!r} selects application "
                         "calls; a stored variable belongs to no call: use bricks=, roles=, "
                         "name=, name_regex= or path=")
-    named = [axis for entry in spec for axis in axis_names(entry)]
+    entries = spec.spec if isinstance(spec, PerLayer) else spec
+    named = [axis for entry in entries for axis in axis_names(entry)]
     for axis in named:
         if axis not in mesh.axis_names:
             raise ValueError(f"{where}: {argument}[{index}] ({rule_filter!r}, {spec}) "

@@ -20,6 +20,7 @@ from graphmod._core._construction import (
     key_record,
 )
 from graphmod._core._layout import Layout, brick_path_string, walk_nodes
+from graphmod._core._rules import PerLayer
 from graphmod._core._selection import trained_record
 from graphmod._records._environment import host, platform_record, versions
 from graphmod._records._fingerprint import fingerprint
@@ -202,12 +203,15 @@ def placement_record(placement: Any, layout: Layout) -> dict[str, Any]:
 
 def rules_record(rules: Any, layout: Layout) -> list[list[Any]]:
     """Placement rules as plain data: each filter as program records write it, each spec
-    as a list (a tuple of axes as a list)."""
+    as a list (a tuple of axes as a list; one layer's, ``per_layer``, as
+    ``{"per_layer": [...]}``)."""
     return [[filter_record(f, layout), _spec(s)] for f, s in rules]
 
 
-def _spec(entries: Any) -> list[Any]:
-    return [list(e) if isinstance(e, tuple) else e for e in entries]
+def _spec(spec: Any) -> list[Any] | dict[str, list[Any]]:
+    if isinstance(spec, PerLayer):  # one layer's spec (graphmod.sharding.per_layer)
+        return {"per_layer": _spec(spec.spec)}
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
 
 
 def data_record(data: Any) -> dict[str, Any]:
