@@ -39,8 +39,8 @@ class MLP(nnx.Module):
 class Ensemble(nnx.Module):
     """Flax's ensemble (the NNX transforms guide): members made and called by nnx.vmap."""
 
-    def __init__(self) -> None:
-        @nnx.split_rngs(splits=MEMBERS)
+    def __init__(self, members: int = MEMBERS) -> None:
+        @nnx.split_rngs(splits=members)
         @nnx.vmap(in_axes=0, out_axes=0)
         def create(rngs: nnx.Rngs) -> MLP:
             return MLP(rngs)

@@ -25,6 +25,7 @@ from graphmod import On, at
 from graphmod import roles as R
 from graphmod._train._loop._steps import bounded, steps_in_flight
 from graphmod.plugins import Checkpoint
+from tests.test_ensembles import Ensemble
 
 X = np.random.RandomState(0).randn(32, 8).astype(np.float32)
 Y = np.random.RandomState(1).randn(32, 4).astype(np.float32)
@@ -351,7 +352,6 @@ def test_bad_rules_are_refused_before_anything_runs() -> None:
 def test_fsdp_on_flax_scan_over_layers_splits_each_layer_and_gathers_one_at_a_time() -> None:
     mesh = jax.make_mesh((8,), ("data",))
     model = ScanMLP(8, n_layers=8, rngs=nnx.Rngs(0))  # 8 layers: P('data') would fit them
-    model.eval()
     program = gm.compile(lambda m, x: (m(x) ** 2).mean(), model, mesh=mesh,
                          **gm.sharding.fsdp())
     variables = program.init(X)
@@ -364,6 +364,29 @@ def test_fsdp_on_flax_scan_over_layers_splits_each_layer_and_gathers_one_at_a_ti
     alone = gm.compile(lambda m, x: (m(x) ** 2).mean(), model)
     np.testing.assert_allclose(program.infer(variables, X), alone.infer(alone.init(X), X),
                                rtol=1e-5)
+
+
+def test_an_ensemble_split_over_devices_keeps_each_members_manager_state_with_it() -> None:
+    mesh = jax.make_mesh((4, 2), ("members", "data"))
+    rules = [(gm.VariableFilter(path="/members/*"), P("members"))]  # the stored member axis
+    x = X[:8, :4]
+
+    def build(**placement: Any) -> gm.Program:
+        norm = managers.BatchNorm(bricks=[nnx.Linear], roles=[R.OUTPUT])
+        return gm.compile(lambda m, x: m(x), Ensemble(4), managers=[norm, managers.LoRA(rank=2)],
+                          **placement)
+
+    program = build(mesh=mesh, rules=rules, batch_axis="data")
+    variables = program.init(x)
+    stats = variables["managers"]["batch_norm"]["/members/l1"]["apply"]["output.mean"]
+    adapter = variables["managers"]["lora"]["/members/l1"]["kernel"]["a"]
+    assert stats.shape == (4, 8) and stats.sharding.spec == P("members")
+    assert adapter.sharding.spec == P("members", None, None)  # follows the kernel
+    alone = build()
+    out, new = program.train(variables, x, rng=jax.random.key(0))
+    out_alone, new_alone = alone.train(alone.init(x), x, rng=jax.random.key(0))
+    np.testing.assert_allclose(out, out_alone, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(new["managers"], new_alone["managers"], rtol=1e-5, atol=1e-6)
 
 
 def test_a_checkpoint_saved_on_eight_devices_resumes_on_eight_four_and_one(tmp_path) -> None:

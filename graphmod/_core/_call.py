@@ -183,7 +183,8 @@ class ApplicationCall:
         """A key for a variable's initial value (:meth:`variable`), from ``seed`` alone: the
         same at every ``init``; in a loop body over stacked layers (``nnx.scan``), folded
         with the layer's position, so layer ``i`` draws from ``fold_in(key, i)`` and no
-        two layers start alike (LoRA's ``A``).
+        two layers start alike (LoRA's ``A``); for a member of an ensemble (``nnx.vmap``),
+        folded with the member's index.
 
         Examples:
             >>> import jax, jax.numpy as jnp, graphmod as gm

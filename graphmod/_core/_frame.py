@@ -214,11 +214,11 @@ class Frame:
     def rng(self, parts: tuple[str, ...], call_id: int, *, per_step: bool = True,
             witnesses: Callable[[], Sequence[Any]] = tuple) -> Any:
         """The key of a draw: the step key folded with CRC32 of ``parts`` and the call id,
-        then (``per_step``) with ``graphmod.scan``'s step indices and the device index under
-        ``axis_name``; inside a loop body JAX traces once (``nnx.scan``, ``lax.scan``, ...;
-        ``per_step``) with the position of every loop around it, outermost first, and under
-        ``vmap`` with the mapped index if a ``witnesses()`` array is mapped (always; see
-        ``graphmod._core._loop_keys``)."""
+        then (``per_step``) with ``graphmod.scan``'s step indices, with the device index
+        under ``axis_name``; inside a loop body JAX traces once (``nnx.scan``, ``lax.scan``,
+        ...; ``per_step``) with the position of every loop around it, outermost first, and
+        under ``vmap`` (``per_step`` or not) with the mapped index if a ``witnesses()``
+        array is mapped (see ``graphmod._core._loop_keys``)."""
         if self.mode == "init":
             return jax.random.key(0)  # placeholder: init only needs shapes
         if not self.training:

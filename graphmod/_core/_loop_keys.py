@@ -110,11 +110,12 @@ owned_write_p = jax.extend.core.Primitive("owned_write")
 owned_write_p.multiple_results = True
 owned_write_p.def_abstract_eval(lambda aval, *layer, key, depth: [])
 owned_out_p = jax.extend.core.Primitive("owned_out")
+owned_out_p.def_abstract_eval(lambda aval, *, key, fresh: aval)
+MARKERS = (loop_key_p, owned_read_p, owned_write_p, owned_out_p)
+
 # The values of a calling layer's own variables, asked for where a marker is made: an
 # ensemble's vmap maps them (its members' variables stack on their first axis).
 Layer = Callable[[], Sequence[Any]]
-owned_out_p.def_abstract_eval(lambda aval, *, key, fresh: aval)
-MARKERS = (loop_key_p, owned_read_p, owned_write_p, owned_out_p)
 
 
 def named(key: tuple) -> str:
@@ -178,7 +179,7 @@ batching.primitive_batchers[owned_write_p] = _batch_write
 
 # Set while ``resolving`` traces a function as it is, assuming it marks no key.
 assume_unmarked: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "graphmodassume_unmarked", default=False)
+    "graphmod_assume_unmarked", default=False)
 
 
 # Set while an owned variable's initial value is computed eagerly (only its shape is kept
@@ -209,7 +210,7 @@ def mark(key: jax.Array, witnesses: Sequence[jax.Array] = (), *, loops: bool = T
     ``witnesses`` is mapped, folded with the mapped element's index as well.
 
     Examples:
-        >>> import jax
+        >>> import jax, jax.numpy as jnp
         >>> from graphmod._core._loop_resolution import resolving
         >>> key = jax.random.key(0)
         >>> draw = resolving(lambda k: jax.lax.scan(

@@ -16,7 +16,10 @@ Sharp edges
     A manager's variable owned per parameter (LoRA's ``a`` and ``b``, WeightNorm's ``g``)
     follows its parameter: each of its dimensions, matched from the right, takes the
     parameter's mesh axis where the two sizes agree, and is whole elsewhere. Variables owned
-    per application call (BatchNorm's statistics) and hyperparameters are replicated.
+    per application call (BatchNorm's statistics) and hyperparameters are replicated, except
+    the leading axes a layer's variables stack over scanned layers or an ensemble's members:
+    placed as all the layer's parameters are there, when they agree (an ensemble split over
+    devices keeps each member's statistics on its devices).
     A batch leaf whose leading size the batch axis does not divide (a last, smaller
     evaluation batch) is replicated, not refused: the result is the same, only slower; the
     trace warns, naming the shape and a batch size that divides.
@@ -112,20 +115,26 @@ class Placement:
         spec does not fit the variable (more dimensions, or a size the axes do not divide).
         """
         specs: dict[str, tuple[PartitionSpec, tuple[int, ...]]] = {}
+        stacks: dict[str, set[tuple]] = {}  # layer path -> its parameters' stacked axes' specs
 
         def model(node: Any, key: tuple) -> Any:
             if isinstance(node, Mapping):
                 return {k: model(v, (*key, k)) for k, v in node.items()}
-            spec = self._model_spec(layout, key, tuple(jax.typeof(node).shape))
-            specs[layout.by_key[key].path] = (spec, tuple(jax.typeof(node).shape))
+            info, shape = layout.by_key[key], tuple(jax.typeof(node).shape)
+            spec = self._model_spec(layout, key, shape)
+            specs[info.path] = (spec, shape)
+            stacks.setdefault(info.path.rpartition(".")[0], set()).add(
+                (*spec, *[None] * len(shape))[:layout.stacked(info.identity)])
             return NamedSharding(self.mesh, spec)
 
         placed = {"model": model(variables["model"], ())}
 
         def owned(key: tuple, value: Any) -> NamedSharding:
             followed = specs.get(f"{key[1]}.{key[2]}") if len(key) == 5 else None
-            if followed is None:
-                return NamedSharding(self.mesh, PartitionSpec())
+            if followed is None:  # per application call: as its layer's stacked axes
+                stacked = stacks.get(key[1], set()) if len(key) == 5 else set()
+                return NamedSharding(self.mesh, PartitionSpec(*next(iter(stacked)))
+                                     if len(stacked) == 1 else PartitionSpec())
             return NamedSharding(self.mesh, _follow(*followed, tuple(jax.typeof(value).shape)))
 
         placed["managers"] = map_leaves(variables["managers"], owned)
