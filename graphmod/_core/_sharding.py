@@ -133,8 +133,9 @@ class Placement:
             followed = specs.get(f"{key[1]}.{key[2]}") if len(key) == 5 else None
             if followed is None:  # per application call: as its layer's stacked axes
                 stacked = stacks.get(key[1], set()) if len(key) == 5 else set()
-                return NamedSharding(self.mesh, PartitionSpec(*next(iter(stacked)))
-                                     if len(stacked) == 1 else PartitionSpec())
+                leading = next(iter(stacked)) if len(stacked) == 1 else ()
+                fits = len(leading) <= len(jax.typeof(value).shape)  # stacked as its layer
+                return NamedSharding(self.mesh, PartitionSpec(*leading if fits else ()))
             return NamedSharding(self.mesh, _follow(*followed, tuple(jax.typeof(value).shape)))
 
         placed["managers"] = map_leaves(variables["managers"], owned)

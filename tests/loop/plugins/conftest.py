@@ -24,7 +24,7 @@ def problem() -> Problem:
     return Problem()
 
 
-class PerLayer:
+class LayerMetric:
     """Flax's scan over layers trained with ``ActivationStats``: a metric with one value
     per layer (:attr:`name`, shape ``(3,)``)."""
 
@@ -49,8 +49,8 @@ class PerLayer:
 
 
 @pytest.fixture(scope="session")
-def per_layer() -> PerLayer:
-    return PerLayer()
+def layer_metric() -> LayerMetric:
+    return LayerMetric()
 
 
 def fire_scores(scores: Iterable[float], metric: str = "valid/loss") -> Callable[[gm.Event], None]:

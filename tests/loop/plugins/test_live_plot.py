@@ -11,7 +11,7 @@ from graphmod import On, each
 from graphmod.plugins import LivePlot
 from graphmod.plugins._live_plot import _in_notebook
 from tests.loop.conftest import Problem
-from tests.loop.plugins.conftest import PerLayer, fire_scores
+from tests.loop.plugins.conftest import LayerMetric, fire_scores
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -32,13 +32,13 @@ def test_headless_run_records_the_metrics_and_writes_a_png(problem: Problem, tmp
     assert not list(path.parent.glob("*.tmp*"))
 
 
-def test_a_metric_per_layer_is_one_line_per_layer_in_its_panel(per_layer: PerLayer,
+def test_a_metric_per_layer_is_one_line_per_layer_in_its_panel(layer_metric: LayerMetric,
                                                                 tmp_path) -> None:
     every = On("step", step=each(2))
     seen: list[np.ndarray] = []
-    plot = LivePlot(per_layer.name, "loss", path=tmp_path / "plot.png", every=every)
-    per_layer.loop([plot], seen, every).run(per_layer.state())
-    name = per_layer.name
+    plot = LivePlot(layer_metric.name, "loss", path=tmp_path / "plot.png", every=every)
+    layer_metric.loop([plot], seen, every).run(layer_metric.state())
+    name = layer_metric.name
     assert plot.panels() == {name: [f"{name}[{i}]" for i in range(3)], "loss": ["loss"]}
     for i in range(3):
         assert [v for _, v in plot.history[f"{name}[{i}]"]] == [float(m[i]) for m in seen]

@@ -14,7 +14,7 @@ import graphmod as gm
 from graphmod import On, at, each
 from graphmod.plugins import Logger, _logger
 from tests.loop.conftest import Problem
-from tests.loop.plugins.conftest import PerLayer, fire_scores
+from tests.loop.plugins.conftest import LayerMetric, fire_scores
 
 TIMES = ["step", "epoch", "examples", "seconds", "train_seconds"]
 
@@ -99,13 +99,13 @@ def test_a_resumed_run_cuts_the_log_back_to_its_checkpoint(problem: Problem, tmp
     assert resumed.rows == 3
 
 
-def test_a_metric_per_layer_is_one_column_per_index(per_layer: PerLayer, tmp_path) -> None:
+def test_a_metric_per_layer_is_one_column_per_index(layer_metric: LayerMetric, tmp_path) -> None:
     every = On("step", step=each(2))
     seen: list[np.ndarray] = []
     log = Logger(tmp_path / "log.csv", every=every, tensorboard=False)
-    per_layer.loop([log], seen, every).run(per_layer.state())
+    layer_metric.loop([log], seen, every).run(layer_metric.state())
     rows = _csv_rows(log.path)
-    name = per_layer.name
+    name = layer_metric.name
     assert {"loss", *(f"{name}[{i}]" for i in range(3))} <= set(rows[0])
     assert f"{name}[3]" not in rows[0]
     assert [[float(r[f"{name}[{i}]"]) for i in range(3)] for r in rows] == [
