@@ -182,3 +182,12 @@ def test_optimize_steps_draw_per_layer_as_program_train_does() -> None:
                                rtol=1e-6)
     unresolved = functools.partial(gm.Program._train_traced, program)
     assert not np.allclose(metrics["loss"], unresolved(variables, key, (X,), {})[0])
+
+
+def test_a_key_not_folded_with_loops_is_never_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
+    evaluated = []
+    monkeypatch.setattr(_loop_resolution, "_evaluate", lambda *a: evaluated.append(a))
+    f = resolving(lambda key: jax.lax.scan(
+        lambda c, _: (c, uniform(mark(key, loops=False))), 0, length=3)[1])
+    np.testing.assert_array_equal(f(KEY), jnp.stack([uniform(KEY)] * 3))
+    assert evaluated == []  # traced as it is: only a vmap folds such a key

@@ -207,7 +207,8 @@ def mark(key: jax.Array, witnesses: Sequence[jax.Array] = (), *, loops: bool = T
          ) -> jax.Array:
     """``key``, marked to be folded with the index of every loop around it (``loops``; see
     the module docstring); the identity where no loop is. Under ``vmap``, if any of
-    ``witnesses`` is mapped, folded with the mapped element's index as well.
+    ``witnesses`` is mapped, folded with the mapped element's index as well (as it traces:
+    a key not folded with loops never makes the program's trace go through a jaxpr).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -224,7 +225,11 @@ def mark(key: jax.Array, witnesses: Sequence[jax.Array] = (), *, loops: bool = T
         >>> bool(members[0] != members[1])
         True
     """
-    return key if _eager.get() else _bind(loop_key_p, key, *witnesses, loops=loops)
+    if _eager.get():
+        return key
+    if not loops:  # nothing to resolve: only a vmap's batching rule folds it, as it traces
+        return loop_key_p.bind(key, *witnesses, loops=False)
+    return _bind(loop_key_p, key, *witnesses, loops=True)
 
 
 def read_slice(stack: jax.Array, depth: int, key: tuple, layer: Sequence[jax.Array] = ()
