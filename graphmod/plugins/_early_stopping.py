@@ -12,8 +12,9 @@ import jax.numpy as jnp
 from graphmod._core._naming import did_you_mean
 from graphmod._core._numbers import is_real_number, is_whole_number
 from graphmod._train._events import AnyOf, Event, On, Template
+from graphmod._train._host_metrics import host_value
 from graphmod._train._plugin import Plugin
-from graphmod.plugins._common import event_metrics, host_value, template_or
+from graphmod.plugins._common import event_metrics, template_or
 from graphmod.typing import LoopLike
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import sys
 import time as _time
 from typing import Any
@@ -19,12 +18,11 @@ import numpy as np
 
 from graphmod._core._numbers import is_real_number
 from graphmod._train._events import Event, On, Template
+from graphmod._train._host_metrics import metric_of, scalar_metrics
 from graphmod._train._plugin import Plugin
 from graphmod._train._schedule import each
-from graphmod.plugins._common import event_metrics, metric_names, scalar_metrics, template_or
+from graphmod.plugins._common import event_metrics, metric_names, template_or
 from graphmod.typing import LoopLike
-
-_INDEX = re.compile(r"\[\d+\]$")  # a one-dimensional metric's key: "name[i]"
 
 
 class LivePlot(Plugin):
@@ -144,7 +142,7 @@ class LivePlot(Plugin):
         in :attr:`history` (a one-dimensional metric's ``name[i]``, one line each)."""
         panels: dict[str, list[str]] = {}
         for key in self.history:
-            panels.setdefault(_INDEX.sub("", key), []).append(key)
+            panels.setdefault(metric_of(key), []).append(key)
         return {name: panels[name] for name in (self.metric_names or tuple(panels))
                 if name in panels}
 

@@ -22,16 +22,10 @@ from collections.abc import Iterable
 from typing import Any, TextIO
 
 from graphmod._train._events import TIMELINES, Event, On, Template
+from graphmod._train._host_metrics import copying, on_host, scalar_metrics
 from graphmod._train._plugin import Plugin
 from graphmod._train._schedule import each
-from graphmod.plugins._common import (
-    copying,
-    event_metrics,
-    metric_names,
-    on_host,
-    scalar_metrics,
-    template_or,
-)
+from graphmod.plugins._common import event_metrics, metric_names, template_or
 from graphmod.typing import LoopLike
 
 _FORMATS = {".csv": "csv", ".jsonl": "jsonl"}

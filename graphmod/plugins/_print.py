@@ -10,9 +10,10 @@ import numpy as np
 from tqdm import tqdm
 
 from graphmod._train._events import Event, On, Template
+from graphmod._train._host_metrics import host_value
 from graphmod._train._plugin import Plugin
 from graphmod._train._schedule import each
-from graphmod.plugins._common import event_metrics, host_value, metric_names, template_or
+from graphmod.plugins._common import event_metrics, metric_names, template_or
 from graphmod.typing import LoopLike
 
 

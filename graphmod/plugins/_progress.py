@@ -9,15 +9,9 @@ from typing import Any
 
 from graphmod._core._numbers import is_whole_number
 from graphmod._train._events import Event, On, Template
+from graphmod._train._host_metrics import copying, on_host, scalar_metrics
 from graphmod._train._plugin import Plugin
-from graphmod.plugins._common import (
-    copying,
-    metric_names,
-    on_host,
-    planned_steps,
-    scalar_metrics,
-    template_or,
-)
+from graphmod.plugins._common import metric_names, planned_steps, template_or
 from graphmod.typing import LoopLike
 
 

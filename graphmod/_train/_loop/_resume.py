@@ -7,12 +7,11 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import numpy as np
-
 from graphmod._records._collect import data_record
 from graphmod._train._batch import step_arguments
 from graphmod._train._checkpoint import CheckpointReader
 from graphmod._train._command import recorded_command
+from graphmod._train._host_metrics import scalar_metrics
 
 
 def read_checkpoint(directory: str | os.PathLike, template: Any, step: Any,
@@ -89,26 +88,12 @@ def loop_record(loop: Any, plugins: dict[str, Any]) -> dict[str, Any]:
         "loop": {"epochs": loop.epochs, "steps": loop.max_steps,
                  "steps_per_call": loop.steps_per_call},
         "plugins": plugins,
-        "metrics": scalar_metrics(loop.metrics),
+        "metrics": scalar_metrics(loop.metrics) if isinstance(loop.metrics, Mapping) else {},
         "data": data() if callable(data) else None,
         "data_changes": list(loop.data_changes),
         "setting_changes": list(loop.setting_changes),
         "command": recorded_command(),  # what `graphmod resume DIR` runs again
     }
-
-
-def scalar_metrics(metrics: Any) -> dict[str, float]:
-    """The latest step's scalar metrics as floats (a checkpoint's copy, JSON; read from the
-    device once per save).
-
-    Examples:
-        >>> import numpy as np
-        >>> scalar_metrics({"loss": np.float32(0.5), "per_class": np.ones(3)})
-        {'loss': 0.5}
-    """
-    if not isinstance(metrics, Mapping):
-        return {}
-    return {str(name): float(value) for name, value in metrics.items() if np.ndim(value) == 0}
 
 
 def data_changes(meta: dict[str, Any], data: Iterable[Any],
