@@ -40,3 +40,23 @@ def test_a_raising_cell_fails_the_build_naming_the_notebook(tmp_path: Path) -> N
     with pytest.raises(PluginError, match=r"notebooks/bad\.ipynb: a cell raised(.|\n)*boom"):
         load_docs_hook("notebooks")._execute(source, into)
     assert os.listdir(into) == []  # nothing half-run is rendered
+
+
+def test_a_cell_showing_a_warning_fails_the_build_naming_the_notebook_and_cell(
+        tmp_path: Path) -> None:
+    source = _notebook(tmp_path / "noisy.ipynb", "x = 1",
+                       "import warnings\nwarnings.warn('rows not split', UserWarning)")
+    into = tmp_path / "executed"
+    into.mkdir()
+    with pytest.raises(PluginError, match=r"notebooks/noisy\.ipynb: cell 2 shows a warning"
+                                          r"(.|\n)*UserWarning: rows not split"):
+        load_docs_hook("notebooks")._execute(source, into)
+    assert os.listdir(into) == []
+
+
+def test_text_on_stderr_that_is_no_warning_passes(tmp_path: Path) -> None:
+    source = _notebook(tmp_path / "quiet.ipynb",
+                       "import sys\nprint('Warning: this is a log line', file=sys.stderr)")
+    into = tmp_path / "executed"
+    into.mkdir()
+    assert load_docs_hook("notebooks")._execute(source, into).exists()

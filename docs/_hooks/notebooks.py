@@ -7,13 +7,15 @@ working in ``notebooks/``, as Jupyter would), into a temporary folder, and adds 
 copies to the site's files as documentation pages, after mkdocs-jupyter's own ``on_files``
 (whose wrapper only handles files inside ``docs/``); mkdocs-jupyter then renders them
 (``execute: false`` in ``mkdocs.yml``: it would run them one after the other). A cell that
-raises fails the build with its traceback.
+raises fails the build with its traceback, and so does a cell that shows a Python warning
+(a tutorial that warns teaches the reader to ignore warnings).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +30,9 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+
+# A warning as Python's warnings module prints it: "path:line: SomeWarning: message".
+_WARNING = re.compile(r"^\S.*:\d+: \w*Warning: .*$", re.MULTILINE)
 
 
 class NotebookPage(File):
@@ -46,6 +51,14 @@ def _execute(notebook: Path, into: Path) -> Path:
                        store_widget_state=True).execute()
     except CellExecutionError as error:
         raise PluginError(f"notebooks/{notebook.name}: a cell raised\n{error}") from error
+    for number, cell in enumerate(executed.cells, 1):
+        shown = [_WARNING.search(output.get("text", "")) for output in cell.get("outputs", ())
+                 if output.get("name") == "stderr"]
+        warning = next((match.group(0) for match in shown if match), None)
+        if warning:
+            raise PluginError(f"notebooks/{notebook.name}: cell {number} shows a warning "
+                              f"(avoid its cause, or catch it where the notebook means it):"
+                              f"\n{warning}")
     nbformat.write(executed, into / notebook.name)
     return into / notebook.name
 
