@@ -3,7 +3,6 @@ monitors checked, and a program of the type the caller asks for."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -15,6 +14,7 @@ from graphmod._core._manager import Manager
 from graphmod._core._program_checks import check_managers, monitors, warn_outside_modules
 from graphmod._core._program_record import Shared
 from graphmod._core._sharding import Placement
+from graphmod._core._warn import warn
 
 __all__ = ["compile_program"]
 
@@ -47,10 +47,10 @@ def compile_program(
     active = _context.active_managers()
     chosen = active if managers is None else tuple(managers)
     if ignored := [m.name for m in active if all(m is not c for c in chosen)]:
-        warnings.warn(
+        warn(
             f"compile(managers=[...]) uses exactly the managers listed: {ignored}, active in "
             "a with block, are not among them and are ignored. List every manager "
-            "(managers=[...]), or enter them all in with blocks", stacklevel=3)
+            "(managers=[...]), or enter them all in with blocks")
     labelled = monitors(monitor)
     for label, monitor_filter in labelled.items():
         layout.resolve(monitor_filter.brick_instances(), f"monitor[{label!r}]")

@@ -23,9 +23,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-import sys
-import warnings
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, ClassVar
 
 import jax
@@ -35,6 +34,7 @@ from graphmod._core import _context
 from graphmod._core._construction import record_construction
 from graphmod._core._filter import Tag, VariableFilter
 from graphmod._core._naming import snake_case
+from graphmod._core._warn import warn
 from graphmod.typing import HookContext, Variables, WrapContext
 
 
@@ -141,19 +141,19 @@ def _deprecated_name(manager: Manager, name: str, manager_name: str | None) -> s
     if manager_name is not None:
         raise TypeError(f"{cls}(name={name!r}, manager_name={manager_name!r}): name= is the "
                         "deprecated spelling of manager_name=; pass manager_name= only")
-    # Point the warning at the user's line, past the chain of super().__init__ calls.
-    frame, level = sys._getframe(1), 2
-    while (frame.f_back is not None and frame.f_code.co_name == "__init__"
-           and isinstance(frame.f_locals.get("self"), Manager)):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(
+    warn(  # at the user's line, past a user's subclass's super().__init__ calls too
         f"{cls}(name={name!r}): name= is deprecated because it reads like a variable filter. "
         f"It names the manager {name!r} (as before) and does not narrow what it rewrites. "
         f"Write {cls}(manager_name={name!r}) to name the manager, or "
         f"{cls}(variable_name={name!r}) to rewrite only the variables named {name!r}.",
-        DeprecationWarning, stacklevel=level,
+        DeprecationWarning, past=_manager_init,
     )
     return name
+
+
+def _manager_init(frame: FrameType) -> bool:
+    """Whether ``frame`` runs a manager's ``__init__`` (a subclass's, calling its base's)."""
+    return frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), Manager)
 
 
 def _chosen_filter(manager: Manager, filter: Any, given: dict[str, Any]) -> VariableFilter:

@@ -6,7 +6,6 @@ warns of: Flax layers a module flag keeps in eval mode in training."""
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,6 +23,7 @@ from graphmod._core._frame import Frame
 from graphmod._core._layout import Layout
 from graphmod._core._manager import Manager
 from graphmod._core._unmatched import unmatched_hints
+from graphmod._core._warn import warn
 from graphmod.errors import ManagerConflict, ManagerMatchedNothing, VariablesMismatch
 
 __all__ = ["check_managers", "check_strict", "check_variables", "monitors", "warn_held_off",
@@ -85,13 +85,13 @@ def warn_held_off(frame: Frame) -> None:
         return
     held = [f"{path} ({flag})" for path, flag in frame.held_off.items()]
     shown = ", ".join(held[:6]) + (f" and {len(held) - 6} more" if len(held) > 6 else "")
-    warnings.warn(
+    warn(
         f"these Flax layers stay in eval mode in the program's training: {shown}. A flag set "
         "on the module (at construction, or by model.eval()) wins over the program's mode. "
         "If that is not meant, call model.train() before the program traces (a program's "
         "modes take the place of train()/eval()); to keep a layer frozen without this "
         "warning, pass the flag in the call (e.g. self.norm(x, use_running_average=True))",
-        UserWarning, stacklevel=3)
+        UserWarning)
 
 
 def warn_outside_modules(fn: Callable[..., Any], layout: Layout) -> None:
@@ -117,14 +117,14 @@ def warn_outside_modules(fn: Callable[..., Any], layout: Layout) -> None:
                for name, value in {**names.nonlocals, **names.globals}.items()
                if isinstance(value, nnx.Module) and layout.brick_path(value) is None]
     if outside:
-        warnings.warn(
+        warn(
             f"compile(fn, model): fn reads modules from outside the model, "
             f"{', '.join(outside)}: a program holds their variables as constants (not "
             "trained, not saved, not seen by managers). Make each part of the model (an "
             "attribute, or compile(fn, nnx.Dict(model=model, head=head)) and read it from "
             "the model argument); one meant to stay as it is (a frozen teacher) needs no "
             "change: ignore this warning",
-            UserWarning, stacklevel=4)
+            UserWarning)
 
 
 def check_variables(variables: Any, layout: Layout, reference: Mapping | None) -> None:

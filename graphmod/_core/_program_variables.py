@@ -5,7 +5,6 @@ Read from the layout and the roles ``init`` gave the managers' variables: no tra
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +15,7 @@ from graphmod import roles as _roles
 from graphmod._core import _owned_layout as owned_layout
 from graphmod._core._program_record import Shared
 from graphmod._core._role_tree import is_one_of, merge, role_tree, select
+from graphmod._core._warn import warn
 
 __all__ = ["VariablesByRole"]
 
@@ -49,11 +49,10 @@ class VariablesByRole:
         unmerged = [m.name for m in self._managers if callable(getattr(m, "merge", None))
                     and jax.tree.leaves(variables["managers"].get(m.name, {}))]
         if unmerged:
-            warnings.warn(
+            warn(
                 f"program.update_model writes the model's own arrays, and the model called "
                 f"eagerly runs without managers: the variables of {unmerged} would be left "
-                f"out. Fold them in first: program.update_model({unmerged[0]}.merge(variables))",
-                stacklevel=2)
+                f"out. Fold them in first: program.update_model({unmerged[0]}.merge(variables))")
         layout = self._shared.layout
         layout.check_unchanged("program.update_model(variables)")
         for identity, value in values.items():

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from graphmod._core._filter import VariableFilter
 from graphmod._core._layout import Layout
 from graphmod._core._selection import stored_tag
+from graphmod._core._warn import warn
 
 __all__ = ["PerLayer", "Rule", "axis_names", "checked_rules", "first_rule", "fitting",
            "misfit", "warn_if_none_match"]
@@ -189,9 +189,9 @@ def warn_if_none_match(rules: Sequence[Rule], layout: Layout) -> None:
     tags = [stored_tag(layout, info.key) for info in layout.variables]
     if rules and not any(f.matches(tag, layout.instance_paths) for f, _ in rules for tag in tags):
         examples = ", ".join(info.path for info in layout.variables[:3])
-        warnings.warn(f"compile(rules=...): no rule selects a variable of the model, so every "
-                      f"variable is replicated; a rule's path= globs the variables' paths, "
-                      f"such as {examples}", stacklevel=5)
+        warn(f"compile(rules=...): no rule selects a variable of the model, so every "
+             f"variable is replicated; a rule's path= globs the variables' paths, "
+             f"such as {examples}")
 
 
 def _checked_rule(mesh: Mesh, where: str, argument: str, index: int, rule: Any) -> Rule:

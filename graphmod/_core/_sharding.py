@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -55,6 +54,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from graphmod._core._layout import Layout
 from graphmod._core._owned_layout import map_leaves
 from graphmod._core._rules import axis_names, checked_rules, first_rule, warn_if_none_match
+from graphmod._core._warn import warn
 
 __all__ = ["Placement", "batch_on_mesh", "init_mesh", "mesh_context", "on_mesh", "put"]
 
@@ -198,13 +198,12 @@ class Placement:
         if not shapes:
             return
         n, rows = self._batch_size, shapes[0][dim]
-        warnings.warn(
+        warn(
             f"a batch argument of shape {shapes[0]} is not split over the {n} devices of "
             f"batch axis {self.batch_axis!r}: its {rows} rows are not a multiple of {n}, so "
             "every device computes the whole batch (the same result, without the speed-up). "
             f"Use a batch size that is a multiple of {n} (e.g. {max(n, rows - rows % n)}); "
-            "for a last, smaller batch, drop it (ArraySource(drop_remainder=True))",
-            stacklevel=2)
+            "for a last, smaller batch, drop it (ArraySource(drop_remainder=True))")
 
     def replicated(self) -> NamedSharding:
         """The placement of a leaf no rule names (the step count, the key, the optimizer's

@@ -14,13 +14,13 @@ Example:
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
 
 from graphmod import roles as _roles
 from graphmod._core._manager import Manager
+from graphmod._core._warn import warn
 from graphmod._train._program import Program
 
 
@@ -51,7 +51,7 @@ def warn_frozen_managers(variables: dict, selectors: tuple[Any, ...] | None,
     chosen = {s.name for s in selectors if isinstance(s, Manager)}
     frozen = [name for name in parameter_owners(program, variables) if name not in chosen]
     if frozen:
-        warnings.warn(
+        warn(
             f"optimize(trainable=...) leaves out the parameters of the managers {frozen}: "
             "they stay as initialized. Add the managers to trainable= to train them "
-            f"(trainable=[..., {frozen[0]}])", stacklevel=3)
+            f"(trainable=[..., {frozen[0]}])")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import jax
@@ -11,6 +10,7 @@ import jax.numpy as jnp
 
 from graphmod._core._naming import did_you_mean
 from graphmod._core._numbers import is_real_number, is_whole_number
+from graphmod._core._warn import warn
 from graphmod._train._events import AnyOf, Event, On, Template
 from graphmod._train._host_metrics import host_value
 from graphmod._train._plugin import Plugin
@@ -133,9 +133,8 @@ class EarlyStopping(Plugin):
             best = self.best_state
             loop.update_state(lambda state: best)
         elif self.best is not None:
-            warnings.warn(f"{self.name}: the best state (step {self.best_step}) was reached "
-                          "before the run resumed and was not saved; the final state stays",
-                          stacklevel=2)
+            warn(f"{self.name}: the best state (step {self.best_step}) was reached "
+                 "before the run resumed and was not saved; the final state stays")
 
     def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
         if error is None and not self._restored:

@@ -17,10 +17,10 @@ import importlib.util
 import io
 import json
 import os
-import warnings
 from collections.abc import Iterable
 from typing import Any, TextIO
 
+from graphmod._core._warn import warn
 from graphmod._train._events import TIMELINES, Event, On, Template
 from graphmod._train._host_metrics import copying, on_host, scalar_metrics
 from graphmod._train._plugin import Plugin
@@ -221,8 +221,7 @@ def _free_path(path: str) -> str:
     while _read_lines(f"{stem}-{number}{suffix}"):
         number += 1
     free = f"{stem}-{number}{suffix}"
-    warnings.warn(f"Logger: {path} holds another run's rows; this run logs to {free}",
-                  stacklevel=2)
+    warn(f"Logger: {path} holds another run's rows; this run logs to {free}")
     return free
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import numpy as np
 
 from graphmod._core._numbers import is_whole_number
+from graphmod._core._warn import warn
 from graphmod._train._events import Event, On, Template
 from graphmod._train._plugin import Plugin
 from graphmod._train._schedule import each
@@ -103,9 +103,9 @@ class NaNGuard(Plugin):
         grew = skipped > self.skipped
         self.skipped = skipped
         if grew and skipped > self.max_skipped:
-            warnings.warn(f"{self.name}: {skipped} step(s) had a non-finite loss or update by "
-                          f"step {step} (skipped: the state is unchanged by them); stopping "
-                          "the run", RuntimeWarning, stacklevel=2)
+            warn(f"{self.name}: {skipped} step(s) had a non-finite loss or update by "
+                 f"step {step} (skipped: the state is unchanged by them); stopping "
+                 "the run", RuntimeWarning)
             return True
         return False
 

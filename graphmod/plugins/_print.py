@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import sys
-import warnings
 from typing import TextIO
 
 import numpy as np
 from tqdm import tqdm
 
+from graphmod._core._warn import warn
 from graphmod._train._events import Event, On, Template
 from graphmod._train._host_metrics import host_value
 from graphmod._train._plugin import Plugin
@@ -87,8 +87,8 @@ class Print(Plugin):
     def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
         missing = [n for n in self.metric_names if n not in self._seen]
         if error is None and missing and self._printed:
-            warnings.warn(f"{self.name}: no event it printed had the metric(s) {missing}; "
-                          f"check the names (e.g. {sorted(loop.metrics)[:8]})", stacklevel=2)
+            warn(f"{self.name}: no event it printed had the metric(s) {missing}; "
+                 f"check the names (e.g. {sorted(loop.metrics)[:8]})")
 
 
 def _format(value: float | np.ndarray) -> str:

@@ -14,7 +14,6 @@ import math
 import os
 import re
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +23,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from graphmod._core._arguments import is_key
+from graphmod._core._warn import warn
 from graphmod._records._record import Provenance
 from graphmod._train._checkpoint._chunks import PartFiles, chunk_members, local_array
 from graphmod._train._checkpoint._errors import (
@@ -216,9 +216,8 @@ class CheckpointReader:
         tree = jax.tree.unflatten(jax.tree.structure(template), abstract)
         got = self._orbax_restore(path, "arrays",
                                   state=self._ocp.args.StandardRestore(tree))["state"]
-        warnings.warn(f"{path}: written by graphmod 0.1 (format 1), which stored no checksums: "
-                      "restored unverified. Checkpoints written from now on are verified",
-                      stacklevel=4)
+        warn(f"{path}: written by graphmod 0.1 (format 1), which stored no checksums: "
+             "restored unverified. Checkpoints written from now on are verified")
         return [np.asarray(leaf) for leaf in jax.tree.leaves(got)]
 
     def meta(self, step: int | None = None, *,
@@ -260,9 +259,8 @@ class CheckpointReader:
             skipped: list[str] = []
             record, arrays = self._first(load, skipped.append)
             if skipped:
-                warnings.warn(f"{self.directory}: skipped checkpoints that fail verification "
-                              f"({'; '.join(skipped)}); using step {record['step']}",
-                              stacklevel=2)
+                warn(f"{self.directory}: skipped checkpoints that fail verification "
+                     f"({'; '.join(skipped)}); using step {record['step']}")
         return restored(template, arrays), record
 
     def _load(self, step: int, *, template: Any, specs: dict[str, list[Any]],

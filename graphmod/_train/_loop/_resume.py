@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from graphmod._core._warn import warn
 from graphmod._records._collect import data_record
 from graphmod._train._batch import step_arguments
 from graphmod._train._checkpoint import CheckpointReader
@@ -54,10 +54,10 @@ def resume_changes(meta: Mapping[str, Any], data: Iterable[Any], step: Any,
     saved = meta.get("provenance")
     if changed := setting_changes(saved, step):
         at = int(meta["time"]["step"])
-        warnings.warn(f"resume: this run's {changed} differ from those the checkpoint of "
-                      f"step {at} was trained with (graphmod inspect shows its record): it "
-                      "goes on with these, and later checkpoints record the change "
-                      "(setting_changes, with the settings before)", stacklevel=3)
+        warn(f"resume: this run's {changed} differ from those the checkpoint of "
+             f"step {at} was trained with (graphmod inspect shows its record): it "
+             "goes on with these, and later checkpoints record the change "
+             "(setting_changes, with the settings before)")
         changes.append({"step": at, "settings": {k: saved["inputs"][k] for k in changed}})
     return data_changes(meta, data, allowed), changes
 
