@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import require_floating
+from managers._checks import require_floating, roles_by_default
 
 
 class _ParameterCost(gm.Manager):
@@ -35,8 +35,7 @@ class _ParameterCost(gm.Manager):
     factor = 1.0
 
     def __init__(self, strength: float | gm.Dynamic, **kwargs: Any) -> None:
-        kwargs.setdefault("roles", None if "filter" in kwargs else [roles.WEIGHT])
-        super().__init__(**kwargs)
+        super().__init__(**roles_by_default(kwargs))
         number = strength.value if isinstance(strength, gm.Dynamic) else strength
         if isinstance(number, bool) or not isinstance(number, numbers.Real) \
                 or not math.isfinite(number) or number < 0:
@@ -57,7 +56,8 @@ class _ParameterCost(gm.Manager):
 class L2(_ParameterCost):
     """An L2 penalty ``strength * sum(W ** 2)`` per selected parameter (Keras' ``L2``),
     added to the cost by :func:`graphmod.optimize`. Selects ``WEIGHT`` parameters unless
-    a filter says otherwise; ``strength`` may be :func:`graphmod.dynamic`.
+    its filter chooses variables (``roles=``, ``path=``, ``variable_name=``,
+    ``name_regex=``, ``filter=``); ``strength`` may be :func:`graphmod.dynamic`.
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, graphmod as gm, managers
@@ -76,7 +76,8 @@ class WeightDecay(_ParameterCost):
     """Weight decay as a cost, ``rate / 2 * sum(W ** 2)`` per selected parameter: its
     gradient is ``rate * W``, what ``optax.add_decayed_weights(rate)`` adds to the updates
     before the optimizer (coupled decay; for AdamW's decoupled decay use
-    ``optax.adamw``). Selects ``WEIGHT`` parameters unless a filter says otherwise.
+    ``optax.adamw``). Selects ``WEIGHT`` parameters unless its filter chooses variables
+    (``roles=``, ``path=``, ``variable_name=``, ``name_regex=``, ``filter=``).
 
     Examples:
         >>> import graphmod as gm, managers

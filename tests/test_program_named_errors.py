@@ -72,6 +72,8 @@ def test_a_role_no_parameter_has_gets_the_roles_there_are_named() -> None:
     (lambda: managers.Dropout(0.1, path="/nowhere*"), r"The model's bricks are at /linear\."),
     (lambda: managers.WeightNoise(0.1, path="model/linear/kernel"),  # as a table spells it
      r"A variable's path is its brick's, a dot and its name \(path='/linear\.kernel'\?\)"),
+    (lambda: managers.L2(0.1, path="/linear.apply.kernel"),  # a call's path, then the name
+     r"its name, with no application \(path='/linear\.kernel'\?\)"),
     (lambda: managers.WeightNoise(0.1, variable_name="w"),
      r"The model's variables are named bias, kernel; an application's inputs are named after"),
     (lambda: managers.Dropout(0.1, applications=["__call__"]),

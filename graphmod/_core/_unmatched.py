@@ -6,6 +6,7 @@ method that is no application)."""
 from __future__ import annotations
 
 import fnmatch
+import re
 
 from graphmod import roles as _roles
 from graphmod._core._filter import brick_globs, rooted
@@ -86,6 +87,11 @@ def _path_hints(glob: str, calls: bool, layout: Layout) -> list[str]:
         dotted = f"/{base}.{last}" if base else f"/.{last}"
         if not calls and any(fnmatch.fnmatchcase(p, dotted) for p in paths):
             return [f"A variable's path is its brick's, a dot and its name (path={dotted!r}?)"]
+        # A call's path and a variable's name together: /layers/1.apply.b
+        brick_name = re.sub(r"\.[^./]+(\.[^./]+)$", r"\1", path)
+        if not calls and any(fnmatch.fnmatchcase(p, brick_name) for p in paths):
+            return [f"A variable's path is its brick's, a dot and its name, with no "
+                    f"application (path={brick_name!r}?)"]
         return [f"The model's bricks are at {', '.join(bricks[:8])}"
                 f"{', ...' if len(bricks) > 8 else ''}"] if bricks else []
     brick, more = named[0], " and more" if len(named) > 1 else ""

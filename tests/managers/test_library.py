@@ -103,6 +103,32 @@ def test_weight_decay_is_optax_add_decayed_weights_and_l2_is_reported() -> None:
     np.testing.assert_allclose(metrics["loss"], plain["loss"] + cost, rtol=1e-5)
 
 
+class _Affine(nnx.Module):
+    """Written as Flax's toy examples write a layer: parameters named ``w`` and ``b``
+    (PARAMETER, not WEIGHT and BIAS: roles come from Flax's names, kernel and bias)."""
+
+    def __init__(self, din: int, dout: int, seed: int) -> None:
+        self.w = nnx.Param(normal(seed, din, dout))
+        self.b = nnx.Param(jnp.ones((dout,)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x @ self.w[...] + self.b[...]
+
+
+def test_a_parameter_cost_chosen_by_name_or_path_needs_no_roles() -> None:
+    model = nnx.Sequential(_Affine(3, 4, 1), _Affine(4, 2, 2))
+    chosen = [managers.L2(0.1, variable_name="w"),
+              managers.WeightDecay(0.2, path="/layers/1.b", manager_name="decay")]
+    program = gm.compile(mean_square, model, managers=chosen)
+    step = gm.optimize(program, optax.sgd(0.1))
+    _, metrics = step(step.init(program.init(X), key(0)), X)
+    layers = model.layers
+    squares = sum(float((array(layer.w[...]) ** 2).sum()) for layer in layers)
+    np.testing.assert_allclose(metrics["l2"], 0.1 * squares, rtol=1e-5)
+    np.testing.assert_allclose(metrics["decay"], 0.1 * float((array(layers[1].b[...]) ** 2
+                                                               ).sum()), rtol=1e-5)
+
+
 def test_lora_trains_only_its_adapters_and_merges_into_the_weights() -> None:
     lin = linear()
     lora = managers.LoRA(2, alpha=gm.dynamic(4.0), roles=[roles.WEIGHT])
