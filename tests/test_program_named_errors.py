@@ -93,6 +93,14 @@ def test_a_filter_that_matches_nothing_gets_the_likely_slip_named(manager, hint)
         program.init(X)
 
 
+def test_a_variable_path_that_matches_is_not_called_a_slip() -> None:
+    program = gm.compile(lambda m, x: m(x).sum(), Encoder(), managers=[  # the roles exclude it
+        managers.WeightNoise(0.1, path="/linear.kernel", roles=[roles.BIAS])])
+    with pytest.raises(gm.errors.ManagerMatchedNothing) as raised:
+        program.init(X)
+    assert "with no application" not in str(raised.value)
+
+
 def test_two_managers_with_one_name_raise_manager_conflict() -> None:
     with pytest.raises(gm.errors.ManagerConflict, match=r"two managers are named 'dropout'"):
         gm.compile(lambda m, x: m(x).sum(), _mlp(),

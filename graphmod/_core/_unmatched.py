@@ -89,7 +89,8 @@ def _path_hints(glob: str, calls: bool, layout: Layout) -> list[str]:
             return [f"A variable's path is its brick's, a dot and its name (path={dotted!r}?)"]
         # A call's path and a variable's name together: /layers/1.apply.b
         brick_name = re.sub(r"\.[^./]+(\.[^./]+)$", r"\1", path)
-        if not calls and any(fnmatch.fnmatchcase(p, brick_name) for p in paths):
+        if not calls and brick_name != path and any(fnmatch.fnmatchcase(p, brick_name)
+                                                     for p in paths):
             return [f"A variable's path is its brick's, a dot and its name, with no "
                     f"application (path={brick_name!r}?)"]
         return [f"The model's bricks are at {', '.join(bricks[:8])}"

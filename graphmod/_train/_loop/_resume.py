@@ -88,7 +88,8 @@ def loop_record(loop: Any, plugins: dict[str, Any]) -> dict[str, Any]:
         "loop": {"epochs": loop.epochs, "steps": loop.max_steps,
                  "steps_per_call": loop.steps_per_call},
         "plugins": plugins,
-        "metrics": scalar_metrics(loop.metrics) if isinstance(loop.metrics, Mapping) else {},
+        "metrics": {str(name): value for name, value in scalar_metrics(loop.metrics).items()}
+        if isinstance(loop.metrics, Mapping) else {},  # JSON: names as strings
         "data": data() if callable(data) else None,
         "data_changes": list(loop.data_changes),
         "setting_changes": list(loop.setting_changes),
