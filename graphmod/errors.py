@@ -1,4 +1,5 @@
-"""The errors graphmod raises where a user can act on them, by what went wrong.
+"""The errors graphmod raises where a user can act on them, by what went wrong, and the
+category of its warnings (:class:`GraphmodWarning`).
 
 Each subclasses the builtin graphmod raised before it had names for them, so ``except
 ValueError`` written against earlier versions still catches them. Every message names the
@@ -22,6 +23,7 @@ from flax.errors import TraceContextError
 __all__ = [
     "AttributeOutlivesTrace",
     "GraphmodError",
+    "GraphmodWarning",
     "ManagerConflict",
     "ManagerMatchedNothing",
     "ManagerReentered",
@@ -38,6 +40,25 @@ class GraphmodError(Exception):
         >>> import graphmod as gm
         >>> issubclass(gm.errors.StateEscapesTransform, gm.errors.GraphmodError)
         True
+    """
+
+
+class GraphmodWarning(UserWarning):
+    """The category of graphmod's warnings (a ``UserWarning``; a deprecation is a
+    ``DeprecationWarning``, ``NaNGuard``'s skipped steps a ``RuntimeWarning``). A warning
+    names the line of your code that led to it, not one of graphmod's, so filter graphmod's
+    warnings by this category rather than by module.
+
+    Examples:
+        >>> import warnings, graphmod as gm
+        >>> issubclass(gm.errors.GraphmodWarning, UserWarning)
+        True
+        >>> with warnings.catch_warnings(record=True) as shown:
+        ...     warnings.simplefilter("always")
+        ...     warnings.filterwarnings("ignore", category=gm.errors.GraphmodWarning)
+        ...     warnings.warn("a batch the mesh cannot split", gm.errors.GraphmodWarning)
+        >>> shown
+        []
     """
 
 

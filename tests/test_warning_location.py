@@ -86,3 +86,16 @@ def test_a_warning_with_only_library_frames_around_it_is_still_raised() -> None:
         thread.join()
     assert [str(w.message) for w in caught] == ["from a thread"]
     assert caught[0].category is RuntimeWarning
+
+
+def test_graphmods_warnings_are_filtered_by_their_category() -> None:
+    program = gm.compile(lambda m, x: m(x), _mlp(), mesh=jax.make_mesh((8,), ("data",)),
+                         batch_axis="data")
+    variables = program.init(X[:8])
+    with pytest.warns(UserWarning) as caught:  # a UserWarning, as before it had a category
+        program.infer(variables, X)
+    assert caught[0].category is gm.errors.GraphmodWarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=gm.errors.GraphmodWarning)
+        program.infer(variables, X[:9])  # another trace, its warning filtered

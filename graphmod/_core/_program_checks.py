@@ -90,8 +90,7 @@ def warn_held_off(frame: Frame) -> None:
         "on the module (at construction, or by model.eval()) wins over the program's mode. "
         "If that is not meant, call model.train() before the program traces (a program's "
         "modes take the place of train()/eval()); to keep a layer frozen without this "
-        "warning, pass the flag in the call (e.g. self.norm(x, use_running_average=True))",
-        UserWarning)
+        "warning, pass the flag in the call (e.g. self.norm(x, use_running_average=True))")
 
 
 def warn_outside_modules(fn: Callable[..., Any], layout: Layout) -> None:
@@ -123,8 +122,7 @@ def warn_outside_modules(fn: Callable[..., Any], layout: Layout) -> None:
             "trained, not saved, not seen by managers). Make each part of the model (an "
             "attribute, or compile(fn, nnx.Dict(model=model, head=head)) and read it from "
             "the model argument); one meant to stay as it is (a frozen teacher) needs no "
-            "change: ignore this warning",
-            UserWarning)
+            "change: ignore this warning")
 
 
 def check_variables(variables: Any, layout: Layout, reference: Mapping | None) -> None:

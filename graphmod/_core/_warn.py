@@ -6,7 +6,9 @@ A warning raised while a program traces (a batch the mesh does not split, a Flax
 in eval mode) then names the line of the user's script or notebook cell that called
 ``program.infer(...)``, or the line of the model that called the layer, instead of a line of
 graphmod's own files; Python's once-per-location filter counts that line too. A
-``DeprecationWarning``, which Python shows only for ``__main__``'s lines, is seen.
+``DeprecationWarning``, which Python shows only for ``__main__``'s lines, is seen. Since the
+user's module is named, a filter on ``module="graphmod"`` no longer selects these: filter on
+the category, :class:`graphmod.errors.GraphmodWarning`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import sys
 import warnings
 from collections.abc import Callable
 from types import FrameType
+
+from graphmod.errors import GraphmodWarning
 
 # Top-level modules whose frames are never the user's line.
 _LIBRARIES = frozenset({"graphmod", "managers", "jax", "jaxlib", "flax", "optax", "orbax",
@@ -25,9 +29,10 @@ def _library(frame: FrameType) -> bool:
     return str(frame.f_globals.get("__name__", "")).partition(".")[0] in _LIBRARIES
 
 
-def warn(message: str, category: type[Warning] = UserWarning, *,
+def warn(message: str, category: type[Warning] = GraphmodWarning, *,
          past: Callable[[FrameType], bool] | None = None) -> None:
-    """``warnings.warn(message, category)`` at the user's line (see the module docstring),
+    """``warnings.warn(message, category)`` (by default a
+    :class:`graphmod.errors.GraphmodWarning`) at the user's line (see the module docstring),
     also past the frames ``past`` names (a user's subclass's ``__init__`` calling its
     base's); at the caller's line where every frame is a library's (a thread of graphmod's).
 
