@@ -63,7 +63,7 @@ class Dropout(gm.Manager):
                 "of the applications it selects (with no filter, the model's own inputs and "
                 "outputs too): choose roles=[gm.roles.OUTPUT] (after each layer, as a dropout "
                 "layer does), roles=[gm.roles.INPUT], or roles=[gm.roles.WEIGHT] "
-                "(DropConnect)", stacklevel=2)
+                "(DropConnect)", gm.errors.GraphmodWarning, stacklevel=2)
         self.rate = rate
         self.broadcast_dims = tuple(broadcast_dims)
         self.per_step = per_step

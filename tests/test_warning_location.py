@@ -99,3 +99,10 @@ def test_graphmods_warnings_are_filtered_by_their_category() -> None:
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", category=gm.errors.GraphmodWarning)
         program.infer(variables, X[:9])  # another trace, its warning filtered
+
+
+def test_the_managers_warn_in_graphmods_category_at_the_users_line() -> None:
+    with pytest.warns(gm.errors.GraphmodWarning, match="without roles=") as caught:
+        line = _line_below()
+        managers.Dropout(0.1)
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)
