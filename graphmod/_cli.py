@@ -4,11 +4,13 @@
 ``--processes N`` starts N of them as one multi-process run (:mod:`graphmod.distributed`).
 ``graphmod resume DIR`` runs the script recorded in DIR's latest checkpoint again (in as
 many processes as the run had), with its ``Checkpoint(DIR)`` plugins continuing from that
-checkpoint: it prints the command, then replaces itself with it (signals and the exit status
-are the script's own). It re-runs only a recorded script file and refuses every other
-record (see :mod:`graphmod._train._command`).
+checkpoint: it prints the script, its sha256 and the command, then replaces itself with it
+(signals and the exit status are the script's own). It re-runs only a recorded script file
+inside the directory it runs from whose hash is the recorded one, or the script named with
+``--script PATH``, and refuses every other record (see :mod:`graphmod._train._command`).
 ``graphmod inspect DIR`` prints what a run directory holds. Errors go to standard error with
-exit status 2; an interrupted command exits with status 130.
+exit status 2; an interrupted command exits with status 130. Everything printed from a record
+or a checkpoint goes through :func:`terminal_safe`, so a crafted one cannot drive the terminal.
 
 Start-up: this module imports only the standard library and the command records
 (:mod:`graphmod._train._command`, standard library only); the checkpoint reader and the
@@ -26,10 +28,12 @@ import os
 import pathlib
 import runpy
 import shlex
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -43,9 +47,16 @@ from graphmod._train._command import (
     command_text,
     resume_command,
 )
+from graphmod._train._interrupt import (
+    SignalInterrupt,
+    stop_signals,
+    take_stop_signals,
+    write_now,
+)
 
 _log = logging.getLogger(__name__)
 STOP_GRACE_S = 10  # how long the other processes of a failed run get to end on SIGTERM
+ORPHAN_GRACE_S = 60  # how long a process whose launcher is gone gets to stop and save
 
 _COMMANDS = {  # name: (summary, description), in plain words for --help
     "run": ("run a training script",
@@ -57,9 +68,11 @@ _COMMANDS = {  # name: (summary, description), in plain words for --help
     "resume": ("continue the run saved in a directory",
                "Run the script recorded in DIR's latest checkpoint again, with the same "
                "arguments, working directory and number of processes; its Checkpoint(DIR) "
-               "plugins continue from that checkpoint. The command is printed before it "
-               "runs. Only a script file "
-               "is re-run: a run started with 'python -c', 'python -m', in Jupyter or in an "
+               "plugins continue from that checkpoint. The script, its sha256 and the "
+               "command are printed before it runs. Only a script file inside the directory "
+               "graphmod resume runs from, with the content it had when the run started, is "
+               "re-run; name any other with --script PATH. No file of a Python installation "
+               "is run. A run started with 'python -c', 'python -m', in Jupyter or in an "
                "interactive shell is refused; continue it from Python with "
                "graphmod.Loop.resume(...)."),
     "inspect": ("print what a run directory holds",
@@ -72,23 +85,75 @@ class _Failure(Exception):
     """A command that cannot go on; its message is printed to standard error (status 2)."""
 
 
+# C0 controls (newline included: the CLI puts its own), DEL and C1 controls: what a terminal
+# acts on (a title, a cleared screen, a cursor move) where text should only be shown.
+_CONTROLS = {code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def terminal_safe(text: str) -> str:
+    r"""``text`` with every control character shown as a visible escape (``\x1b``), as every
+    printer of ``graphmod inspect`` and ``graphmod resume`` passes what a record holds.
+
+    Examples:
+        >>> from graphmod._cli import terminal_safe
+        >>> print(terminal_safe("loss\x1b]0;owned\x07 \x9b2J\nmore"))
+        loss\x1b]0;owned\x07 \x9b2J\x0amore
+    """
+    return text.translate(_CONTROLS)
+
+
 def _run(args: argparse.Namespace) -> int:
     script = pathlib.Path(args.script)
     if not script.is_file():
         raise _Failure(f"no script file at {script} (check the path)")
+    try:
+        stop_signals()  # a bad GRAPHMOD_STOP_SIGNALS is refused before anything runs
+    except ValueError as error:
+        raise _Failure(str(error)) from None
     if args.processes > 1:
         return _run_processes(args)
+    launcher = os.environ.get(distributed.LAUNCHER_PID)
+    if launcher is not None:
+        if not launcher.isdigit():
+            raise _Failure(f"{distributed.LAUNCHER_PID}={launcher!r} is not a process id: "
+                           "'graphmod run --processes N' sets it for the processes it starts; "
+                           "unset it")
+        del os.environ[distributed.LAUNCHER_PID]  # not for the processes the script starts
+        _watch_launcher(int(launcher))
     path = os.path.abspath(script)
     sys.argv = [args.script, *args.args]
     sys.path.insert(0, os.path.dirname(path))  # as python does: the script's folder first
     try:
         runpy.run_path(path, run_name="__main__")
+    except SignalInterrupt as stop:  # SIGTERM (or an opted-in signal) stopped a loop: saved
+        print(f"graphmod run: {stop}", file=sys.stderr)
+        return stop.status
     except (Exception, SystemExit) as error:
         if distributed.PROCESS_ID not in os.environ or \
                 (isinstance(error, SystemExit) and not error.code):
             raise
         _end_failed_process(error)
     return 0
+
+
+def _watch_launcher(launcher: int) -> None:
+    """Stops this process of a run of several once ``launcher``, the ``graphmod run
+    --processes`` that started it, is gone (killed, say), rather than letting it train on
+    unsupervised: it sends itself SIGTERM, its run's stop notice (every process stops at one
+    step and a ``Checkpoint`` saves it), and ends without saving if it still runs
+    ``ORPHAN_GRACE_S`` later. Polled (once a second) in a daemon thread: portable."""
+    def watch() -> None:
+        while os.getppid() == launcher:  # else this process was handed to another parent
+            time.sleep(1.0)
+        write_now(f"graphmod run: process {os.getpid()}: its launcher (pid {launcher}) is "
+                  "gone; stopping at the next step and saving it")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(ORPHAN_GRACE_S)
+        write_now(f"graphmod run: process {os.getpid()}: still running {ORPHAN_GRACE_S} s "
+                  "after its launcher was gone; ending it (saving nothing more)")
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="graphmod-launcher-watch", daemon=True).start()
 
 
 def _end_failed_process(error: BaseException) -> None:
@@ -109,34 +174,57 @@ def _end_failed_process(error: BaseException) -> None:
 
 def _run_processes(args: argparse.Namespace) -> int:
     """Runs ``args.processes`` copies of the script, each told its place in the run (see
-    :mod:`graphmod.distributed`); the first failure stops the others and is the status."""
+    :mod:`graphmod.distributed`) and this command's pid (each ends if it is gone:
+    :func:`_watch_launcher`); the first failure stops the others and is the status. A stop
+    signal (:func:`stop_signals`) is passed on to every process as SIGTERM, the run's stop
+    notice: they stop at one step and save it, and the status is 128 + that signal; a
+    second one kills them."""
     with socket.socket() as probe:  # a free loopback port for JAX's coordinator
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     base = {**os.environ, distributed.NUM_PROCESSES: str(args.processes),
-            distributed.COORDINATOR: f"127.0.0.1:{port}"}
+            distributed.COORDINATOR: f"127.0.0.1:{port}",
+            distributed.LAUNCHER_PID: str(os.getpid())}
     if args.devices_per_process:  # replaces a device count set for this process
         flag = distributed.DEVICE_COUNT_FLAG
         flags = [f for f in base.get("XLA_FLAGS", "").split() if not f.startswith(flag)]
         base["XLA_FLAGS"] = " ".join([*flags, f"{flag}={args.devices_per_process}"])
     children: list[subprocess.Popen] = []
+    stops: list[int] = []  # the stop signals this command got; the wait below passes them on
+
+    def stop(signum: int, frame: object) -> None:
+        stops.append(signum)
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        again = "press Ctrl-C again" if signum == signal.SIGINT else \
+            f"send {what} again (or press Ctrl-C)"
+        if len(stops) == 1:
+            write_now(f"graphmod run: {what}: the processes stop at one step and save it; "
+                      f"{again} to stop them at once")
+        else:
+            write_now(f"graphmod run: {what}: stopping the processes at once (saving nothing "
+                      "more)")
+
+    previous = take_stop_signals(stop_signals(), stop)
     try:
         for i in range(args.processes):
+            if stops:
+                break
             children.append(subprocess.Popen(
-                [*CLI, "run", args.script, *args.args],
+                [*CLI, "run", "--", args.script, *args.args],
                 env={**base, distributed.PROCESS_ID: str(i)}))
-        try:  # poll(): None while running, else the status; a failure ends the wait
-            while any(c.poll() is None for c in children) and \
-                    not any(c.poll() for c in children):
-                time.sleep(0.1)
-        except KeyboardInterrupt:  # the terminal's Ctrl-C reached every process too
-            print("graphmod run: Ctrl-C: the processes stop at one step and save it; press "
-                  "Ctrl-C again to stop them at once", file=sys.stderr)
-            for child in children:
-                child.wait()
-        failed = next((c.returncode for c in children if c.poll()), 0)
-        failed = 128 - failed if failed < 0 else failed  # ended by signal N: as a shell says
+        told: set[int] = set()
+        while any(c.poll() is None for c in children):  # poll(): None while running
+            if not stops and any(c.poll() for c in children):
+                break  # a failure: the others are stopped below
+            for child in children if stops else []:
+                if child.poll() is None and (len(stops) > 1 or child.pid not in told):
+                    child.send_signal(signal.SIGTERM if len(stops) == 1 else signal.SIGKILL)
+                    told.add(child.pid)
+            time.sleep(0.1)
+        status = _status([c.returncode for c in children], stops)
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         for child in children:  # a failed process leaves the others waiting for it
             if child.poll() is None:
                 child.terminate()
@@ -147,7 +235,16 @@ def _run_processes(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 child.kill()  # JAX took SIGTERM as a preemption notice and goes on waiting
                 child.wait()
-    return failed
+    return status
+
+
+def _status(codes: list[int | None], stops: list[int]) -> int:
+    """The status of a run of processes that ended with ``codes``: the first failure's;
+    else, stopped by ``stops``, 128 + the first (as a shell reports a process it ended)."""
+    shell = [128 - c if c < 0 else c for c in codes if c is not None]  # ended by signal N
+    stopped = {0, *(128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL, *stops))}
+    failed = next((c for c in shell if c not in (stopped if stops else {0})), 0)
+    return failed or (128 + stops[0] if stops else 0)
 
 
 def _reader(directory: str) -> Any:
@@ -169,7 +266,7 @@ def _latest_meta(reader: Any, directory: str) -> tuple[int, dict[str, Any]]:
                        "graphmod.plugins.Checkpoint)")
 
     def skipped(why: str) -> None:
-        print(f"graphmod resume: skipping the checkpoint of {why} in {directory}",
+        print(terminal_safe(f"graphmod resume: skipping the checkpoint of {why} in {directory}"),
               file=sys.stderr)
 
     try:
@@ -190,21 +287,22 @@ def _resume(args: argparse.Namespace) -> int:
     if "command" not in meta:
         raise _Failure(f"{directory}'s checkpoint of step {step} records no command; "
                        f"continue it from Python: graphmod.Loop.resume({directory!r}, ...)")
-    command, cwd = resume_command(meta["command"], directory)
+    command = resume_command(meta["command"], directory, script=args.script)
     time = meta.get("time")
     epoch = f" (epoch {time['epoch']})" if isinstance(time, dict) and "epoch" in time else ""
     ended = _ended(meta)
-    print(f"graphmod resume: resuming {directory} at step {step}{epoch}, from its newest "
-          f"checkpoint\n"
-          + (f"graphmod resume: that checkpoint ends the run it was saved by ({ended}): the "
-             "script stops at once unless it now asks for more epochs or steps\n"
-             if ended else "")
-          + f"graphmod resume: running in {cwd}: {shlex.join(command)}", file=sys.stderr)
+    lines = [f"resuming {directory} at step {step}{epoch}, from its newest checkpoint",
+             *([f"that checkpoint ends the run it was saved by ({ended}): the script stops "
+                "at once unless it now asks for more epochs or steps"] if ended else []),
+             f"script {command.script} (sha256 {command.sha256})",
+             f"running in {command.cwd}: {shlex.join(command.argv)}"]
+    print("\n".join(f"graphmod resume: {terminal_safe(line)}" for line in lines),
+          file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.chdir(cwd)
+    os.chdir(command.cwd)
     # The script replaces this process: Ctrl-C and the exit status are its own.
-    os.execve(command[0], command, {**os.environ, RESUME_VARIABLE: directory})
+    os.execve(command.argv[0], command.argv, {**os.environ, RESUME_VARIABLE: directory})
     return 0  # reached only where os.execve is replaced (tests)
 
 
@@ -221,11 +319,24 @@ def _ended(meta: dict[str, Any]) -> str | None:
     return None
 
 
+def _stopped(meta: dict[str, Any]) -> str | None:
+    """How a checkpoint's run was stopped before its end, if it was ("by SIGTERM at step
+    12"): the record a stopped loop's save adds (the meta read from disk: anything else
+    reads as not stopped)."""
+    stopped = meta.get("stopped")
+    if not (isinstance(stopped, dict) and isinstance(stopped.get("step"), int)):
+        return None
+    by = stopped.get("signal")
+    who = f"by {by}" if isinstance(by, str) else "by a stop notice to a process of the run"
+    return f"{who} at step {stopped['step']}"
+
+
 def inspect_run(directory: str | os.PathLike) -> str:
     """What a run directory holds, as ``graphmod inspect DIR`` prints it: checkpoints (each
     verified), counters, timelines, plugins, metrics, the resumes on other data or with
     other settings, and a summary of the provenance record (model, managers, optimizer,
-    data, seeds, fingerprint, versions).
+    data, seeds, fingerprint, versions). What it quotes from the records is escaped for the
+    terminal (:func:`terminal_safe`): a crafted name cannot set a title or clear a screen.
 
     Examples:
         >>> import tempfile, graphmod as gm
@@ -238,7 +349,7 @@ def inspect_run(directory: str | os.PathLike) -> str:
         failures = {step: reader.verify(step) for step in steps}  # None: verified
         verified = [step for step in steps if failures[step] is None]
         meta = reader.meta(verified[-1]) if verified else {}
-        leftovers = reader.leftovers()
+        leftovers, foreign = reader.leftovers(), reader.foreign()
     finally:
         reader.close()
     lines = [f"run directory: {os.path.abspath(directory)}",
@@ -247,11 +358,16 @@ def inspect_run(directory: str | os.PathLike) -> str:
                                         else f"FAILS verification: {failures[step]}")
               for step in steps]
     lines += [f"leftover {name}: {what}" for name, what in leftovers.items()]
+    lines += [f"not graphmod's {name}: {why}; never read or deleted"
+              for name, why in foreign.items()]
     if meta.get("time"):
         time = meta["time"]
         lines.append("latest: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                             for k, v in time.items()))
         lines.append(f"loop: {json.dumps(meta['loop'])}; position in epoch: {meta['position']}")
+        if stopped := _stopped(meta):  # the newest verified checkpoint is the stop's save
+            lines.append(f"stopped {stopped}; continue with: graphmod resume "
+                         f"{shlex.quote(os.path.abspath(directory))}")
     if meta:
         tree = meta.get("tree", {})
         size = sum(_count(shape) for shape, _ in tree.values())
@@ -275,6 +391,7 @@ def inspect_run(directory: str | os.PathLike) -> str:
         rows = log.read_text().splitlines()
         if rows:
             lines.append(f"metrics ({log.name}, {len(rows)} rows), last: {rows[-1]}")
+    lines = [terminal_safe(line) for line in lines]  # a record's text is shown, never acted on
     return "\n".join(line if len(line) <= 100 else textwrap.fill(  # 100 columns, nothing cut
         line, 100, subsequent_indent="    ", break_on_hyphens=False) for line in lines)
 
@@ -346,6 +463,12 @@ def _parser() -> argparse.ArgumentParser:
         else:
             sub.add_argument("directory", metavar="DIR",
                              help="the run directory (the one given to Checkpoint)")
+        if name == "resume":
+            sub.add_argument("--script", metavar="PATH",
+                             help="run this script, once you have read it: the recorded one "
+                                  "(outside this directory, or changed since the run "
+                                  "started) or the same file moved (default: the recorded "
+                                  "script, if it lies in this directory and is unchanged)")
     return parser
 
 
@@ -368,12 +491,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.parser.error("a script is needed: graphmod run SCRIPT [ARGS...]")
     try:
         return args.handler(args)
-    except (_Failure, ResumeRefusedError) as error:
-        print(f"graphmod {args.command}: {error}", file=sys.stderr)
+    except (_Failure, ResumeRefusedError) as error:  # they may quote a record: escaped
+        print(f"graphmod {args.command}: {terminal_safe(str(error))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as error:  # one line, not a traceback through graphmod
         detail = f": {error}" if str(error) else ""
-        print(f"graphmod {args.command}: interrupted{detail}", file=sys.stderr)
+        print(f"graphmod {args.command}: interrupted{terminal_safe(detail)}", file=sys.stderr)
         return 130
 
 

@@ -22,9 +22,14 @@ Sharp edges
     gathered), and process 0 puts the checkpoint together once every piece is written; so
     every process must save at the same step: schedule saves on the ``step`` or ``epoch``
     timelines, not on wall-clock ``seconds``. A Ctrl-C (or a SIGTERM, as a cluster
-    scheduler sends before preempting) to any process stops every process of a
-    ``graphmod.Loop`` at one step they agree on through JAX's preemption sync, and a
-    ``Checkpoint`` saves it. A process stopped by an error saves nothing (the others could
+    scheduler sends before preempting, or a signal opted in with ``GRAPHMOD_STOP_SIGNALS``)
+    to any process, or to ``graphmod run``, which passes it on to every process as SIGTERM,
+    stops every process of a ``graphmod.Loop`` at one step they agree on through JAX's
+    preemption sync, and a ``Checkpoint`` saves it; ``graphmod run`` then exits with 128 +
+    the signal (130 for Ctrl-C, 143 for SIGTERM), each process with 130. A second signal to
+    ``graphmod run`` kills the processes at once. If ``graphmod run`` itself is killed, its
+    processes notice within a second, stop the same way and end (without a save if they
+    still run 60 s later). A process stopped by an error saves nothing (the others could
     not join) and ends at once; ``graphmod run`` then stops the others. Every process
     reads a checkpoint to resume, onto any mesh (and any number of processes).
     ``graphmod resume DIR`` starts the run's processes again (as many, with as many
@@ -40,6 +45,7 @@ __all__ = ["initialize"]
 PROCESS_ID = "GRAPHMOD_PROCESS_ID"
 NUM_PROCESSES = "GRAPHMOD_NUM_PROCESSES"
 COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+LAUNCHER_PID = "GRAPHMOD_LAUNCHER_PID"  # each process ends if this pid is no longer its parent
 # XLA's flag giving a CPU process its virtual devices (graphmod run --devices-per-process).
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 

@@ -8,7 +8,8 @@ parameter and the optimizer's moments follow the parameter; batches are split al
 same losses, gradients and random masks, to float rounding. The presets' specs describe one
 layer (:func:`per_layer`): on Flax's scan over layers, whose weights are stacked with the
 layers first, they split the dimensions of each layer, so each step of the scan gathers one
-layer, never the whole stack.
+layer, never the whole stack. A preset's rule may select no variable of a model (a preset
+serves a family of models); a rule of your own that selects none is refused at ``compile``.
 
 Examples:
     >>> import jax, jax.numpy as jnp, graphmod as gm
@@ -33,7 +34,7 @@ from jax.sharding import PartitionSpec
 from graphmod import roles
 from graphmod._core._filter import VariableFilter
 from graphmod._core._layout import Layout
-from graphmod._core._rules import PerLayer, misfit
+from graphmod._core._rules import PerLayer, PresetRule, misfit
 
 __all__ = ["annotated", "data_parallel", "fsdp", "misfit", "per_layer", "tensor_parallel"]
 
@@ -88,8 +89,8 @@ def fsdp(axis: str = "data") -> dict[str, Any]:
         >>> gm.sharding.fsdp()["rules"][0][1]
         per_layer(P('data',))
     """
-    return {"rules": [(VariableFilter(roles=[roles.WEIGHT]), per_layer(PartitionSpec(axis)))],
-            "batch_axis": axis}
+    return {"rules": [PresetRule((VariableFilter(roles=[roles.WEIGHT]),
+                                  per_layer(PartitionSpec(axis))))], "batch_axis": axis}
 
 
 def tensor_parallel(axis: str = "model", batch_axis: str | None = "data") -> dict[str, Any]:
@@ -129,7 +130,7 @@ def tensor_parallel(axis: str = "model", batch_axis: str | None = "data") -> dic
               (VariableFilter(path="*/linear_layers/*[02468].W"), columns),
               (VariableFilter(path="*/linear_layers/*[02468].b"), split(axis)),
               (VariableFilter(path="*/linear_layers/*[13579].W"), rows)]
-    return {"rules": rules, "batch_axis": batch_axis}
+    return {"rules": [PresetRule(rule) for rule in rules], "batch_axis": batch_axis}
 
 
 def annotated(model: Any, axis_rules: Mapping[str, str | None] | None = None,
@@ -164,5 +165,5 @@ def annotated(model: Any, axis_rules: Mapping[str, str | None] | None = None,
         spec = PartitionSpec(*(names.get(name, name) if name is not None else None
                                for name in annotation))
         if any(entry is not None for entry in spec):
-            rules.append((VariableFilter(path=glob.escape(info.path)), spec))
+            rules.append(PresetRule((VariableFilter(path=glob.escape(info.path)), spec)))
     return {"rules": rules, "batch_axis": batch_axis}

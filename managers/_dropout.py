@@ -45,6 +45,7 @@ class Dropout(gm.Manager):
     """
 
     hparams = ("rate",)
+    hparam_ranges = {"rate": (0.0, 1.0)}  # Anneal refuses a rate outside
 
     def __init__(self, rate: float | gm.Dynamic, *, broadcast_dims: Sequence[int] = (),
                  per_step: bool = True, **kwargs: Any) -> None:

@@ -152,6 +152,21 @@ def test_no_rule_means_replicated() -> None:
                for leaf in jax.tree.leaves(variables))
 
 
+def test_a_presets_rule_may_select_nothing_a_users_rule_may_not() -> None:
+    mesh = jax.make_mesh((8,), ("data",))
+    preset = gm.sharding.tensor_parallel("data", batch_axis=None)["rules"]
+    attention = preset[0]  # */query.W: an MLP has no attention
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the preset's MLP rules place the MLP: no warning
+        gm.compile(squared_error, mlp(), mesh=mesh, rules=preset)
+    with pytest.raises(ValueError, match=r"rules\[0\] \(VariableFilter\(path='\*/query\.W'\), "
+                                         r"P\(None, 'data'\)\) selects no variable"):
+        gm.compile(squared_error, mlp(), mesh=mesh, rules=[(attention[0], P(None, "data"))])
+    with pytest.warns(UserWarning, match=r"no rule of the preset selects a variable of the "
+                                         r"model, so every variable is replicated"):
+        gm.compile(squared_error, mlp(), mesh=mesh, rules=[attention])
+
+
 def test_a_batch_the_devices_do_not_divide_is_replicated_with_a_warning() -> None:
     mesh = jax.make_mesh((8,), ("data",))
     program = gm.compile(squared_error, mlp(), mesh=mesh, batch_axis="data")
@@ -321,9 +336,12 @@ def test_bad_rules_are_refused_before_anything_runs() -> None:
         gm.compile(squared_error, mlp(), mesh=mesh,
                    rules=[(weights, gm.sharding.per_layer(P("model")))])
     tabled = gm.VariableFilter(path="model/linear_layers/0/W")  # as program.sharding() prints
-    with pytest.warns(UserWarning, match=r"no rule selects a variable of the model, so every "
-                      r"variable is replicated; .* such as /linear_layers/0\.W"):
-        gm.compile(squared_error, mlp(), mesh=mesh, rules=[(tabled, P(None, "data"))])
+    with pytest.raises(ValueError, match=r"rules\[1\] \(VariableFilter\(path='model/linear_"
+                       r"layers/0/W'\), P\(None, 'data'\)\) selects no variable of the model, "
+                       r"so it would place nothing; .* such as /linear_layers/0\.W.*Fix its "
+                       r"filter, or drop the rule"):
+        gm.compile(squared_error, mlp(), mesh=mesh,
+                   rules=[(weights, P(None, "data")), (tabled, P(None, "data"))])
     listed = gm.compile(squared_error, mlp(), mesh=mesh, batch_axis=["data"])  # as a tuple
     assert listed.placement.batch_axis == ("data",)
     with pytest.raises(TypeError, match=r"expected a jax\.sharding\.Mesh"):

@@ -158,6 +158,8 @@ def check_arguments(examples: dict[str, Any], actual: dict[str, Any],
                 f"argument {name!r}: expected {_structure(example, want_tree)} as in "
                 f"init's example, got {_structure(actual[name], got_tree)}; pass the same "
                 "structure (only array shapes along the batch may change)")
+        # Another program's variables (a model another loop step reads) are not batched.
+        variables = isinstance(example, Mapping) and set(example) == {"model", "managers"}
         for (path, got), (_, want) in zip(got_leaves, want_leaves, strict=True):
             where = f"argument {name!r}{jax.tree_util.keystr(path)}"
             (got_shape, got_dtype), want_shape = spec(got), tuple(want.shape)
@@ -172,7 +174,7 @@ def check_arguments(examples: dict[str, Any], actual: dict[str, Any],
                     f"{where}: expected shape {expected} and dtype {want_dtype} (as in "
                     f"init's example), got shape {got_shape} and dtype {got_dtype}"
                     + _mismatch_hint(got_shape, got_dtype, want_shape, want_dtype))
-            if want_shape:
+            if want_shape and not variables:
                 batched.setdefault(want_shape[0], []).append((where, got_shape[0]))
     for size, group in batched.items():
         check_leading_sizes(group, f"init's example gave them all {size}")

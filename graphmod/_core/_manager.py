@@ -85,7 +85,7 @@ def dynamic(value: float) -> Dynamic:
 
 @dataclasses.dataclass(frozen=True)
 class HParam:
-    """A handle on one dynamic hyperparameter inside a program's variables.
+    """A handle on one dynamic hyperparameter in a program's variables, and its valid range.
 
     Examples:
         >>> import jax.numpy as jnp, graphmod as gm
@@ -97,6 +97,7 @@ class HParam:
 
     manager: str
     name: str
+    valid: tuple[float, float] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -110,8 +111,7 @@ class HParam:
                 raise KeyError(
                     f"hyperparameter {self.manager}.{self.name}: no "
                     f"variables[{']['.join(map(repr, self.keys))}]; was the manager "
-                    "compiled into the program that made these variables?"
-                )
+                    "compiled into the program that made these variables?")
             node = node[key]
         return node
 
@@ -125,8 +125,7 @@ class HParam:
         if new.shape != old.shape:
             raise ValueError(
                 f"hyperparameter {self.manager}.{self.name}: value of shape {new.shape} "
-                f"does not fit the stored shape {old.shape}"
-            )
+                f"does not fit the stored shape {old.shape}")
 
         def replace(node: dict, keys: tuple[str, ...]) -> dict:
             head, *rest = keys
@@ -220,7 +219,8 @@ class Manager:
 
     Subclasses override ``rewrite_input``/``rewrite_output``/``rewrite_parameter`` (each
     returns the new value) or ``wrap``. Hyperparameters that may be :func:`dynamic` are
-    listed in ``hparams`` and read with ``self.hp(name)`` inside hooks. Constructing a
+    listed in ``hparams`` and read with ``self.hp(name)`` inside hooks; their valid closed
+    ranges in ``hparam_ranges`` (``plugins.Anneal`` refuses a value outside). Constructing a
     manager records its configuration for provenance (bricks it names are recorded by path
     at compile). A class with ``once = True`` leaves alone what it selects inside an
     application call whose own values it rewrote: values passed on from them (a
@@ -247,6 +247,7 @@ class Manager:
     exclusive: ClassVar[bool] = False
     once: ClassVar[bool] = False
     hparams: ClassVar[tuple[str, ...]] = ()
+    hparam_ranges: ClassVar[dict[str, tuple[float, float]]] = {}
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Manager:
         manager = super().__new__(cls)
@@ -358,9 +359,8 @@ class Manager:
         if not isinstance(getattr(self, name), Dynamic):
             raise ValueError(
                 f"hyperparameter {self.name}.{name} is a compile-time constant; construct "
-                f"the manager with graphmod.dynamic({getattr(self, name)!r}) to change it"
-            )
-        return HParam(self.name, name)
+                f"the manager with graphmod.dynamic({getattr(self, name)!r}) to change it")
+        return HParam(self.name, name, self.hparam_ranges.get(name))
 
     # -- hooks --------------------------------------------------------------------------
     def rewrite_input(self, call: HookContext, name: str, value: Any) -> Any:

@@ -1,7 +1,9 @@
 """Placement rules, ``(VariableFilter, PartitionSpec)`` pairs: checked when they are
 given, matched to a model variable (the first whose filter selects it places it), and
 fitted to its shape on a mesh. ``compile(rules=...)`` places variables by them,
-``optimize(optimizer_rules=...)`` the optimizer's copies of parameters."""
+``optimize(optimizer_rules=...)`` the optimizer's copies of parameters. A rule of the
+user's that selects no variable of the model is refused at ``compile``; a preset's
+(:class:`PresetRule`) may select none."""
 
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ from graphmod._core._layout import Layout
 from graphmod._core._selection import stored_tag
 from graphmod._core._warn import warn
 
-__all__ = ["PerLayer", "Rule", "axis_names", "checked_rules", "first_rule", "fitting",
-           "misfit", "warn_if_none_match"]
+__all__ = ["PerLayer", "PresetRule", "Rule", "axis_names", "check_rules_select",
+           "checked_rules", "first_rule", "fitting", "misfit"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,23 @@ class PerLayer:
 
 
 Rule = tuple[VariableFilter, PartitionSpec | PerLayer]
+
+
+class PresetRule(tuple):
+    """A ``(VariableFilter, spec)`` rule made by a :mod:`graphmod.sharding` preset. It may
+    select no variable of a model, since a preset serves a family of models
+    (``tensor_parallel``'s attention rules on a plain MLP); a rule of the user's may not.
+    It is a tuple, so it travels in lists of rules as any pair does.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> from jax.sharding import PartitionSpec as P
+        >>> rule = PresetRule((gm.VariableFilter(name="W"), P("data")))
+        >>> rule, isinstance(gm.sharding.fsdp()["rules"][0], PresetRule)
+        ((VariableFilter(name='W'), P('data',)), True)
+    """
+
+    __slots__ = ()
 
 
 def first_rule(rules: Sequence[Rule], argument: str, layout: Layout, key: tuple,
@@ -170,28 +189,36 @@ def checked_rules(mesh: Mesh, rules: Any, caller: str = "compile",
                  for index, rule in enumerate(rules))
 
 
-def warn_if_none_match(rules: Sequence[Rule], layout: Layout) -> None:
-    """Warns when ``rules`` place no variable of the model, which would then be replicated
-    without a word (a path copied from a table, ``model/linear1/kernel``, where filters
-    glob ``/linear1.kernel``). A preset's rule that matches nothing is no slip: not named.
+def check_rules_select(rules: Sequence[Rule], layout: Layout) -> None:
+    """Refuses a rule of the user's that selects no variable of the model, which would
+    place nothing without a word (a path copied from a table, ``model/linear1/kernel``,
+    where filters glob ``/linear1.kernel``); a preset's rule may (:class:`PresetRule`), and
+    when no rule at all selects a variable, warns that every variable is replicated.
 
     Examples:
-        >>> import warnings, jax, graphmod as gm
+        >>> import jax, graphmod as gm
         >>> from flax import nnx
         >>> from jax.sharding import PartitionSpec as P
         >>> layout = gm.compile(lambda m, x: m(x), nnx.Linear(2, 4, rngs=nnx.Rngs(0))).layout
-        >>> with warnings.catch_warnings(record=True) as caught:
-        ...     warnings.simplefilter("always")
-        ...     warn_if_none_match([(gm.VariableFilter(path="/kernel"), P("data"))], layout)
-        >>> "globs the variables' paths, such as /.bias" in str(caught[0].message)
-        True
+        >>> check_rules_select([(gm.VariableFilter(path="/kernel"), P("data"))], layout)
+        Traceback (most recent call last):
+        ...
+        ValueError: compile(rules=...): rules[0] (VariableFilter(path='/kernel'), \
+P('data',)) selects no variable of the model, so it would place nothing; a rule's path= \
+globs the variables' paths, such as /.bias, /.kernel. Fix its filter, or drop the rule
     """
     tags = [stored_tag(layout, info.key) for info in layout.variables]
-    if rules and not any(f.matches(tag, layout.instance_paths) for f, _ in rules for tag in tags):
-        examples = ", ".join(info.path for info in layout.variables[:3])
-        warn(f"compile(rules=...): no rule selects a variable of the model, so every "
-             f"variable is replicated; a rule's path= globs the variables' paths, "
-             f"such as {examples}")
+    examples = ", ".join(info.path for info in layout.variables[:3])
+    selecting = [any(f.matches(tag, layout.instance_paths) for tag in tags) for f, _ in rules]
+    for index, (rule, selects) in enumerate(zip(rules, selecting, strict=True)):
+        if not selects and not isinstance(rule, PresetRule):
+            raise ValueError(f"compile(rules=...): rules[{index}] ({rule[0]!r}, {rule[1]}) "
+                             "selects no variable of the model, so it would place nothing; a "
+                             f"rule's path= globs the variables' paths, such as {examples}. "
+                             "Fix its filter, or drop the rule")
+    if rules and not any(selecting):
+        warn(f"compile(rules=...): no rule of the preset selects a variable of the model, "
+             f"so every variable is replicated; the variables' paths are such as {examples}")
 
 
 def _checked_rule(mesh: Mesh, where: str, argument: str, index: int, rule: Any) -> Rule:
@@ -216,7 +243,7 @@ def _checked_rule(mesh: Mesh, where: str, argument: str, index: int, rule: Any) 
             raise ValueError(f"{where}: {argument}[{index}] ({rule_filter!r}, {spec}) "
                              f"names mesh axis {axis!r} twice; an axis splits one dimension "
                              "of a variable")
-    return rule_filter, spec
+    return PresetRule(rule) if isinstance(rule, PresetRule) else (rule_filter, spec)
 
 
 def _pair_hint(rule: Any, argument: str) -> str:

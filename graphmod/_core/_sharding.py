@@ -53,7 +53,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from graphmod._core._layout import Layout
 from graphmod._core._owned_layout import map_leaves
-from graphmod._core._rules import axis_names, checked_rules, first_rule, warn_if_none_match
+from graphmod._core._rules import axis_names, check_rules_select, checked_rules, first_rule
 from graphmod._core._warn import warn
 
 __all__ = ["Placement", "batch_on_mesh", "init_mesh", "mesh_context", "on_mesh", "put"]
@@ -100,7 +100,7 @@ class Placement:
         if layout is not None:
             for index, (rule_filter, _) in enumerate(self.rules):
                 layout.resolve(rule_filter.brick_instances(), f"compile(rules[{index}])")
-            warn_if_none_match(self.rules, layout)
+            check_rules_select(self.rules, layout)
 
     def __repr__(self) -> str:
         rules = ", ".join(f"({f!r}, {spec})" for f, spec in self.rules)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import inspect
 import json
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import optax
 
 from graphmod._core._construction import CONFIG, Encoder, encode_arguments
@@ -129,4 +131,69 @@ def optimizer_record(tx: Any, config: Mapping[str, Any] | None) -> dict[str, Any
     if recorded is not None:
         return {**json.loads(recorded), "source": "graphmod.provenance.optimizer"}
     return {"name": None, "source": "unrecorded",
-            "type": f"{type(tx).__module__}.{type(tx).__qualname__}"}
+            "type": f"{type(tx).__module__}.{type(tx).__qualname__}",
+            "structure": structure(tx)}
+
+
+_DEEPEST = 12  # closures nested deeper than this are cut ("...")
+_LONGEST = 2000  # a longer description is cut, and ends with its full text's CRC-32
+
+
+def structure(tx: Any) -> str:
+    """What an optax transformation made without :func:`optimizer` is, read from its
+    functions' closures: each optax function by name with the numbers, strings and
+    transformations it closed over, wrappers that only pass on another transformation
+    left out. Not a record to rebuild from: it tells two optimizers apart (another learning
+    rate, adam against adamw), so that a run resumed with another one says so.
+
+    Examples:
+        >>> import optax
+        >>> from graphmod._records._optimizer import structure
+        >>> structure(optax.sgd(0.1))
+        'chain(update_fns=[identity(), scale(step_size=-0.1)])'
+        >>> structure(optax.adam(1e-2)) == structure(optax.adam(1e-1))
+        False
+    """
+    text = _described(tx, 0)
+    if len(text) <= _LONGEST:
+        return text
+    return f"{text[:_LONGEST]}... (crc32 {zlib.crc32(text.encode()):08x})"
+
+
+def _described(value: Any, depth: int) -> str:
+    """One value closed over by an optax function, described for :func:`structure`."""
+    if depth > _DEEPEST:
+        return "..."
+    if isinstance(value, optax.GradientTransformation):
+        return _described(value.update, depth + 1)  # its update closes over what it uses
+    if value is None or isinstance(value, bool | int | float | str):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_described(v, depth + 1) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_described(v, depth + 1)}"
+                               for k, v in sorted(value.items(), key=lambda kv: repr(kv[0])))\
+            + "}"
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # an array: small ones by value
+        array = np.asarray(value)
+        return f"{array.dtype}{array.tolist() if array.size <= 16 else list(array.shape)}"
+    if inspect.isfunction(value):
+        return _function(value, depth)
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _function(fn: Any, depth: int) -> str:
+    """An optax function by name with what it closed over; another by its import path."""
+    if not (fn.__module__ or "").startswith("optax"):
+        return f"{fn.__module__}.{fn.__qualname__}"
+    closed = []
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+        try:
+            closed.append((name, cell.cell_contents))
+        except ValueError:  # a cell not filled yet
+            continue
+    if len(closed) == 1 and (inspect.isfunction(closed[0][1])
+                             or isinstance(closed[0][1], optax.GradientTransformation)):
+        return _described(closed[0][1], depth + 1)  # a wrapper (with_extra_args_support)
+    arguments = ", ".join(f"{name}={_described(value, depth + 1)}" for name, value in closed)
+    return f"{fn.__qualname__.split('.<locals>')[0]}({arguments})"

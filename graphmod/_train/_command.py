@@ -3,31 +3,39 @@
 A checkpoint records how its process was started (:func:`recorded_command`) so that
 ``graphmod resume DIR`` can run it again. The record is data and stays data: the interpreter
 is never recorded, and :func:`resume_command` turns a record back into an argument list only
-for a run started from a script file, as ``[sys.executable, "--", /absolute/script, *args]``:
+for a run started from a script file, as ``[sys.executable, "--", /absolute/script, *args]``
+(``[*CLI, "run", "--processes", N, "--", /absolute/script, *args]`` for several processes):
 the script can never be read as an interpreter option, the arguments reach the script as its
 ``sys.argv`` and no shell is involved.
 
 Threat model: a checkpoint directory may come from someone else, and its record may be
-crafted. So ``resume_command`` refuses, with :class:`ResumeRefusedError`, every record that
-would make the interpreter run something other than a script file that exists: runs started
-with ``python -c``, ``python -m``, from standard input, in a Jupyter kernel or an interactive
-shell (these are continued from Python with ``graphmod.Loop.resume``), an old record whose
-first argument is not an existing ``.py`` file, a script of the Python installation itself
-(``timeit.py``, ``pdb.py`` and friends execute their arguments) and a script stored inside
-the run directory. ``graphmod resume`` prints the command before it runs it.
+crafted, hash included. So the trust anchor is the directory ``graphmod resume`` runs from,
+never the record: ``resume_command`` runs only a script file inside that directory whose
+sha256 is the one recorded when the run started (``script_sha256``), or the file the user
+names (``graphmod resume DIR --script PATH``). It refuses, with :class:`ResumeRefusedError`,
+runs started with ``python -c``, ``python -m``, from standard input, in a Jupyter kernel or
+an interactive shell (these are continued from Python with ``graphmod.Loop.resume``), an old
+record whose first argument is not an existing ``.py`` file, a script stored inside the run
+directory, and any file of any Python installation (``timeit.py``, ``pdb.py`` and friends
+execute their arguments), even one named with ``--script``. ``graphmod resume`` prints the
+script, its hash and the command before it runs it.
 """
 
 from __future__ import annotations
 
 import builtins
+import functools
+import hashlib
 import itertools
 import os
 import pathlib
+import re
+import shlex
 import site
 import sys
 import sysconfig
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from graphmod import distributed
 
@@ -78,7 +86,8 @@ class ResumeRefusedError(ValueError):
 def recorded_command() -> dict[str, Any]:
     """How the current process was started, as JSON data for a checkpoint.
 
-    ``kind`` is one of ``script`` (with ``script``, the resolved absolute path, and ``args``),
+    ``kind`` is one of ``script`` (with ``script``, the resolved absolute path, ``args`` and
+    ``script_sha256``, the script's content hash when the process first records itself),
     ``module`` (``python -m``, with ``module``), ``code`` (``python -c``), ``stdin``,
     ``jupyter``, ``interactive`` or ``unknown``. ``argv`` (``sys.argv``, for display) and
     ``cwd`` (the working directory at start) come with every kind. A run started by
@@ -107,8 +116,29 @@ def recorded_command() -> dict[str, Any]:
     elif spec is None:
         script = _main_script(getattr(main, "__file__", None), argv[0])
         if script is not None:
-            record.update(kind="script", script=script, args=argv[1:])
+            record.update(kind="script", script=script, args=argv[1:],
+                          script_sha256=_first_sha256(script))
     return {**record, **_processes()}
+
+
+def script_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a file's bytes, as hex: what ``graphmod resume`` compares with the
+    hash recorded when the run started.
+
+    Examples:
+        >>> import tempfile
+        >>> from graphmod._train._command import script_sha256
+        >>> with tempfile.NamedTemporaryFile(suffix=".py") as file:
+        ...     script_sha256(file.name)[:16]  # the hash of no bytes
+        'e3b0c44298fc1c14'
+    """
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+# A process records its script's hash once, as it was when the run started: an edit made
+# while it runs must not become the hash that a resume trusts.
+_first_sha256 = functools.cache(script_sha256)
 
 
 def _processes() -> dict[str, int]:
@@ -206,38 +236,73 @@ def command_text(record: Any) -> str:
     return f"started {how} (argv {record.get('argv')!r}, in {cwd})"
 
 
-def resume_command(record: Any, directory: str | os.PathLike) -> tuple[list[str], str]:
-    """The argument list and working directory that run ``record``'s script again.
+class ResumeCommand(NamedTuple):
+    """What ``graphmod resume`` runs: the argument list (to run without a shell), its working
+    directory, and the script with its sha256 (shown before it runs).
+
+    Examples:
+        >>> from graphmod._train._command import ResumeCommand
+        >>> ResumeCommand(["python", "--", "/w/t.py"], "/w", "/w/t.py", "e3b0").script
+        '/w/t.py'
+    """
+
+    argv: list[str]
+    cwd: str
+    script: str
+    sha256: str
+
+
+def resume_command(record: Any, directory: str | os.PathLike, *,
+                   script: str | os.PathLike | None = None,
+                   trusted: str | os.PathLike | None = None) -> ResumeCommand:
+    """The command, working directory and script that run ``record``'s script again.
 
     Args:
         record: a checkpoint's ``command`` entry (from :func:`recorded_command`, or the old
             ``{"argv": [...], "cwd": ...}`` / plain argv list).
         directory: the run directory being resumed (a script inside it is refused).
+        script: the script the user names (``graphmod resume DIR --script PATH``), run in
+            place of the recorded one when it is that file (changed or not) or a file with
+            its recorded hash (the script moved), wherever it lies.
+        trusted: without ``script``, the directory the recorded script must lie in
+            (default: the working directory, the one ``graphmod resume`` runs from).
 
     Returns:
-        ``([sys.executable, "--", script, *args], cwd)``, to run without a shell; for a run
-        of several processes ``[*CLI, "run", "--processes", N, ("--devices-per-process",
-        D,) script, *args]``.
+        ``[sys.executable, "--", script, *args]``, for a run of several processes ``[*CLI,
+        "run", "--processes", N, ("--devices-per-process", D,) "--", script, *args]``,
+        with the recorded working directory, the resolved script and its sha256.
 
     Raises:
-        ResumeRefusedError: the record names no existing script file outside the Python
-            installation and the run directory, or its arguments or directory are not
-            plain strings; the message says what was recorded and to use ``Loop.resume``.
+        ResumeRefusedError: the record names no script to run (see the module docstring),
+            the script lies outside ``trusted`` or its hash is not the recorded one, or the
+            arguments or directory are not plain strings; the message names the script,
+            both hashes and the fix.
 
     Examples:
-        >>> import os, tempfile
+        >>> import hashlib, os, tempfile
         >>> from graphmod._train._command import resume_command
         >>> folder = tempfile.mkdtemp()
         >>> script = os.path.join(folder, "train.py")
         >>> open(script, "w").close()
-        >>> record = {"kind": "script", "script": script, "args": ["--lr", "0.1"], "cwd": folder}
-        >>> command, cwd = resume_command(record, "/runs/a")
+        >>> record = {"kind": "script", "script": script, "args": ["--lr", "0.1"], "cwd": folder,
+        ...           "script_sha256": hashlib.sha256(b"").hexdigest()}
+        >>> command, cwd, _, _ = resume_command(record, "/runs/a", trusted=folder)
         >>> command[1:] == ["--", os.path.realpath(script), "--lr", "0.1"], cwd == folder
         (True, True)
     """
     directory = os.path.abspath(os.fspath(directory))
-    script, args, cwd = _script_record(record, directory)
-    path = _checked_script(script, directory)
+    recorded, args, cwd, digest = _script_record(record, directory)
+    if not isinstance(recorded, str) or not os.path.isabs(recorded) or recorded.startswith("-"):
+        _refuse(f"{directory} recorded the script {recorded!r}, which is not an absolute path",
+                directory)
+    if script is None:
+        anchor = _cwd() if trusted is None else os.fspath(trusted)
+        if anchor is None:
+            _refuse("the directory graphmod resume runs from was deleted", directory,
+                    "change to the directory that holds your script and run it again")
+        path, found = _trusted_script(recorded, digest, directory, os.path.realpath(anchor))
+    else:
+        path, found = _named_script(os.fspath(script), recorded, digest, directory)
     if not isinstance(args, list) or not all(isinstance(a, str) and "\0" not in a for a in args):
         _refuse(f"{directory} recorded the arguments {args!r}, not a list of plain strings",
                 directory)
@@ -245,9 +310,10 @@ def resume_command(record: Any, directory: str | os.PathLike) -> tuple[list[str]
         _refuse(f"{directory} recorded the working directory {cwd!r}, which does not exist",
                 directory)
     launch = _launch(record, directory)
-    if launch:
-        return [*CLI, "run", *launch, path, *args], cwd
-    return [sys.executable, "--", path, *args], cwd
+    # "--" ends the options: neither the script nor its arguments can be read as one.
+    argv = ([*CLI, "run", *launch, "--", path, *args] if launch
+            else [sys.executable, "--", path, *args])
+    return ResumeCommand(argv, cwd, path, found)
 
 
 def _launch(record: Any, directory: str) -> list[str]:
@@ -266,27 +332,65 @@ def _launch(record: Any, directory: str) -> list[str]:
     return options if devices is None else [*options, "--devices-per-process", str(devices)]
 
 
-def _checked_script(script: Any, directory: str) -> str:
-    """The resolved path of a recorded script that may be run again; refuses one that is
-    no existing file, or lies inside the run directory or the Python installation."""
-    where = f"{directory} recorded the script {script!r}"
-    if not isinstance(script, str) or not os.path.isabs(script) or script.startswith("-"):
-        _refuse(f"{where}, which is not an absolute path", directory)
+def _runnable(script: str, where: str, directory: str) -> str:
+    """The resolved path of ``script`` (``where`` says who named it); refuses one that is no
+    existing file, lies inside the run directory, or is a file of a Python installation."""
     if not os.path.isfile(script):
         _refuse(f"{where}, which is not an existing file", directory)
     path = os.path.realpath(script)
-    if _inside(path, os.path.realpath(directory)):
+    if any(_inside(name, os.path.realpath(directory)) or _inside(name, directory)
+           for name in (path, os.path.abspath(script))):  # a link in it, to anywhere
         _refuse(f"{where}, which lies inside the run directory: a script stored with the "
                 "checkpoints is not run", directory)
-    installation = next((d for d in _installation() if _inside(path, d)), None)
+    installation = _installation_folder(path)
     if installation is not None:
-        _refuse(f"{where}, which belongs to the Python installation ({installation}), not "
+        _refuse(f"{where}, which belongs to a Python installation ({installation}), not "
                 "to a training run", directory)
     return path
 
 
-def _script_record(record: Any, directory: str) -> tuple[Any, Any, Any]:
-    """``(script, args, cwd)`` from a new or old-format record; refuses every other kind."""
+def _trusted_script(recorded: str, digest: str | None, directory: str,
+                    anchor: str) -> tuple[str, str]:
+    """``(path, sha256)`` of a recorded script inside ``anchor`` whose hash is the recorded
+    one; refuses any other."""
+    where = f"{directory} recorded the script {recorded!r}"
+    path = _runnable(recorded, where, directory)
+    found = script_sha256(path)
+    name_it = f"name it: graphmod resume {shlex.join([directory, '--script', path])}"
+    if not _inside(path, anchor):
+        why = (f"which resolves to {path}, outside the directory graphmod resume runs from "
+               f"({anchor})")
+        fix = ("run graphmod resume from the directory that holds your script, or, once you "
+               f"have read the script, {name_it}")
+    elif digest is None:
+        why = "but no hash of it (a record made before graphmod recorded script hashes)"
+        fix = f"once you have read the script, {name_it}"
+    elif digest != found:
+        why = "whose content changed since the run started"
+        fix = f"if you changed it yourself, read it and {name_it}"
+    else:
+        return path, found
+    _refuse(f"{where}, {why}; recorded sha256: {digest or 'none'}, the file's sha256: "
+            f"{found}", directory, fix)
+
+
+def _named_script(named: str, recorded: str, digest: str | None,
+                  directory: str) -> tuple[str, str]:
+    """``(path, sha256)`` of the script named with ``--script``: the recorded file, or one
+    with the recorded hash; refuses any other, and every file ``_runnable`` refuses."""
+    path = _runnable(named, f"--script names {named!r}", directory)
+    found = script_sha256(path)
+    if path == os.path.realpath(recorded) or found == digest:
+        return path, found
+    _refuse(f"--script names {named!r} ({path}, sha256: {found}), which is not the script "
+            f"{directory} recorded ({recorded!r}, sha256: {digest or 'none'})", directory,
+            fix="name the recorded script (its path, or the same file moved elsewhere), or "
+                "run your script again yourself with Checkpoint(DIR, resume=True).")
+
+
+def _script_record(record: Any, directory: str) -> tuple[Any, Any, Any, str | None]:
+    """``(script, args, cwd, sha256)`` from a new or old-format record (an old one, or a hash
+    that is no string, has no hash); refuses every other kind."""
     if isinstance(record, list):
         record = {"argv": record}
     if not isinstance(record, dict):
@@ -295,7 +399,9 @@ def _script_record(record: Any, directory: str) -> tuple[Any, Any, Any]:
         record = _from_old_format(record, directory)
     kind = record.get("kind")
     if kind == "script":
-        return record.get("script"), record.get("args"), record.get("cwd")
+        digest = record.get("script_sha256")
+        return (record.get("script"), record.get("args"), record.get("cwd"),
+                digest if isinstance(digest, str) else None)
     if kind == "module":
         how = f"with python -m {record.get('module')}"
     else:
@@ -319,13 +425,14 @@ def _from_old_format(record: dict[str, Any], directory: str) -> dict[str, Any]:
             f".py file (recorded argv: {argv!r})", directory)
 
 
-def _refuse(reason: str, directory: str) -> NoReturn:
-    """Raises :class:`ResumeRefusedError` with ``reason`` and what to do instead."""
-    raise ResumeRefusedError(
-        f"{reason}; graphmod resume only re-runs a script file started as "
-        f"python SCRIPT [ARGS...]. Continue the run from Python instead: "
-        f"graphmod.Loop.resume({directory!r}, step, data, plugins=[...]), or run your "
-        f"script again yourself with Checkpoint({directory!r}, resume=True).")
+def _refuse(reason: str, directory: str, fix: str | None = None) -> NoReturn:
+    """Raises :class:`ResumeRefusedError` with ``reason`` and what to do instead (``fix``,
+    by default: continue from Python)."""
+    raise ResumeRefusedError(f"{reason}; " + (fix or (
+        f"graphmod resume only re-runs a script file started as python SCRIPT [ARGS...]. "
+        f"Continue the run from Python instead: graphmod.Loop.resume({directory!r}, step, "
+        f"data, plugins=[...]), or run your script again yourself with "
+        f"Checkpoint({directory!r}, resume=True).")))
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -333,8 +440,42 @@ def _inside(path: str, folder: str) -> bool:
     return pathlib.Path(path).is_relative_to(folder)
 
 
+# lib/python3.9, lib64/python3.13t: where an installation keeps its standard library.
+_VERSIONED_LIB = re.compile(r"python[0-9]+\.[0-9]+t?", re.IGNORECASE)
+
+
+def _installation_folder(path: str) -> str | None:
+    """The folder that makes ``path`` a file of a Python installation, this interpreter's or
+    any other (a standard library, site-packages, an environment's scripts), or None."""
+    own = next((folder for folder in _installation() if _inside(path, folder)), None)
+    if own is not None:
+        return own
+    for folder in pathlib.Path(path).parents:
+        name = folder.name.lower()
+        if (name in ("site-packages", "dist-packages") or _holds_stdlib(folder)
+                or (_VERSIONED_LIB.fullmatch(name) and folder.parent.name.lower()
+                    .startswith("lib"))
+                or (name in ("bin", "scripts") and _is_prefix(folder.parent))):
+            return str(folder)
+    return None
+
+
+def _holds_stdlib(folder: pathlib.Path) -> bool:
+    """Whether ``folder`` holds a standard library (its ``os.py`` and ``site.py``)."""
+    return (folder / "os.py").is_file() and (folder / "site.py").is_file()
+
+
+def _is_prefix(folder: pathlib.Path) -> bool:
+    """Whether ``folder`` is where a Python is installed: a virtual environment, or a folder
+    whose ``lib/pythonX.Y`` (``Lib`` on Windows) holds a standard library or site-packages."""
+    return ((folder / "pyvenv.cfg").is_file() or _holds_stdlib(folder / "Lib")
+            or any(_holds_stdlib(lib) or (lib / "site-packages").is_dir()
+                   for lib in folder.glob("lib*/python*")))
+
+
 def _installation() -> list[str]:
-    """The folders of the Python installation (standard library, site-packages, scripts)."""
+    """The folders of the running Python's installation (standard library, site-packages,
+    scripts)."""
     bases = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix,
              "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix}
     keys = ("stdlib", "platstdlib", "purelib", "platlib", "scripts")

@@ -8,7 +8,10 @@ the engine reused when the same program and metrics are evaluated again (no retr
 Before the first batch runs, evaluation checks the variables against the
 program's layout (paths, shapes, dtypes), that the data have the fields the program's inputs
 and the metrics' targets need, that the features fit the program's inputs, and that
-predictions and targets can be compared; each error names the culprit.
+predictions and targets can be compared; each error names the culprit. Each batch's
+targets, on the host already, are checked before the batch runs (``Metric.check_batch``: a
+label outside the classes is named by its example index); targets a source yields on the
+device are left to the metrics' own sums, checked once at the end, so that no batch waits.
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ from graphmod._core._table import html_table, text_table
 from graphmod._records._collect import data_record, function_record
 from graphmod._records._environment import platform_record, versions
 from graphmod._records._record import Provenance
-from graphmod._train._engine import Totals, metric_list, prepare
+from graphmod._train._batch import pick
+from graphmod._train._engine import Engine, Totals, metric_list, output_shapes, prepare
 from graphmod._train._program import Program
 from graphmod.data import ArraySource
+from graphmod.metrics import Metric
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +150,23 @@ def _first_batch(data: Any, source_name: str) -> tuple[Any, Iterator[tuple[Any, 
     return first[0], itertools.chain([first], batches)
 
 
+def _checked_targets(batches: Iterator[tuple[Any, Any]], engine: Engine,
+                     metrics: Sequence[Metric], predictions: jax.ShapeDtypeStruct
+                     ) -> Iterator[tuple[Any, Any]]:
+    """Every ``(batch, mask)``, its targets' real rows checked by each metric first when
+    they are NumPy arrays (reading device arrays would wait on every batch)."""
+    field, first = str(engine.target), 0
+    for batch, mask in batches:
+        targets = pick(batch, engine.target)
+        if isinstance(targets, np.ndarray):
+            real = targets[np.asarray(mask, bool)]
+            for metric in metrics:
+                if not metric.takes_batch:
+                    metric.check_batch(predictions, real, field, first)
+        first += int(np.sum(mask))
+        yield batch, mask
+
+
 def _checked_variables(program: Any, variables: Any) -> dict:
     """The variables (of a train state too), checked against the program's layout."""
     if not isinstance(program, Program):
@@ -222,6 +244,9 @@ def evaluate(program: Program, variables: Any, source: Any, *, metrics: Sequence
     engine = prepare(predictor, variables, first, chosen, who="evaluate", source=source_name,
                      inputs=inputs, targets=targets, keep=predictions, spare=1,
                      hint=", or pass inputs=[field, ...]")
+    if engine.target is not None:
+        shapes = output_shapes(engine, variables, first, who="evaluate", source=source_name)
+        batches = _checked_targets(batches, engine, chosen, shapes)
     totals = engine.run(variables, batches)
     if model_provenance is None:  # the program the predictor was derived from, if any
         model_provenance = (program.origin or program).provenance

@@ -9,11 +9,19 @@ boolean laws hold on every range.
 
 Integer ranges (steps, epochs, examples) are evaluated exactly; float ranges (seconds) at
 the candidate points where a rule can change (its points, thresholds and the gaps between).
+
+A rule placing points between the integers (``each(2.5)``, ``at(1.5)``) is made without
+complaint: it is right on the seconds timelines, and a schedule does not know its timeline
+until it is used. Where the timeline is known it is refused on an integer one, which never
+or only partly meets it: attached to ``On(..., step=...)`` (or ``epoch=``, ``examples=``),
+and called on a range whose ends are both ints. A bool is no time anywhere: to Python
+``True`` is the int 1, so ``each(True)`` or ``rule(True, 3)`` would pass for a count.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -59,12 +67,27 @@ class Schedule:
         """
         return None
 
+    @functools.cached_property
+    def _off_integers(self) -> Schedule | None:
+        return self.fractional()  # asked on every integer range: computed once per rule
+
     def __call__(self, t_prev: float, t_now: float | None = None) -> bool:
+        if isinstance(t_prev, bool | np.bool_) or isinstance(t_now, bool | np.bool_):
+            raise TypeError(f"{self!r}({t_prev!r}, {t_now!r}): times must be numbers, not "
+                            "bools (to Python True is 1); pass the step, epoch, examples or "
+                            "seconds")
         if t_now is None:
             return bool(self.holds(np.asarray([t_prev]))[0])
+        integers = _is_int(t_prev) and _is_int(t_now)
+        if integers and self._off_integers is not None:
+            raise ValueError(
+                f"{self!r}({t_prev}, {t_now}): {self._off_integers!r} places points between "
+                "the integers, and a range of ints is evaluated at its integers (a step, "
+                "epoch or examples timeline), where it fires never or off its rule. Use "
+                "integers there (each(2), at(1, 2)), or pass float times (seconds)")
         if t_now <= t_prev:
             return False
-        exact = _is_int(t_prev) and _is_int(t_now) and t_now - t_prev <= _EXACT_LIMIT
+        exact = integers and t_now - t_prev <= _EXACT_LIMIT
         if exact and t_now - t_prev <= _SCALAR_LIMIT:
             return any(self.holds_at(p) for p in range(int(t_prev) + 1, int(t_now) + 1))
         if exact:
@@ -105,7 +128,8 @@ def _check(other: Any, op: str) -> Schedule:
 
 def _number(value: Any, argument: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise TypeError(f"{argument} must be a number, got {value!r}")
+        raise TypeError(f"{argument} must be a number, got {value!r}: pass an int or a "
+                        "float (a bool is no time, though Python counts True as 1)")
     if not math.isfinite(value):
         raise ValueError(f"{argument} must be finite, got {value!r}")
     return value
@@ -274,6 +298,10 @@ class _Not(Schedule):
 def each(n: float, start: float = 0) -> Schedule:
     """Holds at ``start, start + n, start + 2n, ...``.
 
+    ``n`` and ``start`` are numbers, never bools. A fraction (``each(2.5)``) is accepted
+    for the seconds timelines; on an integer timeline (``On(..., step=each(2.5))``, a call
+    on a range of ints) it is refused, naming the rule.
+
     Examples:
         >>> from graphmod import each
         >>> each(100)(0, 128), each(100)(128, 256), each(100, start=50)(0, 49)
@@ -286,6 +314,9 @@ def each(n: float, start: float = 0) -> Schedule:
 
 def at(*times: float) -> Schedule:
     """Holds at the given points.
+
+    Each time is a number, never a bool; a fraction (``at(1.5)``) is accepted for the
+    seconds timelines and refused on an integer one, as for :func:`each`.
 
     Examples:
         >>> from graphmod import at

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from graphmod._core._codec import hash_array
+from graphmod._core._numbers import is_whole_number
 from graphmod._records._summary import data_text
 
 
@@ -53,8 +54,9 @@ class ArraySource:
         self.size = sizes.pop()
         if self.size == 0:
             raise ValueError("ArraySource(arrays): the arrays are empty (0 rows)")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"ArraySource(batch_size={batch_size!r}): must be a positive int")
+        if not is_whole_number(batch_size, least=1):  # True is an int to Python, not here
+            raise ValueError(f"ArraySource(batch_size={batch_size!r}): must be a positive int, "
+                             "the rows of each batch, e.g. batch_size=32")
         if drop_remainder and batch_size > self.size:
             raise ValueError(f"ArraySource(batch_size={batch_size}): larger than the "
                              f"{self.size} rows, so every batch would be dropped")

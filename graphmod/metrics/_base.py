@@ -19,7 +19,9 @@ class Metric:
     broadcast against the targets' leading axes) and returns a dict of sums;
     :func:`graphmod.evaluate` adds them up over the batches in float64 and calls
     ``result(totals)``. ``check`` runs first on the shapes of the first batch and raises
-    a clear error when predictions and targets cannot be compared. A metric with
+    a clear error when predictions and targets cannot be compared; :func:`graphmod.evaluate`
+    calls ``check_batch`` with the targets of each batch on the host (values a traced
+    ``statistics`` cannot raise on: a label outside the classes). A metric with
     ``takes_batch = True`` (e.g. :class:`graphmod.metrics.Mean`) gets the program's outputs
     as they are and the whole batch as ``targets``, and is not shape-checked.
 
@@ -45,6 +47,11 @@ class Metric:
     def check(self, predictions: jax.ShapeDtypeStruct, targets: jax.ShapeDtypeStruct | None,
               field: str) -> None:
         """Raises if predictions and targets of these shapes cannot be compared."""
+
+    def check_batch(self, predictions: jax.ShapeDtypeStruct, targets: np.ndarray, field: str,
+                    first: int) -> None:
+        """Raises if the targets of one batch (its real rows, on the host; ``first`` the
+        index of its first example in the source) hold values the metric cannot score."""
 
     def statistics(self, predictions: jax.Array, targets: jax.Array | None,
                    weights: jax.Array) -> dict[str, jax.Array]:

@@ -1,4 +1,16 @@
-"""Classification metrics: accuracy, cross-entropy, per-class precision, recall and F1."""
+"""Classification metrics: accuracy, cross-entropy, per-class precision, recall and F1.
+
+Two answers they never give silently. An example whose class scores hold a NaN or an
+infinity ranks no class: it counts as wrong (accuracy, top-k, recall, F1), since a score
+that is not a number says nothing of the classes. A target label outside the predictions'
+classes (below 0, or at or above their number) is refused: ``jnp.take_along_axis`` and
+``one_hot`` would read -1 as the last class and drop 7 of 3 classes without a word. Inside
+``jax.jit`` no value can raise, so each metric counts its targets per class, with a bucket
+below 0 and one above the classes, among its sums, and ``result`` refuses a count outside;
+:func:`graphmod.evaluate`, which holds each batch on the host before it runs, refuses the
+first bad label by its example index and value (``Metric.check_batch``), with no wait on
+the device.
+"""
 
 from __future__ import annotations
 
@@ -32,13 +44,76 @@ def check_classification(name: str, predictions: Any, targets: Any, field: str) 
         )
 
 
+def check_labels(name: str, labels: np.ndarray, classes: int, field: str, first: int) -> None:
+    """Raises naming the first of integer ``labels`` (a batch's real rows, the first example
+    ``first`` of the source) outside ``range(classes)``, its example and the fix.
+
+    Examples:
+        >>> import numpy as np
+        >>> check_labels("accuracy", np.array([0, 2, 7]), 3, "y", first=8)
+        Traceback (most recent call last):
+        ...
+        ValueError: metric 'accuracy': targets 'y' hold the label 7 at example 10, outside \
+the 3 classes of the predictions (labels are integers in [0, 3)). Fix the labels, or give \
+the model 8 outputs if the data have 8 classes
+    """
+    outside = (labels < 0) | (labels >= classes)
+    if not outside.any():
+        return
+    where = np.argwhere(outside)[0]
+    value = int(labels[tuple(where)])
+    at = f"example {first + int(where[0])}" + (
+        f", position {tuple(int(i) for i in where[1:])}" if len(where) > 1 else "")
+    fix = (f"give the model {value + 1} outputs if the data have {value + 1} classes"
+           if value >= classes else "leave out the examples of a label below 0 (an "
+           "'ignore' label such as -1) or map them to a class")
+    raise ValueError(f"metric {name!r}: targets {field!r} hold the label {value} at {at}, "
+                     f"outside the {classes} classes of the predictions (labels are "
+                     f"integers in [0, {classes})). Fix the labels, or {fix}")
+
+
 def _labels(predictions: jax.Array, targets: jax.Array) -> jax.Array:
     if jnp.issubdtype(targets.dtype, jnp.integer):
         return targets
     return jnp.argmax(targets, axis=-1)
 
 
-class Accuracy(Metric):
+def _label_counts(labels: jax.Array, classes: int, w: jax.Array) -> jax.Array:
+    """The weighted count of the labels below 0, of each class, and at or above ``classes``
+    (a scatter-add: one pass over the labels, summed over batches like any other sum)."""
+    bucket = (jnp.clip(labels.astype(jnp.int32), -1, classes) + 1).ravel()  # uint8 too
+    return jnp.zeros(classes + 2, jnp.float32).at[bucket].add(w.ravel())
+
+
+def _scored(predictions: jax.Array) -> jax.Array:
+    """Whether each example's class scores are all finite (a NaN or inf ranks no class)."""
+    return jnp.isfinite(predictions).all(axis=-1)
+
+
+class _Classification(Metric):
+    """Scores of classes against integer labels or class probabilities: shapes checked
+    before the first batch, labels on the host per batch and in the sums on the device."""
+
+    def check(self, predictions: Any, targets: Any, field: str) -> None:
+        check_classification(self.name, predictions, targets, field)
+
+    def check_batch(self, predictions: Any, targets: np.ndarray, field: str,
+                    first: int) -> None:
+        if np.issubdtype(targets.dtype, np.integer):
+            check_labels(self.name, targets, predictions.shape[-1], field, first)
+
+    def _refuse_outside(self, counts: np.ndarray) -> None:
+        """Raises if the label counts of :func:`_label_counts` hold labels outside."""
+        below, above, classes = int(counts[0]), int(counts[-1]), len(counts) - 2
+        if below or above:
+            raise ValueError(
+                f"metric {self.name!r}: {below + above} target labels lie outside the "
+                f"{classes} classes of the predictions ({below} below 0, {above} at or "
+                f"above {classes}); labels are integers in [0, {classes}). Fix the labels "
+                "(graphmod.evaluate names the first), or the model's number of outputs")
+
+
+class Accuracy(_Classification):
     """The fraction of examples whose highest-scoring class is the target class; with
     ``top_k=k``, whose target class is among the ``k`` highest-scoring. Classes scoring the
     same rank by index, as ``argmax`` and ``lax.top_k`` do (a model scoring every class
@@ -69,7 +144,7 @@ class Accuracy(Metric):
             self.name = f"top_{top_k}_accuracy"
 
     def check(self, predictions: Any, targets: Any, field: str) -> None:
-        check_classification(self.name, predictions, targets, field)
+        super().check(predictions, targets, field)
         if self.top_k >= predictions.shape[-1]:
             raise ValueError(
                 f"metric {self.name!r}: top_k={self.top_k} needs more than {self.top_k} "
@@ -84,14 +159,16 @@ class Accuracy(Metric):
         before = jnp.arange(predictions.shape[-1]) < labels[..., None]
         # Classes ranked above the target: scoring higher, or as high with a lower index.
         ahead = ((predictions > target) | ((predictions == target) & before)).sum(axis=-1)
-        hit = (ahead < self.top_k).astype(jnp.float32)
-        return {"correct": (hit * w).sum(), "count": w.sum()}
+        hit = ((ahead < self.top_k) & _scored(predictions)).astype(jnp.float32)
+        return {"correct": (hit * w).sum(), "count": w.sum(),
+                "labels": _label_counts(labels, predictions.shape[-1], w)}
 
     def result(self, totals: dict[str, np.ndarray]) -> float:
+        self._refuse_outside(totals["labels"])
         return float(totals["correct"] / totals["count"])
 
 
-class CrossEntropy(Metric):
+class CrossEntropy(_Classification):
     """The mean cross-entropy between the predicted class distribution and the targets.
 
     Args:
@@ -110,9 +187,6 @@ class CrossEntropy(Metric):
     def __init__(self, *, from_logits: bool = True) -> None:
         self.from_logits = from_logits
 
-    def check(self, predictions: Any, targets: Any, field: str) -> None:
-        check_classification(self.name, predictions, targets, field)
-
     def statistics(self, predictions: jax.Array, targets: jax.Array,
                    weights: jax.Array) -> dict[str, jax.Array]:
         scores = predictions.astype(jnp.float32)
@@ -123,14 +197,18 @@ class CrossEntropy(Metric):
         else:
             loss = -(targets.astype(jnp.float32) * log_p).sum(-1)
         w = weights_like(weights, loss.shape)
-        return {"sum": (loss * w).sum(), "count": w.sum()}
+        return {"sum": (loss * w).sum(), "count": w.sum(),
+                "labels": _label_counts(_labels(predictions, targets), scores.shape[-1], w)}
 
     def result(self, totals: dict[str, np.ndarray]) -> float:
+        self._refuse_outside(totals["labels"])
         return float(totals["sum"] / totals["count"])
 
 
-class ConfusionMatrix(Metric):
+class ConfusionMatrix(_Classification):
     """Counts of (target class, predicted class): rows are targets, columns predictions.
+    An example with a NaN or infinite score predicts no class: it is in no column, so its
+    row sums to less than the class's examples (precision, recall and F1 count them).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -143,19 +221,19 @@ class ConfusionMatrix(Metric):
 
     name = "confusion_matrix"
 
-    def check(self, predictions: Any, targets: Any, field: str) -> None:
-        check_classification(self.name, predictions, targets, field)
-
     def statistics(self, predictions: jax.Array, targets: jax.Array,
                    weights: jax.Array) -> dict[str, jax.Array]:
         classes = predictions.shape[-1]
         labels = _labels(predictions, targets)
         w = weights_like(weights, labels.shape)
         truth = jax.nn.one_hot(labels, classes) * w[..., None]
-        guess = jax.nn.one_hot(jnp.argmax(predictions, axis=-1), classes)
-        return {"counts": jnp.einsum("...i,...j->ij", truth, guess)}
+        guess = jax.nn.one_hot(jnp.argmax(predictions, axis=-1), classes) \
+            * _scored(predictions)[..., None]
+        return {"counts": jnp.einsum("...i,...j->ij", truth, guess),
+                "labels": _label_counts(labels, classes, w)}
 
     def result(self, totals: dict[str, np.ndarray]) -> np.ndarray:
+        self._refuse_outside(totals["labels"])
         return np.rint(totals["counts"]).astype(np.int64)
 
 
@@ -173,16 +251,19 @@ class _PerClass(ConfusionMatrix):
         base = type(self).__name__.lower()
         self.name = base if average is None else f"{average}_{base}"
 
-    def _per_class(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per class: true positives, predicted counts, target counts (support)."""
-        return np.diag(counts), counts.sum(0), counts.sum(1)
+    def _per_class(self, totals: dict[str, np.ndarray]
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per class: true positives, predicted counts, target counts (support: the
+        examples predicting no class too)."""
+        counts = np.asarray(totals["counts"], np.float64)
+        return np.diag(counts), counts.sum(0), np.asarray(totals["labels"][1:-1], np.float64)
 
     def _score(self, tp: np.ndarray, predicted: np.ndarray, support: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
     def result(self, totals: dict[str, np.ndarray]) -> Any:
-        counts = np.asarray(totals["counts"], np.float64)
-        tp, predicted, support = self._per_class(counts)
+        self._refuse_outside(totals["labels"])
+        tp, predicted, support = self._per_class(totals)
         if self.average == "micro":
             return float(self._score(tp.sum(keepdims=True), predicted.sum(keepdims=True),
                                      support.sum(keepdims=True))[0])

@@ -10,6 +10,7 @@ import numpy as np
 
 from graphmod._core._manager import HParam
 from graphmod._train._events import Event, On, Template, Time
+from graphmod._train._loop._models import model_state, with_model_state
 from graphmod._train._plugin import Plugin
 from graphmod.plugins._common import template_or
 from graphmod.typing import LoopLike
@@ -25,7 +26,11 @@ class Anneal(Plugin):
     the one the following steps use; a value equal to the one last written (a Python or
     NumPy number) is not written again, so an epoch-wise schedule costs one write per
     epoch, not one per step. With ``steps_per_call=k`` a plain ``On("step")`` sees one
-    event per fused dispatch, so the value changes every k steps.
+    event per fused dispatch, so the value changes every k steps. A value outside the
+    hyperparameter's valid range (a manager's ``hparam_ranges``: a dropout rate in [0, 1])
+    is refused before it is written, naming the manager, the hyperparameter, the value and
+    the range; a ``jax.Array`` value is written unchecked (reading it would wait for the
+    device).
 
     Args:
         hparam: a :class:`graphmod.HParam`, from ``manager.hparam(name)``.
@@ -33,6 +38,7 @@ class Anneal(Plugin):
             ``.examples``, ...).
         every: the events on which the value is set (default: every step event).
         name: the plugin's name (default: ``anneal_<manager>_<hyperparameter>``).
+        model: in a loop over several models, the one whose program holds ``hparam``.
 
     Examples:
         >>> import jax, numpy as np, optax, graphmod as gm, managers
@@ -56,7 +62,8 @@ class Anneal(Plugin):
     """
 
     def __init__(self, hparam: HParam, fn: Callable[[Time], Any], *,
-                 every: Template | str | None = None, name: str | None = None) -> None:
+                 every: Template | str | None = None, name: str | None = None,
+                 model: str | None = None) -> None:
         if not isinstance(hparam, HParam):
             raise TypeError(f"Anneal(hparam): expected a graphmod.HParam from "
                             f"manager.hparam(name), got {hparam!r}")
@@ -66,6 +73,7 @@ class Anneal(Plugin):
                          every=template_or(every, On("step"), "Anneal"))
         self.hparam = hparam
         self.fn = fn
+        self.model = model
         self.value: Any = None
 
     def setup(self, loop: LoopLike) -> None:
@@ -73,6 +81,7 @@ class Anneal(Plugin):
         # checkpoint holds: recomputing it from the restored time would differ from the
         # uninterrupted run (which last set it at a step event).
         self.value = None  # this run's state may hold another value: write the first one
+        model_state(loop, loop.state, self.model, "Anneal")  # a model named, if need be
         if loop.time.step == 0:
             self.set(loop, loop.time)
 
@@ -87,9 +96,27 @@ class Anneal(Plugin):
                              f"value of {self.hparam.manager}.{self.hparam.name}")
         if _host_number(value) and _host_number(self.value) and value == self.value:
             return  # the state holds it already
-        loop.update_state(lambda state: _with_variables(
-            state, self.hparam.set(_variables(state, self.name), value)))
+        self._check_range(value, time)
+        def write(state: Any) -> Any:
+            own = model_state(loop, state, self.model, "Anneal")
+            new = _with_variables(own, self.hparam.set(_variables(own, self.name), value))
+            return with_model_state(loop, state, self.model, new)
+
+        loop.update_state(write)
         self.value = value
+
+
+    def _check_range(self, value: Any, time: Time) -> None:
+        """Raises if the host number ``value`` lies outside the hyperparameter's range."""
+        valid = self.hparam.valid
+        if valid is None or not _host_number(value) or valid[0] <= value <= valid[1]:
+            return
+        low, high = valid
+        raise ValueError(
+            f"{self.name}: fn({time}) returned {value!r}, outside the valid range [{low}, "
+            f"{high}] of hyperparameter {self.hparam.name!r} of manager "
+            f"{self.hparam.manager!r}; make fn return values in [{low}, {high}] (e.g. clip "
+            f"them: min(max(value, {low}), {high}))")
 
 
 def _host_number(value: Any) -> bool:

@@ -13,6 +13,7 @@ import jax
 from graphmod._core._numbers import is_whole_number
 from graphmod._records._collect import training_inputs, training_provenance
 from graphmod._train._checkpoint import Checkpointer, CheckpointError
+from graphmod._train._checkpoint._lock import RunLock, run_lock
 from graphmod._train._command import RESUME_VARIABLE
 from graphmod._train._events import Event, On, Template
 from graphmod._train._optimize import TrainStep
@@ -39,12 +40,18 @@ class Checkpoint(Plugin):
     ``directory`` holds another run's checkpoints stops before its first step, unless
     ``resume=True`` (continue that run from its newest checkpoint that verifies, skipping
     corrupted ones with a warning; ``graphmod resume DIR`` sets this too) or
-    ``overwrite=True`` (delete every checkpoint in ``directory`` first, and any leftover of
-    a cut-off write; other files stay). A run stopped by Ctrl-C or an error saves its last
-    finished step (``on_interrupt``) and prints one line saying how to continue (in a run
-    of several processes, where every process takes part in a save, Ctrl-C only: an error
-    stops one process); stopped before any of its steps finished (an error in the first
-    step's trace), it saves nothing, so the same run can start again in ``directory``.
+    ``overwrite=True`` (delete that run's checkpoints that verify first, setting aside as
+    ``<step>.unverified`` those that do not; leftovers and other files stay). Checkpoints
+    are recognised by the marker graphmod writes into each, never by a folder's name: a run
+    whose ``directory`` holds anything else named like one (a numbered folder, ``00095``,
+    a link) stops at setup naming it, and never touches it. From setup to teardown the run
+    holds the directory's lock (``graphmod.lock``): a second run writing into it stops at
+    its setup, naming the first one's process and host. A run stopped by Ctrl-C or an
+    error saves its last finished step (``on_interrupt``) and prints one line saying how to
+    continue (in a run of several processes, where every process takes part in a save,
+    Ctrl-C only: an error stops one process); stopped before any of its steps finished (an
+    error in the first step's trace), it saves nothing, so the same run can start again in
+    ``directory``.
 
     Examples:
         >>> import tempfile, graphmod as gm
@@ -75,6 +82,7 @@ class Checkpoint(Plugin):
         self.save_on_interrupt = on_interrupt
         self.asynchronous = asynchronous
         self._writer: Checkpointer | None = None
+        self._lock: RunLock | None = None  # held from setup to teardown
         self._run_id: str | None = None  # made by the first setup, or a resumed run's
         self._saved_step: int | None = None
         self._saved_epoch: int | None = None  # a step is saved again once its epoch ended
@@ -87,7 +95,14 @@ class Checkpoint(Plugin):
         return self.resume or (forced is not None and os.path.abspath(forced) == self.directory)
 
     def setup(self, loop: LoopLike) -> None:
-        self._open(loop)
+        # The directory is this run's to write until teardown: locked before anything is
+        # read or written (in a run of several processes, by process 0 for all of them).
+        self._lock = run_lock(self.directory)
+        try:
+            self._open(loop)
+        except BaseException:
+            self._close()
+            raise
         self._first_step = loop.time.step  # a stop before any step of this run saves nothing
 
     def _open(self, loop: LoopLike) -> None:
@@ -96,8 +111,17 @@ class Checkpoint(Plugin):
         writer = Checkpointer(self.directory, keep=self.keep, asynchronous=self.asynchronous,
                               run_id=self._run_id)
         self._writer = writer
+        foreign = writer.foreign()
+        if foreign:
+            raise CheckpointError(
+                self.directory,
+                f"Checkpoint {self.name!r}: the directory holds what graphmod did not write, "
+                "named like its checkpoints: " + "; ".join(f"{name} ({why})" for name, why
+                                                         in foreign.items())
+                + "; a run would mix with it (nothing was read, moved or deleted)",
+                "move those out of the directory, or write to another directory")
         if self._wants_resume() and writer.steps():
-            state, meta = writer.restore(loop.state)  # the newest that verifies, or raises
+            state, meta = writer.restore(loop.state, loop=True)  # the newest that verifies
             loop.state = state
             loop.load_state_dict(meta)
             # The same run goes on (a graphmod 0.1 checkpoint has no id: a new one starts).
@@ -109,9 +133,10 @@ class Checkpoint(Plugin):
         self._run_id = writer.run_id
         others = writer.others()
         if others and self.overwrite:
-            writer.discard(others)
-            _log.warning("Checkpoint(%s, overwrite=True): deleted the checkpoints of steps %s",
-                         self.directory, others)
+            deleted, aside = writer.discard(others)
+            _log.warning("Checkpoint(%s, overwrite=True): deleted the checkpoints of steps %s"
+                         "%s", self.directory, deleted, f" and set aside {aside}, which fail "
+                         "verification" if aside else "")
         elif others:
             raise CheckpointError(
                 self.directory,
@@ -157,6 +182,8 @@ class Checkpoint(Plugin):
                   file=sys.stderr)
             return
         try:
+            if interrupted and step != self._first_step:  # saved again if it was just
+                self._saved_step = None  # saved: the record says how the run stopped
             self.save(event)
             self.wait()
         except CheckpointError as failure:
@@ -202,15 +229,24 @@ class Checkpoint(Plugin):
             self._writer.wait()
 
     def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
-        writer, self._writer = self._writer, None
-        self._inputs = None
-        if writer is None:
-            return
         try:
-            writer.close()  # the last write completes (or raises) before the run ends
+            self._close()
         except CheckpointError as failure:
             raise CheckpointError(failure.path, f"Checkpoint {self.name!r} could not finish "
                                   f"its last save: {failure.reason}", failure.fix) from None
+
+    def _close(self) -> None:
+        """Finishes the last write (raising its error), closes the writer, and lets go of
+        the directory's lock whatever happens."""
+        writer, self._writer = self._writer, None
+        lock, self._lock = self._lock, None
+        self._inputs = None
+        try:
+            if writer is not None:
+                writer.close()  # the last write completes (or raises) before the run ends
+        finally:
+            if lock is not None:
+                lock.release()
 
     def state_dict(self) -> dict[str, Any]:
         return {"directory": self.directory, "run_id": self._run_id}

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from graphmod._train._events import Event, Template, as_template
+from graphmod._train._loop._models import Models
 from graphmod.typing import LoopLike
 
 
@@ -30,6 +31,17 @@ def event_metrics(event: Event) -> dict[str, Any]:
     """The metrics of an event: those it was fired with (a ``validated`` event's), else
     the latest step's (the loop puts them in ``event.metrics`` either way)."""
     return dict(event.metrics) if event.metrics else {}
+
+
+def per_model(loop: LoopLike, names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names``, each without a model (no ``/``) as one per model with a step in a loop over
+    several models (``loss``: ``disc/loss``, ``gen/loss``); as they are otherwise."""
+    steps = loop.step
+    if not isinstance(steps, Models):
+        return names
+    models = [name for name, step in steps.steps.items() if step is not None]
+    return tuple(chosen for name in names
+                 for chosen in ([name] if "/" in name else [f"{m}/{name}" for m in models]))
 
 
 def planned_steps(loop: LoopLike) -> int | None:

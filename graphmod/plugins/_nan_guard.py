@@ -9,6 +9,7 @@ import numpy as np
 from graphmod._core._numbers import is_whole_number
 from graphmod._core._warn import warn
 from graphmod._train._events import Event, On, Template
+from graphmod._train._loop._models import Models
 from graphmod._train._plugin import Plugin
 from graphmod._train._schedule import each
 from graphmod.plugins._common import template_or
@@ -73,6 +74,11 @@ class NaNGuard(Plugin):
         self._checked_step: int | None = None
 
     def setup(self, loop: LoopLike) -> None:
+        if isinstance(loop.step, Models):
+            names = ", ".join(loop.step.names)
+            raise ValueError(f"NaNGuard: the loop runs several models ({names}) and NaNGuard "
+                             "watches one step's count for now; leave it out (each model's "
+                             "'<model>/skipped_steps' metric counts its skipped steps)")
         if getattr(loop.step, "skip_nonfinite", True) is False:
             raise ValueError("NaNGuard: the loop's step does not skip non-finite steps; make "
                              "it with graphmod.optimize(program, tx, skip_nonfinite=True)")

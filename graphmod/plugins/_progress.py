@@ -11,7 +11,7 @@ from graphmod._core._numbers import is_whole_number
 from graphmod._train._events import Event, On, Template
 from graphmod._train._host_metrics import copying, on_host, scalar_metrics
 from graphmod._train._plugin import Plugin
-from graphmod.plugins._common import metric_names, planned_steps, template_or
+from graphmod.plugins._common import metric_names, per_model, planned_steps, template_or
 from graphmod.typing import LoopLike
 
 
@@ -31,7 +31,9 @@ class ProgressBar(Plugin):
     Args:
         total: the bar's length in steps (default: the loop's ``steps``, or ``epochs``
             times the length of its data; open-ended when neither is known).
-        metrics: names of step metrics to show beside the bar (those present are shown).
+        metrics: names of step metrics to show beside the bar (those present are shown);
+            in a loop over several models, a name without a model (``"loss"``) is shown
+            for each (``"disc/loss"``, ``"gen/loss"``).
         every: the step events on which the metrics are read and shown (default: at most
             every 0.1 s: a copy started, nothing waited for).
         name: the plugin's name.
@@ -77,9 +79,11 @@ class ProgressBar(Plugin):
         self._bar: Any = None
         self._shown_at = -math.inf
         self._copying: dict[str, Any] | None = None  # metrics on their way to the host
+        self._shown = self.metrics  # the names shown: per model in a loop of several
 
     def setup(self, loop: LoopLike) -> None:
         self.total = self._requested_total or planned_steps(loop)
+        self._shown = per_model(loop, self.metrics)
         self._bar = None
         self._shown_at = -math.inf
         self._copying = None
@@ -96,8 +100,8 @@ class ProgressBar(Plugin):
         if self._copying is not None and on_host(self._copying):
             self._show(self._copying)
             self._copying = None
-        if self.metrics and self._copying is None and self._due(event):
-            self._copying = copying(event.metrics, self.metrics)
+        if self._shown and self._copying is None and self._due(event):
+            self._copying = copying(event.metrics, self._shown)
 
     def _due(self, event: Event) -> bool:
         if self.show_every is not None:
@@ -125,7 +129,7 @@ class ProgressBar(Plugin):
                 self._bar.set_description_str(desc, refresh=False)
 
     def _show(self, metrics: Any) -> None:
-        values = scalar_metrics(metrics, self.metrics)  # on the host already (or at the end)
+        values = scalar_metrics(metrics, self._shown)  # on the host already (or at the end)
         if values:
             self.postfix = values
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()})
@@ -136,7 +140,7 @@ class ProgressBar(Plugin):
         try:
             if error is None:  # not when stopping on an error: reading could raise again
                 self._advance(loop.time.step, None)  # the description keeps the last epoch
-                if self.metrics and loop.metrics:
+                if self._shown and loop.metrics:
                     self._show(loop.metrics)  # the run is over: this read waits for nothing
             else:
                 self.stopped = ("interrupted" if isinstance(error, KeyboardInterrupt)

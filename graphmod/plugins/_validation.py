@@ -32,6 +32,7 @@ import numpy as np
 from graphmod import metrics as _metrics
 from graphmod._train._engine import Engine, metric_list, output_shapes, prepare
 from graphmod._train._events import Event, On, Template
+from graphmod._train._loop._models import model_state
 from graphmod._train._plugin import Plugin
 from graphmod._train._program import Program
 from graphmod.metrics._per_example import Output, named_outputs
@@ -70,8 +71,10 @@ class Validation(Plugin):
             objects; the targets are the field the program's arguments leave over);
             default: the program's own outputs.
         every: the events to validate on (default: ``On("epoch_end")``).
-        prefix: put before every metric name.
+        prefix: put before every metric name (default ``"valid/"``, and
+            ``"<model>/valid/"`` with ``model``).
         name: the plugin's name (and the ``issuer`` of its events).
+        model: in a loop over several models, the one whose variables are evaluated.
 
     Examples:
         >>> import jax, numpy as np, optax, graphmod as gm
@@ -97,8 +100,8 @@ class Validation(Plugin):
 
     def __init__(self, program: Program, source: Any, *,
                  metrics: Mapping[str, MetricFn] | Sequence[Any] | None = None,
-                 every: Template | str | None = None, prefix: str = "valid/",
-                 name: str = "validation") -> None:
+                 every: Template | str | None = None, prefix: str | None = None,
+                 name: str = "validation", model: str | None = None) -> None:
         if not isinstance(program, Program):
             raise TypeError(f"Validation(program): expected a graphmod Program (e.g. "
                             f"program.derive(lambda m, x: m(x))), got {type(program).__name__}")
@@ -106,6 +109,8 @@ class Validation(Plugin):
             raise TypeError(f"Validation(source): expected a graphmod.data.ArraySource (it "
                             f"pads and masks the final batch), got {type(source).__name__}")
         chosen = None if metrics is None else _protocol(metrics)
+        if prefix is None:
+            prefix = "valid/" if model is None else f"{model}/valid/"
         if not isinstance(prefix, str):
             raise TypeError(f"Validation(prefix={prefix!r}): expected a string")
         super().__init__(name=name,
@@ -114,6 +119,7 @@ class Validation(Plugin):
         self.source = source
         self.metrics = chosen
         self.prefix = prefix
+        self.model = model
         self.history: list[tuple[int, dict[str, Any]]] = []
         self._engine: Engine | None = None
 
@@ -121,10 +127,10 @@ class Validation(Plugin):
         # Checked on the first batch now, not at the first validation an epoch later: data
         # that do not fit the program stop the run before it trains (an abstract trace).
         if self._engine is None:
-            self._engine = self._prepare(_variables(loop.state, self.name))
+            self._engine = self._prepare(self._variables(loop, loop.state))
 
     def __call__(self, event: Event) -> None:
-        results = self.evaluate(_variables(event.state, self.name))
+        results = self.evaluate(self._variables(event.loop, event.state))
         self.history.append((event.time.step, results))
         event.loop.fire("validated", metrics=results)
 
@@ -145,6 +151,10 @@ class Validation(Plugin):
             self._engine = self._prepare(dict(variables))
         totals = self._engine.run(variables, self.source.iter_padded())
         return {self.prefix + key: value for key, value in totals.values.items()}
+
+    def _variables(self, loop: LoopLike, state: Any) -> dict:
+        """The variables to evaluate: ``model``'s, in a loop over several models."""
+        return _variables(model_state(loop, state, self.model, "Validation"), self.name)
 
     def _prepare(self, variables: dict) -> Engine:
         """The engine, checked on the first batch: the metrics given or the outputs'."""

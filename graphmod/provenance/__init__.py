@@ -11,7 +11,12 @@ from graphmod._records._optimizer import optimizer
 from graphmod._records._record import Provenance, ProvenanceError
 from graphmod.provenance._diff import Difference, Differences, diff
 from graphmod.provenance._files import read
-from graphmod.provenance._names import DEFAULT_ALLOWED, DEFAULT_FACTORIES, RebuildError
+from graphmod.provenance._names import (
+    DEFAULT_ALLOWED,
+    DEFAULT_FACTORIES,
+    RebuildError,
+    default_names,
+)
 from graphmod.provenance._rebuild import Rebuilt, rebuild
 
 __all__ = [
@@ -24,6 +29,7 @@ __all__ = [
     "RebuildError",
     "Rebuilt",
     "capture",
+    "default_names",
     "diff",
     "optimizer",
     "read",

@@ -7,8 +7,9 @@ Safety: a record is data, and one from elsewhere may be crafted (the threat mode
 managers, monitor filters, optimizer):
 
 1. **Check** (``dry=True``): every import path is checked by
-   :meth:`~graphmod.provenance._names.Rules.check` (public, allowed package, no system
-   module, no loader or runner, calls only to listed factories; see ``_names``), and every
+   :meth:`~graphmod.provenance._names.Rules.check` (public, on the allow list of
+   constructors and pure functions or an exact name the caller allowed, calls only to listed
+   factories; see ``_names``), and every
    entry's shape (a ``$call`` has a function and keyword arguments, a ``$partial`` wraps a
    function, dtypes are numeric, tags are known, nothing is opaque). Nothing is imported,
    constructed or called, so a crafted record is refused, with the field that names the
@@ -61,6 +62,8 @@ class Rebuilt:
             ``optimize`` again: a filter per recorded parameter path and the managers whose
             parameters trained; None when every parameter trained (or for a program record).
         provenance: the record rebuilt from.
+        allowed: the names this rebuild admitted beyond graphmod's list, as the caller gave
+            them (``allow=`` and ``allow_factories=``), sorted; empty by default.
 
     Examples:
         >>> import jax.numpy as jnp, graphmod as gm
@@ -72,8 +75,8 @@ class Rebuilt:
         >>> again
         Rebuilt(Linear from a program record; managers: none; optimizer: none; seeds: init)
         >>> args, kwargs = again.example_arguments()
-        >>> args[0].shape, again.managers, again.optimizer
-        ((4, 2), (), None)
+        >>> args[0].shape, again.managers, again.optimizer, again.allowed
+        ((4, 2), (), None, ())
     """
 
     model: Any
@@ -83,6 +86,7 @@ class Rebuilt:
     seeds: Mapping[str, Any]
     trainable: tuple[Any, ...] | None
     provenance: Provenance
+    allowed: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         """One line: the model's class, the record's kind, the managers, optimizer and
@@ -93,7 +97,7 @@ class Rebuilt:
                 f" managers: {managers or 'none'}; optimizer: {optimizer}; seeds: "
                 f"{', '.join(self.seeds) or 'none'}"
                 + ("" if self.trainable is None else f"; trainable: {len(self.trainable)}")
-                + ")")
+                + (f"; allowed: {', '.join(self.allowed)}" if self.allowed else "") + ")")
 
     def compile(self, fn: Any, **kwargs: Any) -> Any:
         """``graphmod.compile(fn, model, managers=managers, monitor=...)``."""
@@ -190,25 +194,30 @@ def rebuild(provenance: Provenance | str, *, model: nnx.Module | None = None,
     how bricks are made, not other modules) is yours to construct and pass as ``model=``;
     it is checked against the record like a rebuilt one, and the rest is rebuilt for it.
 
-    A record is data and may be crafted: rebuild constructs only public graphmod bricks and
-    managers, and calls only the factories of ``graphmod.provenance.DEFAULT_FACTORIES``
-    (initializers, optax transformations and schedules), reached through public modules of
-    the allowed packages; functions recorded as values (``jax.nn.relu``) must be public and
-    are never called by rebuild itself. Every import path in the record is checked *before
-    anything is imported*; a refusal names the record's field. See "Threat model" in the
-    provenance docs.
+    A record is data and may be crafted: every name in it must be on an allow list of
+    constructors and pure functions (``graphmod.provenance.default_names()``: layers,
+    initializers, activations, optax's functions, dtypes) or one you add; rebuild constructs
+    only graphmod bricks and managers and calls only the factories of
+    ``graphmod.provenance.DEFAULT_FACTORIES`` (initializers, optax transformations and
+    schedules); functions recorded as values (``jax.nn.relu``) are never called by rebuild
+    itself. Every import path in the record is checked *before anything it names is
+    imported*; a refusal names the record's field. See "Threat model" in the provenance
+    docs.
 
     Args:
         provenance: a program, training or evaluation record (for an evaluation, its
             model's), or its JSON text.
         model: the model to use instead of constructing the recorded root brick (the
             same model as recorded, e.g. constructed by your code as before).
-        allow: top-level packages to trust besides graphmod, managers, jax, flax and optax
-            (e.g. the package defining your bricks): their public classes and functions may
-            be named.
-        allow_factories: public functions rebuild may also call with recorded arguments
-            (exact paths, e.g. ``["mypackage.initializers.scaled"]``; its package must be
-            allowed), for initializers made by your own factories.
+        allow: names to admit besides the default list: exact dotted names of your classes
+            and functions as the record gives them (``["mypackage.layers.Scaled",
+            "mypackage.activations.swish"]``; each is imported now, and must be public), or a
+            top-level package of yours (``["mypackage"]``), which admits the classes defined
+            in it and nothing else of it. The distributions of the default list (graphmod,
+            managers, jax, flax, optax) cannot be given as packages.
+        allow_factories: exact names of public Python functions rebuild may also call with
+            recorded arguments (``["mypackage.initializers.scaled"]``: an initializer made
+            by your own factory); each is admitted as a name too.
         verify: check that the rebuilt model's modules, classes and parameter shapes,
             dtypes, roles and aliases are the recorded ones.
 
@@ -217,6 +226,10 @@ def rebuild(provenance: Provenance | str, *, model: nnx.Module | None = None,
         ``seeds`` and ``compile(fn)``.
 
     Raises:
+        TypeError: ``allow=`` or ``allow_factories=`` is not a list of strings, or ``model``
+            is not a Flax module.
+        ValueError: an ``allow=`` or ``allow_factories=`` entry is not an exact public name
+            of a class or function (or a package name), or cannot be imported.
         RebuildError: the record names something not allowed (nothing is imported then),
             something missing, a malformed entry or a value recorded as opaque; or the
             rebuilt model differs from the record.
@@ -247,15 +260,15 @@ def rebuild(provenance: Provenance | str, *, model: nnx.Module | None = None,
         if nested is None:
             raise RebuildError("rebuild: this evaluation record holds no model record")
         provenance = nested
+    if model is not None and not isinstance(model, nnx.Module):
+        raise TypeError("rebuild(model=...): expected the flax.nnx.Module the record "
+                        f"describes, got {type(model).__name__}")
     rules = Rules.widened(allow, allow_factories)
     inputs = provenance.inputs
     check = RecordDecoder(rules, None, dry=True)
     root = check.mapping(inputs.get("bricks") or {}, "bricks").get("/")
     if root is None:
         raise RebuildError("rebuild: the record holds no root brick (bricks['/'])")
-    if model is not None and not isinstance(model, nnx.Module):
-        raise TypeError("rebuild(model=...): expected the flax.nnx.Module the record "
-                        f"describes, got {type(model).__name__}")
     # 1. Check everything to be constructed, importing nothing.
     if model is None:
         construct(root, check, "bricks['/']", "brick",
@@ -268,7 +281,8 @@ def rebuild(provenance: Provenance | str, *, model: nnx.Module | None = None,
         _verify(provenance, model, check)
     built, monitor, tx, seeds = _the_rest(inputs, RecordDecoder(rules, modules(model),
                                                                 dry=False))
-    return Rebuilt(model, built, tx, monitor, seeds, _trainable(inputs, built), provenance)
+    return Rebuilt(model, built, tx, monitor, seeds, _trainable(inputs, built), provenance,
+                   rules.added)
 
 
 def _trainable(inputs: Mapping[str, Any], managers: tuple[Any, ...]) -> tuple[Any, ...] | None:

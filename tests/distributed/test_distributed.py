@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -133,40 +134,87 @@ def _process(parent: int, index: int) -> int:
     raise AssertionError(f"no process {index} under {parent}")
 
 
-@pytest.mark.parametrize("target", ["the terminal", "process 1 alone"])
-def test_ctrl_c_stops_every_process_at_one_step_saved_and_resumed_bit_for_bit(
-        tmp_path, whole, target: str) -> None:
-    # A Ctrl-C reaches every process (the terminal) or one: either way they agree on a step
-    # through JAX's preemption sync, save it together, and the run resumes from it.
-    run_dir, out = tmp_path / "run", str(tmp_path / "out.npz")
+def _start_interruptible(run_dir: pathlib.Path, out: str) -> subprocess.Popen:
+    """``graphmod run`` of 2 processes pausing 0.5 s a step, in its own process group, once
+    its first checkpoint is written (the loops run)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with subprocess.Popen([sys.executable, "-m", "graphmod._cli", *TWO_BY_FOUR, out,
-                           str(run_dir), "-", "0.5"], cwd=ROOT, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          start_new_session=True) as command:
-        try:
-            deadline = time.monotonic() + 200
-            while not (run_dir / "2").is_dir() and time.monotonic() < deadline:
-                time.sleep(0.05)  # the first checkpoint: the loops run
-            if target == "the terminal":
-                os.killpg(command.pid, signal.SIGINT)
-            else:
-                os.kill(_process(command.pid, 1), signal.SIGINT)
-            _, err = command.communicate(timeout=200)
-        finally:
-            if command.poll() is None:
-                os.killpg(command.pid, signal.SIGKILL)
-    assert command.returncode == 130, err[-3000:]
+    command = subprocess.Popen([sys.executable, "-m", "graphmod._cli", *TWO_BY_FOUR, out,
+                                str(run_dir), "-", "0.5"], cwd=ROOT, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    deadline = time.monotonic() + 200
+    while not (run_dir / "2").is_dir() and time.monotonic() < deadline:
+        assert command.poll() is None, command.communicate()[1][-3000:]
+        time.sleep(0.05)
+    return command
+
+
+@pytest.mark.parametrize("target", ["the terminal", "process 1 alone", "graphmod run: SIGINT",
+                                    "graphmod run: SIGTERM"])
+def test_a_stop_signal_stops_every_process_at_one_step_saved_and_resumed_bit_for_bit(
+        tmp_path, whole, target: str) -> None:
+    # A Ctrl-C reaches every process (the terminal) or one; graphmod run passes a Ctrl-C or
+    # a SIGTERM it gets (kill, a scheduler) on to every process (it passed on nothing: they
+    # trained to the end, or on after it died). Either way they agree on a step through
+    # JAX's preemption sync, save it together, and the run resumes from it.
+    run_dir, out = tmp_path / "run", str(tmp_path / "out.npz")
+    signum = signal.SIGTERM if target.endswith("SIGTERM") else signal.SIGINT
+    command = _start_interruptible(run_dir, out)
+    try:
+        if target == "the terminal":
+            os.killpg(command.pid, signal.SIGINT)
+        elif target == "process 1 alone":
+            os.kill(_process(command.pid, 1), signal.SIGINT)
+        else:
+            os.kill(command.pid, signum)
+        _, err = command.communicate(timeout=200)  # it waits for both processes
+    finally:
+        if command.poll() is None:
+            os.killpg(command.pid, signal.SIGKILL)
+    assert command.returncode == 128 + signum, err[-3000:]
     checkpoints = Checkpointer(run_dir, keep=None)
     stopped = checkpoints.latest()
     assert 2 < stopped < 8 and checkpoints.verify(stopped) is None
     assert checkpoints.meta(stopped)["parts"] == 2 and not checkpoints.leftovers()
+    assert checkpoints.meta(stopped)["stopped"]["step"] == stopped
     assert err.count(f"saved step {stopped} to {run_dir}") == 1  # said once, by process 0
-    if target == "the terminal":
-        assert "graphmod run: Ctrl-C: the processes stop at one step and save it" in err
+    if target != "process 1 alone":
+        what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        assert f"graphmod run: {what}: the processes stop at one step and save it" in err
     done = graphmod_command("resume", str(run_dir))
     assert done.returncode == 0, done.stderr[-3000:]
     jax.tree.map(np.testing.assert_array_equal, dict(np.load(out)), whole)  # bit for bit
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie no one reaps has)."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_processes_of_a_killed_graphmod_run_stop_save_and_end(tmp_path) -> None:
+    # SIGKILL of graphmod run (the OOM killer, kill -9) left its processes training on,
+    # unsupervised; now each sees its launcher gone, stops at the step they agree on, saves
+    # it and ends.
+    run_dir, out = tmp_path / "run", str(tmp_path / "out.npz")
+    command = _start_interruptible(run_dir, out)
+    try:
+        processes = [_process(command.pid, index) for index in (0, 1)]
+        os.kill(command.pid, signal.SIGKILL)
+        command.communicate(timeout=60)
+        deadline = time.monotonic() + 200  # generous: 2 loaded cores
+        while not all(map(_gone, processes)):
+            assert time.monotonic() < deadline, "the processes still run 200 s after"
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # what is left of its group, if any
+            os.killpg(command.pid, signal.SIGKILL)
+    checkpoints = Checkpointer(run_dir, keep=None)
+    stopped = checkpoints.latest()
+    assert 2 < stopped < 8 and checkpoints.verify(stopped) is None
+    assert checkpoints.meta(stopped)["stopped"]["step"] == stopped
 
 
 def test_an_error_in_one_process_stops_the_run_without_a_save_that_would_wait(

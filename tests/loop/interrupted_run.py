@@ -1,8 +1,10 @@
-"""A training run for the Ctrl-C tests, run in subprocesses (see test_interrupt.py).
+"""A training run for the stop-signal tests (Ctrl-C, SIGTERM), run in subprocesses (see
+test_interrupt.py).
 
 Usage:
     python interrupted_run.py run DIR [--steps-per-call K] [--sync] [--sleep S]
                                       [--kill-at-step N] [--kill-in-save N]
+                                      [--term-in-write N]
     python interrupted_run.py hold DIR
     python interrupted_run.py verify OUT DIR [DIR ...] [--via loop|plugin]
 
@@ -12,7 +14,9 @@ DIR/started once warmed up (compiled, first checkpoint saved) and DIR/where.txt 
 main thread's stack when SIGINT arrives. ``--kill-at-step N`` sends SIGINT from inside the
 N-th jitted step's execution (a host callback in the loss: only in such runs, since a
 program with a callback cannot be kept in JAX's compilation cache); ``--kill-in-save N``
-sends it as the N-th save starts.
+sends it as the N-th save starts; ``--term-in-write N`` sends SIGTERM once the N-th
+checkpoint write has put its files on disk, before it is renamed into place (from the
+writer's thread, unless ``--sync``).
 
 ``hold`` pauses at step 7 while DIR/hold exists (checkpoints of steps 2, 4 and 6 on disk)
 and writes DIR/ready; once interrupted, a plugin writes DIR/interrupting and stalls in its
@@ -44,6 +48,7 @@ from flax import nnx
 import graphmod as gm
 import managers
 from graphmod import On, at, each, roles
+from graphmod._train._checkpoint import Checkpointer
 from graphmod.data import ArraySource
 from graphmod.plugins import Checkpoint
 
@@ -97,6 +102,20 @@ class KillingCheckpoint(Checkpoint):
         super().save(event)
 
 
+def _term_in_write(write: int) -> None:
+    """Sends this process SIGTERM once the ``write``-th checkpoint write (counted from 1)
+    has written its files, before they are put in place."""
+    original, writes = Checkpointer._orbax_save, [0]
+
+    def orbax_save(self: Checkpointer, *args: object) -> None:
+        original(self, *args)
+        writes[0] += 1
+        if writes[0] == write:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    Checkpointer._orbax_save = orbax_save  # type: ignore[method-assign]
+
+
 def _record_where(directory: pathlib.Path) -> socket.socket:
     """Writes the main thread's stack to DIR/where.txt when SIGINT arrives (keep the socket
     returned open until then)."""
@@ -142,6 +161,8 @@ def run(args: argparse.Namespace) -> None:
     loop.on(On("step"), lambda e: time.sleep(args.sleep))
     loop.on(On("step", step=at(2)), lambda e: (directory / "started").write_text("2"))
     wakeup = _record_where(directory)
+    if args.term_in_write:
+        _term_in_write(args.term_in_write)
     state = first()
     _kill_at[:] = [args.kill_at_step, 0]  # building ran the program once
     _save(directory / "final.npz", loop.run(state))
@@ -202,6 +223,7 @@ def main() -> None:
     one.add_argument("--sleep", type=float, default=0.05)
     one.add_argument("--kill-at-step", type=int, default=0)
     one.add_argument("--kill-in-save", type=int, default=0)
+    one.add_argument("--term-in-write", type=int, default=0)
     commands.add_parser("hold").add_argument("directory")
     check = commands.add_parser("verify")
     check.add_argument("out")

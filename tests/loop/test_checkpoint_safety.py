@@ -10,6 +10,7 @@ import os
 import pathlib
 import re
 import shutil
+import subprocess
 import sys
 import time
 import types
@@ -119,9 +120,11 @@ def _swap_state(step: pathlib.Path) -> None:
     shutil.copytree(step.parent / "4" / "state", step / "state")
 
 
-def _empty(step: pathlib.Path) -> None:
-    shutil.rmtree(step)
-    step.mkdir()
+def _link_state(step: pathlib.Path) -> None:
+    """``state`` moved out of the run directory, a link to it in its place."""
+    outside = step.parent.parent / f"outside-{step.name}"
+    shutil.move(step / "state", outside)
+    (step / "state").symlink_to(outside)
 
 
 def _other_shape(record: dict) -> None:
@@ -156,7 +159,28 @@ CORRUPTIONS = {
                                 r"does not match its tree|is stored as \["),
     "meta lists fewer arrays": (_edit_meta(lambda r: r["arrays"].pop()),
                                 r"does not match its tree|structures do not match"),
-    "step directory emptied": (_empty, r"empty directory"),
+    "state a link out of the run directory": (_link_state,
+                                              r"holds a symbolic link \(state\)"),
+    "meta names another step": (_edit_meta(lambda r: r.update(step=7)),
+                                r"the meta record's 'step' is 7, its folder is step 8's"),
+    "meta names another run": (_edit_meta(lambda r: r.update(run_id="other")),
+                               r"the meta record's 'run_id' is 'other', its marker names run"),
+    "meta run id naming a path": (_edit_meta(lambda r: r.update(run_id="../../x")),
+                                  r"'run_id' '../../x' is not a run id"),
+    "meta without loop": (_edit_meta(lambda r: r.pop("loop")), r"the meta record has no 'loop'"),
+    "meta loop not an object": (_edit_meta(lambda r: r.update(loop=[1])),
+                                r"the meta record's 'loop' is \[1\], not an object"),
+    "meta loop with another setting": (
+        _edit_meta(lambda r: r["loop"].update(plugins=[])),
+        r"'loop' is .*, not an object of epochs, steps, steps_per_call"),
+    "meta negative data position": (_edit_meta(lambda r: r.update(position=-3)),
+                                    r"the meta record's 'position' is -3, not a whole number"),
+    "meta fractional data position": (_edit_meta(lambda r: r.update(position=2.5)),
+                                      r"the meta record's 'position' is 2.5"),
+    "meta time of another step": (_edit_meta(lambda r: r["time"].update(step=9)),
+                                  r"'time.step' is 9, its folder is step 8's"),
+    "meta time not counts": (_edit_meta(lambda r: r["time"].update(epoch="0")),
+                             r"'time.epoch' is '0', not a whole number"),
 }
 
 
@@ -183,6 +207,15 @@ def test_a_corrupted_checkpoint_is_named_and_restore_falls_back(
     assert "Traceback" not in err and "Event loop is closed" not in err, err
 
 
+def test_inspect_names_a_meta_record_without_loop_and_describes_the_one_before(
+        run: tuple[Problem, pathlib.Path, list[np.ndarray]]) -> None:
+    _, directory, _ = run
+    _edit_meta(lambda r: r.pop("loop"))(directory / "8")
+    report = inspect_run(str(directory))
+    assert "checkpoint 8: FAILS verification: the meta record has no 'loop'" in report
+    assert "latest: step=4," in report
+
+
 def test_flipped_bytes_that_decode_are_caught_by_the_checksum(tmp_path: pathlib.Path) -> None:
     state = {"w": np.random.default_rng(0).normal(size=(2048,)).astype(np.float32)}
     writer = Checkpointer(tmp_path, keep=None)
@@ -196,29 +229,141 @@ def test_flipped_bytes_that_decode_are_caught_by_the_checksum(tmp_path: pathlib.
     writer.close()
 
 
-def test_stray_directories_are_named_and_never_read(
+def test_what_graphmod_did_not_write_is_named_and_never_read(
         run: tuple[Problem, pathlib.Path, list[np.ndarray]]) -> None:
     problem, directory, _ = run
-    (directory / "7").mkdir()
-    (directory / "7" / "junk.txt").write_text("not a checkpoint")
-    (directory / "12").mkdir()
-    (directory / "12" / "junk.txt").write_text("not a checkpoint")
+    for step in ("7", "12"):
+        (directory / step).mkdir()
+        (directory / step / "junk.txt").write_text("not a checkpoint")
+    (directory / "16").mkdir()  # empty
+    shutil.copytree(directory / "8", directory / "00095")  # a step's name, zero-padded
+    shutil.copytree(directory / "8", directory / "9")  # its marker names step 8
+    (directory / "20").write_text("a file")
+    (directory / "24").symlink_to(directory / "8")
     (directory / "13.orbax-checkpoint-tmp").mkdir()
     (directory / "13.orbax-checkpoint-tmp" / "state").mkdir()
+    before = _snapshot(directory)
     reader = Checkpointer(directory, keep=None)
-    assert reader.steps() == [4, 7, 8, 12]
+    assert reader.steps() == [4, 8]
     assert list(reader.leftovers()) == ["13.orbax-checkpoint-tmp"]
-    assert "no meta record" in (reader.verify(7) or "")
-    with pytest.warns(UserWarning, match=r"step 12: no meta record.*; using step 8"):
+    foreign = reader.foreign()
+    assert sorted(foreign) == ["00095", "12", "16", "20", "24", "7", "9"]
+    assert "graphmod names step 95's folder 95, without leading zeros" in foreign["00095"]
+    assert foreign["7"] == foreign["16"] == \
+        "no graphmod marker (graphmod-checkpoint.json) and no meta record"
+    assert foreign["9"] == "its marker names step 8"
+    assert foreign["20"] == "a file, not a checkpoint's folder"
+    assert foreign["24"].startswith("a symbolic link (to ")
+    assert reader.verify(7) == "not a checkpoint graphmod wrote: " + foreign["7"]
+    with pytest.warns(UserWarning, match=r"not read, and left alone: 00095 \(.*; 12 \(no "
+                                         r"graphmod marker.*24 \(a symbolic link"):
         _, meta = reader.restore(problem.state())
     assert meta["step"] == 8
     assert reader.meta()["step"] == 8  # the newest readable record, quietly
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 9 .*saved steps: "
+                                                r"\[4, 8\] \(9 is not graphmod's: its marker "
+                                                r"names step 8\)"):
+        reader.restore(problem.state(), step=9)
     reader.close()
     report = inspect_run(str(directory))
-    assert "checkpoint 4: verified" in report and "checkpoint 8: verified" in report
-    assert "checkpoint 7: FAILS verification: no meta record" in report
+    assert "checkpoints: 4, 8\n" in report and "checkpoint 8: verified" in report
+    assert "not graphmod's 7: no graphmod marker" in report
+    assert "not graphmod's 24: a symbolic link" in report
     assert "leftover 13.orbax-checkpoint-tmp: an incomplete write" in report
     assert "step=8" in report  # the newest verified checkpoint is described
+    assert _snapshot(directory) == before
+
+
+def test_a_run_never_starts_among_folders_graphmod_did_not_write(
+        foreign: pathlib.Path) -> None:
+    (foreign / "2024").mkdir()
+    (foreign / "2024" / "photo.jpg").write_bytes(b"\xff\xd8 a photo")
+    (foreign / "notes.txt").write_text("mine")  # not named like a checkpoint: no matter
+    before = _snapshot(foreign)
+    problem = Problem()
+    for plugin in (Checkpoint(foreign, overwrite=True), Checkpoint(foreign, resume=True),
+                   Checkpoint(foreign)):
+        loop = gm.Loop(problem.step, problem.source(8), steps=100, plugins=[plugin])
+        with pytest.raises(gm.PluginError, match=r"(?s)holds what graphmod did not write, named "
+                           r"like its checkpoints: 2024 \(no graphmod marker.*nothing was read, "
+                           r"moved or deleted.*move those out of the directory"):
+            loop.run(problem.state())
+        assert loop.time.step == 0
+        assert _snapshot(foreign) == before  # the photo, and the other run's checkpoints
+    shutil.rmtree(foreign / "2024")  # moved out, as the error says: the run goes on
+    gm.Loop(problem.step, problem.source(8), steps=100,
+            plugins=[Checkpoint(foreign, every=_every(5), resume=True)]).run(problem.state())
+    assert Checkpointer(foreign, keep=None).steps() == [90, 95, 100]
+    assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_keeps_what_it_cannot_verify_and_what_graphmod_did_not_write(
+        foreign: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    _flip(foreign / "90")
+    (foreign / "95" / "graphmod-checkpoint.json").unlink()  # as written before markers
+    (foreign / "log.csv").write_text("step,loss\n")
+    problem = Problem()
+    with caplog.at_level(logging.WARNING, logger="graphmod.checkpoint"):
+        gm.Loop(problem.step, problem.source(8), steps=5,
+                plugins=[Checkpoint(foreign, every=_every(5), overwrite=True)]
+                ).run(problem.state())
+    assert "deleted the checkpoints of steps [85, 95] and set aside ['90.unverified']" \
+        in caplog.text
+    assert sorted(os.listdir(foreign)) == ["5", "90.unverified", "log.csv"]
+
+
+def _strip_markers(directory: pathlib.Path) -> None:
+    """Makes the checkpoints of ``directory`` those graphmod wrote before markers."""
+    for marker in directory.glob("*/graphmod-checkpoint.json"):
+        marker.unlink()
+
+
+def test_checkpoints_written_before_markers_resume_and_are_recognised_by_their_record(
+        foreign: pathlib.Path) -> None:
+    _strip_markers(foreign)
+    shutil.copytree(foreign / "95", foreign / "96")  # its record names step 95: not a step
+    reader = Checkpointer(foreign, keep=None)
+    assert reader.steps() == [85, 90, 95] and reader.verify(95) is None
+    assert reader.foreign() == {"96": "no graphmod marker (graphmod-checkpoint.json), and its "
+                                      "meta record names step 95"}
+    own_run = reader.run_of(95)
+    assert own_run is not None and len({reader.run_of(s) for s in (85, 90, 95)}) == 1
+    shutil.rmtree(foreign / "96")
+    problem = Problem()
+    gm.Loop(problem.step, problem.source(8), steps=105,
+            plugins=[Checkpoint(foreign, every=_every(5), keep=3, resume=True)]
+            ).run(problem.state())
+    reader = Checkpointer(foreign, keep=None)
+    assert reader.steps() == [95, 100, 105]  # pruned by keep=3: its run's, by their record
+    assert {reader.run_of(s) for s in reader.steps()} == {own_run}
+    assert not (foreign / "95" / "graphmod-checkpoint.json").exists()  # never rewritten
+    assert (foreign / "105" / "graphmod-checkpoint.json").exists()
+
+
+def test_keep_prunes_only_what_is_still_the_runs_own(tmp_path: pathlib.Path) -> None:
+    writer = Checkpointer(tmp_path, keep=1, run_id="run", asynchronous=False)
+    writer.save(1, {"w": np.zeros(3)}, {})
+    shutil.rmtree(tmp_path / "1")  # replaced by the user's own folder, under the same name
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "mine.txt").write_text("mine")
+    writer.save(2, {"w": np.ones(3)}, {})  # keep=1 would prune step 1
+    writer.close()
+    assert (tmp_path / "1" / "mine.txt").read_text() == "mine"
+    with pytest.raises(ValueError, match=r"run_id='\.\./x': a run id is 1 to 256 letters"):
+        Checkpointer(tmp_path, run_id="../x")
+
+
+def test_a_writer_never_writes_over_a_folder_it_did_not_write(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "3").mkdir()
+    (tmp_path / "3" / "mine.txt").write_text("mine")
+    writer = Checkpointer(tmp_path, keep=None, run_id="run")
+    writer.save(3, {"w": np.zeros(3)}, {})
+    with pytest.raises(CheckpointError, match=r"/3: is in the way of step 3's checkpoint, and "
+                                              r"graphmod did not write it.*move it out"):
+        writer.wait()
+    writer.close()
+    assert sorted(os.listdir(tmp_path)) == ["3"]
+    assert os.listdir(tmp_path / "3") == ["mine.txt"]
 
 
 def test_resume_falls_back_and_matches_an_uninterrupted_run(
@@ -411,8 +556,10 @@ def test_disk_full_at_the_last_save_is_named_and_leaves_the_previous_checkpoint(
     started = []
 
     async def full(self: object, record: object, directory: object) -> None:
-        if "8.orbax-checkpoint-tmp" in str(directory):  # the arrays are written by now
-            started.append(os.path.isdir(tmp_path / "8.orbax-checkpoint-tmp"))
+        # Step 8's write (its folder's name starts so; the run id in it is random).
+        if any(part.startswith("8.orbax-checkpoint-tmp")
+               for part in pathlib.Path(str(directory)).parts):  # the arrays are written by now
+            started.append(any(tmp_path.glob("8.orbax-checkpoint-tmp*")))
             raise OSError(errno.ENOSPC, "No space left on device")
         await original(self, record, directory)
 
@@ -596,3 +743,121 @@ def test_a_state_saved_variables_first_restores_each_leaf_by_its_path(
     momentum = jax.tree.leaves(state.opt_state)
     assert not all(np.array_equal(m, v) for m, v in
                    zip(momentum, jax.tree.leaves(state.variables), strict=False))
+
+
+# -- the writer's lock: one run writes into a run directory at a time ---------------------
+_ROOT = pathlib.Path(__file__).parents[2]
+_HOLDING_WRITER = """
+import os, pathlib, sys, time
+import graphmod as gm
+from graphmod.plugins import Checkpoint
+from tests.loop.conftest import Problem
+
+directory, release = sys.argv[1], pathlib.Path(sys.argv[2])
+
+def hold(event):  # set up, so the lock is held: wait for the test to let go
+    pathlib.Path(f"{release}-{os.getpid()}").touch()
+    deadline = time.monotonic() + 600
+    while not release.exists():
+        assert time.monotonic() < deadline, "never released"
+        time.sleep(0.05)
+
+problem = Problem()
+loop = gm.Loop(problem.step, problem.source(8), steps=2,
+               plugins=[Checkpoint(directory, every=gm.On("step"))])
+loop.on(gm.On("begin"), hold)
+loop.run(problem.state())
+"""
+
+
+def _python(code: str, *args: str, **kwargs: Any) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(_ROOT), "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, cwd=_ROOT,
+                            **kwargs)
+
+
+def _first_to_end(processes: list[subprocess.Popen], timeout: float = 600) -> int:
+    """The index of the first of ``processes`` to end (failing loudly after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for i, process in enumerate(processes):
+            if process.poll() is not None:
+                return i
+        assert time.monotonic() < deadline, "neither process ended"
+        time.sleep(0.1)
+
+
+def test_two_writers_at_one_fresh_directory_one_runs_the_other_is_refused_at_setup(
+        tmp_path: pathlib.Path) -> None:
+    directory, release = tmp_path / "run", tmp_path / "release"
+    writers = [_python(_HOLDING_WRITER, str(directory), str(release),
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
+    try:
+        refused = writers[_first_to_end(writers)]
+        holder = writers[1 - writers.index(refused)]
+        err = refused.stderr.read().decode()
+        assert refused.returncode != 0, err
+        assert re.search(rf"plugin 'checkpoint' raised in setup: CheckpointError: {directory}: "
+                         rf"another run writes into this directory: process {holder.pid} on "
+                         r"host \S+ \(since .*\) holds its lock \(graphmod.lock\); wait for "
+                         r"that run to end", err), err
+        assert not pathlib.Path(f"{release}-{refused.pid}").exists()  # it never ran
+        assert pathlib.Path(f"{release}-{holder.pid}").exists()
+        release.touch()
+        assert holder.wait(timeout=600) == 0, holder.stderr.read().decode()
+    finally:
+        for writer in writers:
+            writer.kill()
+            writer.wait()
+    assert Checkpointer(directory, keep=None).steps() == [1, 2]
+    assert not (directory / "graphmod.lock").exists()  # let go, and deleted
+
+
+def test_a_lock_left_by_a_killed_process_does_not_block(tmp_path: pathlib.Path) -> None:
+    directory = tmp_path / "run"
+    holder = _python("import sys, time\nfrom graphmod._train._checkpoint._lock import RunLock\n"
+                     "RunLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\n"
+                     "time.sleep(600)", str(directory), stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"locked\n"
+        problem = Problem()
+        with pytest.raises(gm.PluginError, match=rf"process {holder.pid} on host"):
+            gm.Loop(problem.step, problem.source(8), steps=2,
+                    plugins=[Checkpoint(directory)]).run(problem.state())
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (directory / "graphmod.lock").exists()  # the file stays; its lock went with it
+    gm.Loop(problem.step, problem.source(8), steps=2,
+            plugins=[Checkpoint(directory)]).run(problem.state())
+    assert sorted(os.listdir(directory)) == ["2"]
+
+
+@pytest.mark.parametrize("stop", [RuntimeError, KeyboardInterrupt])
+def test_the_lock_is_let_go_when_a_run_stops(tmp_path: pathlib.Path, stop: type) -> None:
+    problem = Problem()
+    held = []
+
+    def fail(event: gm.Event) -> None:
+        held.append((tmp_path / "graphmod.lock").exists())
+        raise stop("stop")
+
+    loop = gm.Loop(problem.step, problem.source(8), steps=4, plugins=[Checkpoint(tmp_path)])
+    loop.on(On("step", step=at(2)), fail)
+    with pytest.raises((gm.PluginError, KeyboardInterrupt)):
+        loop.run(problem.state())
+    assert held == [True] and sorted(os.listdir(tmp_path)) == ["2"]
+    gm.Loop.resume(tmp_path, problem.step, problem.source(8), steps=4,
+                   plugins=[Checkpoint(tmp_path)])  # the directory is free again
+    assert Checkpointer(tmp_path, keep=None).steps() == [2, 4]
+
+
+def test_a_refused_setup_leaves_no_directory_behind(tmp_path: pathlib.Path) -> None:
+    problem = Problem()
+    directory = tmp_path / "new" / "run"
+    loop = gm.Loop(problem.step, problem.source(8), steps=2,
+                   plugins=[Checkpoint(directory), Checkpoint(directory, name="again")])
+    with pytest.raises(gm.PluginError, match=rf"plugin 'again' raised in setup: .*process "
+                                             rf"{os.getpid()} on host"):
+        loop.run(problem.state())
+    assert os.listdir(tmp_path) == []

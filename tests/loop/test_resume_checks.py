@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import pathlib
+import shutil
+import warnings
 
 import numpy as np
 import optax
@@ -141,3 +144,23 @@ def test_resume_with_other_managers_warns_and_other_trainable_names_it(saved) ->
     with pytest.raises(ValueError, match="another program's state") as info:
         gm.Loop.resume(directory, narrower, _source(other), steps=8)
     assert "trained with other settings: ['managers', 'trainable']" in info.value.__notes__[0]
+
+
+def test_resume_with_another_optimizer_names_it(saved, tmp_path) -> None:
+    problem, directory = saved  # trained with optax.adam(1e-2), made without a record
+    for other in (optax.adam(1e-1), optax.adamw(1e-2)):
+        step = gm.optimize(problem.program, other)
+        with pytest.warns(UserWarning, match=r"resume: this run's \['optimizer'\] differ from "
+                                             r"those the checkpoint of step 4 was trained with"):
+            gm.Loop.resume(directory, step, _source(problem), steps=5)
+    # A checkpoint written before optimizers were described by their structure: the same
+    # optimizer is no change.
+    copy = tmp_path / "run"
+    shutil.copytree(directory, copy)
+    path = copy / "4" / "meta" / "metadata"
+    record = json.loads(path.read_text())
+    del record["provenance"]["inputs"]["optimizer"]["structure"]
+    path.write_text(json.dumps(record))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm.Loop.resume(copy, problem.step, _source(problem), checkpoint=4, steps=5)

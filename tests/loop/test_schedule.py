@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from typing import Any
 
 import jax
 import numpy as np
@@ -127,6 +128,37 @@ def test_fractional_points_on_an_integer_timeline_are_refused(rule: Schedule, cu
                                          rf"places points between the integers of the "
                                          rf"{timeline} timeline.*Use integers.*seconds"):
         On("step", **{timeline: rule})
+
+
+@pytest.mark.parametrize("rule", [each(2.5), at(1.5), each(10) | at(2.5), ~each(0.5)],
+                         ids=repr)
+def test_a_fractional_rule_called_on_a_range_of_ints_is_refused(rule: Schedule) -> None:
+    # The range (0, 3] of ints was read at 1, 2 and 3 only: each(2.5)(0, 3) was False, yet
+    # each(2.5)(0, 2**21), read at candidate points, True.
+    for hi in (3, 1 << 21):
+        with pytest.raises(ValueError, match=rf"\(0, {hi}\): .* places points between the "
+                                             r"integers.*or pass float times \(seconds\)"):
+            rule(0, hi)
+    assert rule(0.0, 3.0) and rule(0, 3.0)  # a float end: the seconds timeline
+    assert isinstance(rule(2), bool)  # a single point is a plain predicate
+
+
+@pytest.mark.parametrize("call", [
+    lambda: each(2)(True, 3), lambda: each(2)(0, np.bool_(True)), lambda: at(1)(True),
+], ids=["t_prev", "numpy t_now", "a point"])
+def test_a_bool_time_is_refused(call: Any) -> None:
+    with pytest.raises(TypeError, match=r"times must be numbers, not bools"):
+        call()
+
+
+@pytest.mark.parametrize("call", [
+    lambda: each(True), lambda: each(2, start=False), lambda: at(1, True), lambda: after(True),
+    lambda: before(False),
+], ids=["each", "start", "at", "after", "before"])
+def test_a_bool_in_a_rule_is_refused(call: Any) -> None:
+    with pytest.raises(TypeError, match=r"must be a number, got (True|False): pass an int or a "
+                                        r"float \(a bool is no time"):
+        call()
 
 
 def test_fractions_fit_wall_clock_timelines_and_integral_floats_fit_integer_ones() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -93,6 +94,88 @@ def test_top_k_accuracy_and_mean_absolute_error_match_references(task: Classifie
     for k, expected in ((1, 0.5), (2, 0.75)):
         metric = gm.metrics.Accuracy(top_k=k)
         assert metric.result(metric.statistics(alike, labels, np.ones(4))) == expected
+
+
+@pytest.mark.parametrize("fill", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_non_finite_scores_count_as_wrong(task: Classifier, fill: float) -> None:
+    # Every comparison with NaN is False, and inf == inf: the ranking read each example as a
+    # hit of its target (accuracy and top-2 1.0), argmax read class 0 as predicted.
+    result = gm.evaluate(task.program, task.variables, {"x": task.x, "y": task.y},
+                         predict=lambda m, x: m(x) * 0 + fill, batch_size=16,
+                         metrics=["accuracy", "top_2_accuracy", "recall", "macro_f1",
+                                  "confusion_matrix"])
+    assert result["accuracy"] == result["top_2_accuracy"] == result["macro_f1"] == 0.0
+    assert result["recall"].tolist() == [0.0, 0.0, 0.0]
+    assert result["confusion_matrix"].sum() == 0  # predicting no class
+
+
+def test_one_non_finite_score_makes_its_example_wrong() -> None:
+    scores = jnp.array([[jnp.nan, 5.0, 0.0], [0.0, 5.0, jnp.inf], [0.0, 5.0, 1.0]])
+    labels, weights = jnp.array([1, 1, 1]), jnp.ones(3)
+    for metric in (gm.metrics.Accuracy(), gm.metrics.Accuracy(top_k=2),
+                   gm.metrics.Recall(average="micro")):
+        sums = jax.jit(metric.statistics)(scores, labels, weights)
+        assert metric.result(sums) == pytest.approx(1 / 3), metric
+    precision = gm.metrics.Precision(average="micro")  # of the one example predicted
+    assert precision.result(precision.statistics(scores, labels, weights)) == 1.0
+
+
+def test_labels_outside_the_classes_are_refused_naming_the_first(task: Classifier) -> None:
+    y = task.y.copy()
+    y[[20, 30]] = 7, -1
+    for metric in ("accuracy", "cross_entropy", "f1", "confusion_matrix"):
+        with pytest.raises(ValueError, match=rf"metric '{metric}': targets 'y' hold the label "
+                                             r"7 at example 20, outside the 3 classes of the "
+                                             r"predictions .*\[0, 3\)\)\. Fix the labels, or "
+                                             r"give the model 8 outputs"):
+            gm.evaluate(task.predict, task.variables, {"x": task.x, "y": y},
+                        metrics=[metric], batch_size=16)
+    y[20] = 0
+    with pytest.raises(ValueError, match=r"label -1 at example 30.*leave out the examples of "
+                                         r"a label below 0"):
+        gm.evaluate(task.predict, task.variables, {"x": task.x, "y": y},
+                    metrics=["cross_entropy"], batch_size=16)
+    sequences = np.zeros((50, 2), np.int32)  # a label per position: the position is named
+    sequences[3, 1] = 3
+    with pytest.raises(ValueError, match=r"label 3 at example 3, position \(1,\)"):
+        gm.evaluate(task.program.derive(lambda m, x: m(x)[:, None].repeat(2, 1)),
+                    task.variables, {"x": task.x, "y": sequences}, metrics=["accuracy"])
+
+
+def test_labels_on_the_device_are_counted_by_the_metrics_and_refused_at_the_end(
+        task: Classifier) -> None:
+    class OnDevice:  # a source yielding device arrays: evaluate reads no batch early
+        def iter_padded(self) -> Any:
+            for begin in range(0, 50, 16):
+                rows = np.arange(begin, begin + 16) % 50
+                y = task.y[rows].copy()
+                y[-1] = 7 if begin == 48 else y[-1]  # in the padding only: not counted
+                yield {"x": jnp.asarray(task.x[rows]), "y": jnp.asarray(y)}, rows >= begin
+        def describe(self) -> dict:
+            return {"name": "on device", "size": 50}
+
+    padded = gm.evaluate(task.predict, task.variables, OnDevice(), metrics=["accuracy"])
+    assert padded["accuracy"] == (task.logits.argmax(-1) == task.y).mean()
+
+    class Bad(OnDevice):
+        def iter_padded(self) -> Any:
+            for batch, mask in super().iter_padded():
+                yield {"x": batch["x"], "y": batch["y"].at[0].set(-1)}, mask
+
+    with pytest.raises(ValueError, match=r"metric 'cross_entropy': 4 target labels lie "
+                                         r"outside the 3 classes .*\(4 below 0, 0 at or above "
+                                         r"3\).*Fix the labels"):
+        gm.evaluate(task.predict, task.variables, Bad(), metrics=["cross_entropy"])
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int32])
+def test_labels_of_any_integer_dtype_are_counted_inside_jit(dtype: type) -> None:
+    metric, scores = gm.metrics.Accuracy(), jnp.eye(3)[jnp.array([0, 1, 2, 0])]
+    count = jax.jit(metric.statistics)
+    assert metric.result(count(scores, jnp.array([0, 1, 2, 1], dtype), jnp.ones(4))) == 0.75
+    with pytest.raises(ValueError, match=r"1 target labels lie outside the 3 classes .*\(0 "
+                                         r"below 0, 1 at or above 3\)"):
+        metric.result(count(scores, jnp.array([0, 1, 2, 120], dtype), jnp.ones(4)))
 
 
 def test_the_evaluation_provenance_holds_the_model_and_the_data(task: Classifier) -> None:

@@ -95,17 +95,22 @@ def test_a_record_naming_another_package_is_refused_before_any_import(
 
     crafted = _crafted(program, activation)
     str(crafted), gm.provenance.diff(crafted, program.provenance)  # reading is harmless
-    with pytest.raises(RebuildError, match=r"'evilmod\.run'.*outside the allowed packages.*"
-                                           r"nothing was imported.*allow=\['evilmod'\]"):
+    with pytest.raises(RebuildError, match=r"'evilmod\.run', which is not on rebuild's allow "
+                                           r"list.*nothing was imported.*"
+                                           r"allow=\['evilmod\.run'\]"):
         gm.rebuild(crafted)
+    with pytest.raises(RebuildError, match=r"'evilmod\.run', which is not a class: "
+                                           r"allow=\['evilmod'\] admits only the classes"):
+        gm.rebuild(crafted, allow=["evilmod"])  # a package admits its classes, no function
     assert not marker.exists() and "evilmod" not in sys.modules
-    rebuilt = gm.rebuild(crafted, allow=["evilmod"])  # the caller vouches for it
+    rebuilt = gm.rebuild(crafted, allow=["evilmod.run"])  # the caller vouches for it
     assert marker.exists() and rebuilt.model.activation.__module__ == "evilmod"
+    assert rebuilt.allowed == ("evilmod.run",) and "allowed: evilmod.run" in repr(rebuilt)
     monkeypatch.delitem(sys.modules, "evilmod")
 
 
 @pytest.mark.parametrize("path, message", [
-    ("os.system", r"'os\.system'.*outside the allowed packages"),
+    ("os.system", r"'os\.system', which is not on rebuild's allow list.*nothing was imported"),
     ("graphmod._cli.os.system", r"part '_cli' is private.*nothing was imported"),
     ("graphmod.__builtins__", r"part '__builtins__' is private"),
     ("jax.nn.relu; import os", r"not a dotted import path"),
@@ -124,9 +129,9 @@ def test_classes_must_be_bricks_and_managers() -> None:
     program, _ = _program()
 
     def brick_class(record: dict) -> None:
-        record["inputs"]["bricks"]["/"]["class"] = "jax.numpy.ndarray"
+        record["inputs"]["bricks"]["/"]["class"] = "flax.nnx.Linear"  # listed, not a brick
 
-    with pytest.raises(RebuildError, match=r"'jax\.numpy\.ndarray', which is not a graphmod "
+    with pytest.raises(RebuildError, match=r"'flax\.nnx\.Linear', which is not a graphmod "
                                            r"Brick"):
         gm.rebuild(_crafted(program, brick_class), verify=False)
 

@@ -251,7 +251,7 @@ class Partial(Tag):
             decoding.fail(f"rebuild: {where}.function must be a recorded function "
                           f"({', '.join(_FUNCTION_TAGS)}); the record is damaged or crafted")
         (tag, path), = function.items()
-        # Bound to recorded arguments, a function value is held to the word list everywhere.
+        # Bound to recorded arguments, a function value is held to the allow list everywhere.
         function = decoding.lookup(path, "partial", f"{where}.function") \
             if tag == "$callable" else decoding(function, f"{where}.function")
         args = decoding(list(decoding.field(inner, "args", where, tuple | list)),

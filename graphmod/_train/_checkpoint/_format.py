@@ -19,8 +19,18 @@ or zeroed bytes, a truncated or swapped file), which it misses with probability 
 array and never for an error burst of up to 32 bits, at about 2 GB/s (sha256 runs at about
 0.8 GB/s and blake2b at 0.5 on the machines measured; see benchmarks/checkpoint_checksums.py).
 A cryptographic hash would not make tampering detectable: whoever can rewrite a checkpoint's
-arrays can rewrite the checksums beside them. Safety against crafted checkpoints comes from
-elsewhere: nothing graphmod loads executes code (no pickle).
+arrays can rewrite the checksums beside them, and a keyed one (an HMAC) only if its key lived
+outside the run directory, which a run could then not be resumed without. Safety against
+crafted checkpoints comes from elsewhere: nothing graphmod loads executes code (no pickle;
+JSON records, arrays of plain dtypes), and every array is checked against the program's
+shapes and dtypes before it is used.
+
+Each checkpoint folder holds a marker, ``graphmod-checkpoint.json`` (:func:`marker_record`):
+the run id and the step, written last, before the folder is renamed into place. A folder is a
+checkpoint only if it carries one naming its own step, or (written before markers, until
+2026-11-29) its meta record names its step (and its run id); anything else is not graphmod's.
+The meta record of a loop's checkpoint holds its counters (``"time"``, ``"position"``,
+``"loop"``): :func:`check_record` checks their types before anything uses them.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
+import re
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -37,13 +48,43 @@ import jax.numpy as jnp
 import numpy as np
 
 from graphmod._core._arguments import is_key
-from graphmod._core._numbers import is_whole_number
+from graphmod._core._numbers import is_real_number, is_whole_number
 from graphmod._train._checkpoint._errors import CheckpointError
 
 FORMAT = 2
+MARKER = "graphmod-checkpoint.json"  # in every checkpoint folder: what makes it graphmod's
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,256}")
 CHUNKED_FORMAT = 3  # a multi-process run's: each array in the chunks its processes held
 LEGACY_FORMAT = 1  # graphmod 0.1's: one pytree of arrays, no run id, no checksums
 Chunk = tuple[int, list[int], np.ndarray]  # (leaf index, start, the piece on the host)
+
+
+def is_run_id(value: Any) -> bool:
+    """Whether ``value`` can be a run id: it names files, so only letters, digits, ``_``
+    and ``-``, 1 to 256 of them (a uuid4's hex, by default)."""
+    return isinstance(value, str) and _RUN_ID.fullmatch(value) is not None
+
+
+def marker_record(run_id: str, step: int) -> dict[str, Any]:
+    """The marker graphmod writes into the folder of ``step``'s checkpoint (``MARKER``)."""
+    return {"graphmod": "checkpoint", "run_id": run_id, "step": step}
+
+
+def marker_error(marker: Any, step: int) -> str | None:
+    """Why ``marker`` (read from the folder named ``step``) is not graphmod's marker of that
+    step, or None.
+
+    Examples:
+        >>> from graphmod._train._checkpoint._format import marker_error, marker_record
+        >>> marker_error(marker_record("run", 95), 95), marker_error(marker_record("run", 95), 96)
+        (None, 'its marker names step 95')
+    """
+    if not (isinstance(marker, dict) and marker.get("graphmod") == "checkpoint"
+            and is_run_id(marker.get("run_id")) and is_whole_number(marker.get("step"))):
+        return f"its marker is not graphmod's ({MARKER} holds {marker!r:.60})"
+    if marker["step"] != step:
+        return f"its marker names step {marker['step']}"
+    return None
 
 
 def leaf_specs(state: Any) -> dict[str, list[Any]]:
@@ -191,12 +232,28 @@ def check_compatible(directory: str, saved: Mapping[str, Any],
         )
 
 
-def check_record(path: str, record: Any, *, legacy: bool) -> None:
+def check_record(path: str, record: Any, *, legacy: bool, step: int | None = None,
+                 loop: bool = False) -> None:
     """Raises a :class:`CheckpointError` unless ``record`` is a meta record of this format
-    with a well-formed array list (``legacy``: a format-1 record passes as it is)."""
+    with a well-formed array list (``legacy``: a format-1 record passes as it is), naming
+    ``step`` when given (its folder's), with a loop's counters of the right types where it
+    has any (``loop``: it must have them).
+
+    Examples:
+        >>> from graphmod._train._checkpoint._format import check_record
+        >>> loop = {"epochs": 1, "steps": None, "steps_per_call": 1}
+        >>> record = {"format": 2, "arrays": [], "step": 5, "time": {"step": 5},
+        ...           "position": -1, "loop": loop}
+        >>> try:
+        ...     check_record("runs/a/5", record, legacy=False, step=5)
+        ... except ValueError as error:
+        ...     print(error.reason[:37])
+        the meta record's 'position' is -1, n
+    """
     if not isinstance(record, dict):
         raise CheckpointError(path, "the meta record is not a JSON object")
     if record.get("format") == LEGACY_FORMAT and legacy:
+        _check_loop_record(path, record, step, loop)
         return
     if record.get("format") not in (FORMAT, CHUNKED_FORMAT):
         old = record.get("format") == LEGACY_FORMAT
@@ -204,6 +261,14 @@ def check_record(path: str, record: Any, *, legacy: bool) -> None:
                               "restorable, but it cannot be verified" if old else
                               f"checkpoint format {record.get('format')!r}, this graphmod "
                               f"reads formats {FORMAT} and {CHUNKED_FORMAT}")
+    if "run_id" in record and not is_run_id(record["run_id"]):
+        raise CheckpointError(path, f"the meta record's 'run_id' {record['run_id']!r:.80} is "
+                              "not a run id (letters, digits, '_' and '-')")
+    if step is not None and not (is_whole_number(record.get("step"))
+                                 and record["step"] == step):
+        raise CheckpointError(path, f"the meta record's 'step' is {record.get('step')!r}, "
+                              f"its folder is step {step}'s")
+    _check_loop_record(path, record, step, loop)
     arrays = record.get("arrays")
     if not isinstance(arrays, list) or not all(_well_formed(a) for a in arrays):
         raise CheckpointError(path, "the meta record's array list is malformed")
@@ -219,6 +284,60 @@ def check_record(path: str, record: Any, *, legacy: bool) -> None:
         why = _tiling_error(shape, chunks, parts)
         if why:
             raise CheckpointError(path, f"the chunks of array {name} {why}")
+
+
+# What a loop keeps in a checkpoint besides the state (graphmod._train._loop._resume's
+# loop_record): the fields read back as they are, and their types.
+_LOOP_FIELDS = ("time", "position", "loop")
+_TIME_COUNTS = ("step", "epoch", "examples")
+_TIME_SECONDS = ("seconds", "train_seconds")
+_LOOP_LIMITS = {"epochs": 0, "steps": 0, "steps_per_call": 1}  # the least of each
+_LISTS = ("data_changes", "setting_changes")
+_OBJECTS = ("plugins", "metrics")
+
+
+def _check_loop_record(path: str, record: dict[str, Any], step: int | None,
+                       required: bool) -> None:
+    """Raises a :class:`CheckpointError` naming the first field of a loop's counters
+    (those of ``_LOOP_FIELDS`` and beside them) that is missing or of the wrong type."""
+    if not required and not any(field in record for field in _LOOP_FIELDS):
+        return  # no loop's record (program.save's, a Checkpointer's own)
+    missing = [field for field in _LOOP_FIELDS if field not in record]
+    if missing:
+        raise CheckpointError(path, f"the meta record has no {' or '.join(map(repr, missing))}: "
+                              "not the record of a loop's checkpoint (graphmod.plugins."
+                              "Checkpoint writes 'time', 'position' and 'loop')")
+    time, loop, position = record["time"], record["loop"], record["position"]
+    if not isinstance(time, dict) or set(time) - {*_TIME_COUNTS, *_TIME_SECONDS}:
+        raise CheckpointError(path, f"the meta record's 'time' is {time!r:.80}, not an object "
+                              f"of {', '.join(_TIME_COUNTS + _TIME_SECONDS)}")
+    for name in _TIME_COUNTS:
+        if name in time and not is_whole_number(time[name], least=0):
+            raise CheckpointError(path, f"the meta record's 'time.{name}' is {time[name]!r}, "
+                                  "not a whole number >= 0")
+    for name in _TIME_SECONDS:
+        if name in time and not (is_real_number(time[name]) and time[name] >= 0):
+            raise CheckpointError(path, f"the meta record's 'time.{name}' is {time[name]!r}, "
+                                  "not a number of seconds >= 0")
+    if step is not None and time.get("step") != step:
+        raise CheckpointError(path, f"the meta record's 'time.step' is {time.get('step')!r}, "
+                              f"its folder is step {step}'s")
+    if not is_whole_number(position, least=0):
+        raise CheckpointError(path, f"the meta record's 'position' is {position!r}, not a "
+                              "whole number >= 0 (the batches done in the epoch)")
+    if not isinstance(loop, dict) or set(loop) != set(_LOOP_LIMITS):
+        raise CheckpointError(path, f"the meta record's 'loop' is {loop!r:.80}, not an object "
+                              f"of {', '.join(_LOOP_LIMITS)}")
+    for name, least in _LOOP_LIMITS.items():
+        if not (is_whole_number(loop[name], least=least)
+                or (loop[name] is None and name != "steps_per_call")):
+            raise CheckpointError(path, f"the meta record's 'loop.{name}' is {loop[name]!r}, "
+                                  f"not a whole number >= {least}"
+                                  + (" or null" if name != "steps_per_call" else ""))
+    for name, kind in [*((n, list) for n in _LISTS), *((n, dict) for n in _OBJECTS)]:
+        if name in record and not isinstance(record[name], kind):
+            raise CheckpointError(path, f"the meta record's {name!r} is {record[name]!r:.80}, "
+                                  f"not {'a list' if kind is list else 'an object'}")
 
 
 def check_arrays(path: str, entries: list[list[Any]], arrays: list[np.ndarray]) -> None:

@@ -8,11 +8,13 @@ shape, dtype and checksum (:mod:`graphmod._train._checkpoint._format`); a failur
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import math
 import os
 import re
+import stat
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from graphmod._core._arguments import is_key
+from graphmod._core._numbers import is_whole_number
 from graphmod._core._warn import warn
 from graphmod._records._record import Provenance
 from graphmod._train._checkpoint._chunks import PartFiles, chunk_members, local_array
@@ -34,11 +37,15 @@ from graphmod._train._checkpoint._errors import (
 )
 from graphmod._train._checkpoint._format import (
     CHUNKED_FORMAT,
+    FORMAT,
     LEGACY_FORMAT,
+    MARKER,
     check_arrays,
     check_compatible,
     check_record,
+    is_run_id,
     leaf_specs,
+    marker_error,
     restored,
     stored_positions,
     stored_specs,
@@ -47,9 +54,11 @@ from graphmod._train._checkpoint._format import (
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 PART_SUFFIX = ".graphmod-part"  # a part of a checkpoint of several processes, not assembled
 SET_ASIDE = ".unverified"
-_STEP = re.compile(r"[0-9]+")
+_STEP = re.compile(r"[0-9]+")  # a step's folder is str(step): zero-padded names are not one
 _INCOMPLETE = re.compile(rf"[0-9]+({re.escape(TMP_SUFFIX)}|{re.escape(PART_SUFFIX)}).*")
 _SET_ASIDE = re.compile(rf"[0-9]+{re.escape(SET_ASIDE)}.*")
+_MISSING = object()  # a JSON file that is not there
+_MARKER_BYTES = 4096  # a marker is a line of JSON: a bigger one is not graphmod's
 
 
 class CheckpointReader:
@@ -92,7 +101,7 @@ class CheckpointReader:
             log.debug("closing orbax's checkpointer failed", exc_info=True)
 
     # -- the directory --------------------------------------------------------------------
-    def _path(self, step: int) -> str:
+    def _path(self, step: int | str) -> str:
         return os.path.join(self.directory, str(step))
 
     def _names(self) -> list[str]:
@@ -101,10 +110,40 @@ class CheckpointReader:
         except (FileNotFoundError, NotADirectoryError):
             return []
 
+    def _examine(self, name: str) -> tuple[str | None, str | None]:
+        """``(None, run id)`` if the entry ``name`` is a checkpoint graphmod wrote (its run id
+        None: graphmod 0.1's), else ``(why it is not, None)``. Nothing is followed: a link is
+        no checkpoint, whatever it points to."""
+        path = self._path(name)
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return "no longer there", None
+        if stat.S_ISLNK(mode):
+            return f"a symbolic link (to {os.readlink(path)}); graphmod never follows one", None
+        if not stat.S_ISDIR(mode):
+            return "a file, not a checkpoint's folder", None
+        if not _STEP.fullmatch(name):
+            return "not the name of a checkpoint's folder", None
+        if str(int(name)) != name:
+            return (f"not a step's folder name (graphmod names step {int(name)}'s folder "
+                    f"{int(name)}, without leading zeros)"), None
+        try:
+            marker = _json_file(os.path.join(path, MARKER), _MARKER_BYTES)
+            if marker is not _MISSING:
+                why = marker_error(marker, int(name))
+                return (why, None) if why else (None, marker["run_id"])
+            meta = _json_file(os.path.join(path, "meta", "metadata"))
+        except ValueError as error:
+            return str(error), None
+        return _written_before_markers(meta, int(name))
+
     def steps(self) -> list[int]:
-        """The steps with a checkpoint directory (verified or not), ascending."""
+        """The steps with a checkpoint graphmod wrote (verified or not), ascending: a folder
+        named by its step, holding graphmod's marker of that step (or, written before
+        markers, a meta record naming the step); see :meth:`foreign` for the rest."""
         return sorted(int(n) for n in self._names()
-                      if _STEP.fullmatch(n) and os.path.isdir(self._path(int(n))))
+                      if _STEP.fullmatch(n) and self._examine(n)[0] is None)
 
     def latest(self) -> int | None:
         """The newest step with a checkpoint directory, or None."""
@@ -114,28 +153,52 @@ class CheckpointReader:
     def leftovers(self) -> dict[str, str]:
         """``{name: what it is}`` of the directories that are no checkpoint but were one's:
         temporary directories of writes cut off, and checkpoints set aside (see
-        :mod:`graphmod._train._checkpoint`)."""
+        :mod:`graphmod._train._checkpoint`). Never read, never deleted."""
         return {n: "an incomplete write (cut off, or still in progress); never read"
                 if _INCOMPLETE.fullmatch(n) else "a checkpoint that failed verification, set "
                 "aside when its step was written again; never read"
-                for n in self._names() if _INCOMPLETE.fullmatch(n) or _SET_ASIDE.fullmatch(n)}
+                for n in self._names() if _leftover_name(n) and _is_folder(self._path(n))}
+
+    def foreign(self) -> dict[str, str]:
+        """``{name: why}`` of the entries named like checkpoints or leftovers (a step number,
+        ``00095``, ``8.unverified``, ...) that graphmod did not write: a folder without its
+        marker, a link, a file. They are never read, moved or deleted; a run refuses to
+        start among them (:class:`graphmod.plugins.Checkpoint`).
+
+        Examples:
+            >>> import os, tempfile
+            >>> from graphmod._train._checkpoint import CheckpointReader
+            >>> directory = tempfile.mkdtemp()
+            >>> os.mkdir(os.path.join(directory, "2024"))
+            >>> reader = CheckpointReader(directory)
+            >>> reader.steps(), list(reader.foreign())
+            ([], ['2024'])
+            >>> reader.close()
+        """
+        named = [n for n in self._names() if _STEP.fullmatch(n)
+                 or (_leftover_name(n) and not _is_folder(self._path(n)))]
+        return {n: why for n in named if (why := self._examine(n)[0]) is not None}
 
     def run_of(self, step: int) -> str | None:
-        """The run id recorded in ``step``'s meta, or None where it cannot be read."""
-        try:
-            return self._read_meta(step).get("run_id")
-        except CheckpointError:
-            return None
+        """The run id of ``step``'s checkpoint (its marker's; before markers, its meta
+        record's), or None where it has none (no checkpoint of graphmod's, or graphmod
+        0.1's)."""
+        return self._examine(str(step))[1]
 
     # -- reading and verifying --------------------------------------------------------------
-    def _read_meta(self, step: int, *, legacy: bool = False) -> dict[str, Any]:
-        """``step``'s meta record, checked for format and a well-formed array list
-        (``legacy``: a format-1 record is returned as it is)."""
+    def _read_meta(self, step: int, *, legacy: bool = False,
+                   loop: bool = False) -> dict[str, Any]:
+        """``step``'s meta record, checked for format, a well-formed array list, its step and
+        run id (the folder's and its marker's) and a loop's counters (``loop``: required);
+        ``legacy``: a format-1 record is returned as it is."""
         path = self._path(step)
-        if not os.path.isdir(path):
-            raise CheckpointError(path, "no such checkpoint directory")
-        if not os.listdir(path):
-            raise CheckpointError(path, "empty directory: not a checkpoint")
+        why, run_id = self._examine(str(step))
+        if why is not None:
+            raise CheckpointError(path, f"not a checkpoint graphmod wrote: {why}")
+        link = _link_inside(path)
+        if link is not None:
+            raise CheckpointError(path, f"holds a symbolic link ({link}): graphmod never "
+                                  "follows a link out of a checkpoint")
         if not os.path.isdir(os.path.join(path, "meta")):
             raise CheckpointError(path, "no meta record: not a graphmod checkpoint, or one "
                                   "whose write was cut off")
@@ -150,9 +213,12 @@ class CheckpointReader:
             log.debug("reading the meta record of %s failed", path, exc_info=True)
             raise CheckpointError(
                 path, f"the meta record cannot be read ({failure_reason(error)})") from None
-        check_record(path, record, legacy=legacy)
+        check_record(path, record, legacy=legacy, step=step, loop=loop)
         if record.get("format") == LEGACY_FORMAT:
             return {**record, "step": step}  # format 2 records their step themselves
+        if record.get("run_id") != run_id:
+            raise CheckpointError(path, f"the meta record's 'run_id' is "
+                                  f"{record.get('run_id')!r}, its marker names run {run_id}")
         return record
 
     def _read_arrays(self, step: int, record: dict[str, Any],
@@ -235,11 +301,14 @@ class CheckpointReader:
         record = self.meta(step).get("provenance")
         return None if record is None else Provenance.from_dict(record)
 
-    def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+    def restore(self, template: Any, step: int | None = None, *,
+                loop: bool = False) -> tuple[Any, dict[str, Any]]:
         """The state saved at ``step`` shaped like ``template``, and its meta record (whose
-        ``"step"`` says which checkpoint it is). Without ``step``: the newest checkpoint that
-        verifies, warning about each newer one skipped. Raises ``ValueError`` if the
-        checkpoint holds another program's state, :class:`CheckpointError` if none verifies.
+        ``"step"`` says which checkpoint it is; ``loop``: one that holds a loop's counters,
+        checked). Without ``step``: the newest checkpoint that verifies, warning about each
+        newer one skipped and about what in the directory graphmod did not write. Raises
+        ``ValueError`` if the checkpoint holds another program's state,
+        :class:`CheckpointError` if none verifies.
 
         A ``template`` placed across the processes of a run (a train state on their mesh)
         makes it collective: every process calls it, the arrays of a checkpoint of several
@@ -250,7 +319,7 @@ class CheckpointReader:
         shardings = [None if is_key(leaf) else _concrete(getattr(leaf, "sharding", None))
                      for leaf in jax.tree.leaves(template)]
         load = functools.partial(self._load, template=template, specs=leaf_specs(template),
-                                 want=stored_specs(template), shardings=shardings)
+                                 want=stored_specs(template), shardings=shardings, loop=loop)
         if any(s is not None and not s.is_fully_addressable for s in shardings):
             load = _agreed(load, self._path)
         if step is not None:
@@ -261,15 +330,17 @@ class CheckpointReader:
             if skipped:
                 warn(f"{self.directory}: skipped checkpoints that fail verification "
                      f"({'; '.join(skipped)}); using step {record['step']}")
+            if foreign := self.foreign():
+                warn(f"{self.directory}: not read, and left alone: {_listed(foreign)}")
         return restored(template, arrays), record
 
     def _load(self, step: int, *, template: Any, specs: dict[str, list[Any]],
-              want: list[tuple[list[int], str]], shardings: list[Any]
+              want: list[tuple[list[int], str]], shardings: list[Any], loop: bool
               ) -> tuple[dict[str, Any], list[Any]]:
         """``step``'s meta record and verified arrays, for a state shaped like ``template``
         (its ``leaf_specs`` ``specs``; its leaves stored as ``want`` and placed by
-        ``shardings``)."""
-        record = self._read_meta(step, legacy=True)
+        ``shardings``; ``loop``: a loop's record)."""
+        record = self._read_meta(step, legacy=True, loop=loop)
         check_compatible(self._path(step), record.get("tree", {}), specs)
         if record["format"] == LEGACY_FORMAT:
             return record, self._read_legacy(step, template)
@@ -307,14 +378,19 @@ class CheckpointReader:
                 where = (": it is an orbax checkpoint of its own (Flax's checkpointing guide), "
                          "not graphmod's numbered steps; restore it with orbax, write it into "
                          "the model (nnx.update(model, state)), then compile and init")
+            elif foreign := self.foreign():
+                where = f" (not graphmod's, left alone: {_listed(foreign)})"
             raise FileNotFoundError(f"no checkpoint in {self.directory}{where}")
         return steps
 
     def _step(self, step: int) -> int:
         steps = self._step_list()
         if step not in steps:
+            why = self._examine(str(step))[0] if is_whole_number(step) else None
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; "
-                                    f"saved steps: {steps}")
+                                    f"saved steps: {steps}" + (
+                                        f" ({step} is not graphmod's: {why})"
+                                        if why and why != "no longer there" else ""))
         return step
 
 
@@ -349,3 +425,79 @@ def _concrete(sharding: Any) -> Any:
     step places as it runs."""
     return None if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh) \
         else sharding
+
+
+def _listed(entries: dict[str, str]) -> str:
+    """``{name: why}`` as one phrase for a message."""
+    return "; ".join(f"{name} ({why})" for name, why in entries.items())
+
+
+def _leftover_name(name: str) -> bool:
+    """Whether ``name`` is one graphmod gives a temporary or set-aside checkpoint folder."""
+    return bool(_INCOMPLETE.fullmatch(name) or _SET_ASIDE.fullmatch(name))
+
+
+def _is_folder(path: str) -> bool:
+    """Whether ``path`` is a directory itself (not a link to one)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _json_file(path: str, limit: int | None = None) -> Any:
+    """The JSON value in the file at ``path`` (``_MISSING`` if there is none), read without
+    following a link (the file's, or its folder's); ``ValueError`` saying why it is not
+    graphmod's (``limit``: the most bytes it may hold)."""
+    folder, name = os.path.split(path)
+    what = os.path.join(os.path.basename(folder), name) if name == "metadata" else name
+    if os.path.islink(folder):
+        raise ValueError(f"its {os.path.basename(folder)} is a symbolic link; graphmod "
+                         "never follows one")
+    try:  # O_NONBLOCK: a FIFO in its place must not block the read
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return _MISSING
+    except OSError as error:
+        raise ValueError(f"its {what} is a symbolic link; graphmod never follows one"
+                         if error.errno == errno.ELOOP else
+                         f"its {what} cannot be read ({error.strerror})") from None
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"its {what} is not a file")
+        if limit is not None and info.st_size > limit:
+            raise ValueError(f"its {what} holds {info.st_size} bytes: not graphmod's")
+        data = file.read()
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError(f"its {what} is not JSON") from None
+
+
+def _written_before_markers(meta: Any, step: int) -> tuple[str | None, str | None]:
+    """What :meth:`CheckpointReader._examine` says of the folder of ``step`` that has no
+    marker and whose meta record is ``meta``: graphmod's checkpoint, written before markers,
+    if the record names that step (graphmod 0.1's in its counters, where it has them)."""
+    if meta is _MISSING:
+        return f"no graphmod marker ({MARKER}) and no meta record", None
+    if isinstance(meta, dict) and meta.get("format") == LEGACY_FORMAT \
+            and isinstance(meta.get("tree"), dict):
+        named = meta["time"].get("step") if isinstance(meta.get("time"), dict) else step
+    elif isinstance(meta, dict) and meta.get("format") in (FORMAT, CHUNKED_FORMAT) \
+            and is_run_id(meta.get("run_id")):
+        named = meta.get("step")
+    else:
+        return f"no graphmod marker ({MARKER}), and its meta record is not graphmod's", None
+    if not (is_whole_number(named) and named == step):
+        return f"no graphmod marker ({MARKER}), and its meta record names step {named!r}", None
+    return None, meta.get("run_id")
+
+
+def _link_inside(path: str) -> str | None:
+    """The first symbolic link inside the folder ``path`` (relative to it), or None."""
+    for root, folders, files in os.walk(path):  # os.walk follows no link
+        for name in folders + files:
+            if os.path.islink(os.path.join(root, name)):
+                return os.path.relpath(os.path.join(root, name), path)
+    return None

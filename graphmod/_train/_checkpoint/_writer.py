@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import shutil
 import threading
@@ -25,10 +26,13 @@ from graphmod._train._checkpoint._errors import (
 from graphmod._train._checkpoint._format import (
     CHUNKED_FORMAT,
     FORMAT,
+    MARKER,
     Chunk,
     array_entries,
     checksums,
+    is_run_id,
     leaf_specs,
+    marker_record,
     owned_chunks,
     storable,
     stored_specs,
@@ -74,17 +78,21 @@ class Checkpointer(CheckpointReader):
                  asynchronous: bool = True, run_id: str | None = None) -> None:
         if keep is not None and not is_whole_number(keep, least=1):
             raise ValueError(f"keep={keep!r}: must be a positive int or None (keep all)")
+        if run_id is not None and not is_run_id(run_id):
+            raise ValueError(f"run_id={run_id!r}: a run id is 1 to 256 letters, digits, '_' "
+                             "or '-' (it names the run's files)")
         super().__init__(directory)
         self.keep = keep
         self.asynchronous = asynchronous
         self.run_id = run_id or uuid.uuid4().hex
         self._own: list[int] | None = None  # this run's steps, oldest write first
+        self._fresh: set[int] = set()  # the steps this writer wrote (verified as written)
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._saves = 0  # saves started in a run of several processes: names their barrier
 
     def others(self) -> list[int]:
-        """The steps this writer's run did not write (unreadable ones included)."""
+        """The steps whose checkpoints another run wrote (verified or not)."""
         return [s for s in self.steps() if self.run_of(s) != self.run_id]
 
     @property
@@ -94,14 +102,26 @@ class Checkpointer(CheckpointReader):
         write their parts of each checkpoint."""
         return jax.process_index() == 0
 
-    def discard(self, steps: list[int]) -> None:
-        """Deletes ``steps``' checkpoints and every leftover (see :meth:`leftovers`)."""
+    def discard(self, steps: list[int]) -> tuple[list[int], list[str]]:
+        """Deletes those of ``steps``' checkpoints (another run's) that verify, sets the
+        others aside as ``<step>.unverified``, and returns ``(steps deleted, names set
+        aside)``; nothing else is touched (leftovers and what graphmod did not write stay)."""
         self.wait()
+        deleted: list[int] = []
+        aside: list[str] = []
         if not self.writes:
-            return
-        for name in [str(s) for s in steps] + list(self.leftovers()):
-            _delete(os.path.join(self.directory, name))
+            return deleted, aside
+        for step in steps:
+            if self._examine(str(step))[0] is not None:
+                continue  # not graphmod's (any more): left alone
+            why = self.verify(step)
+            if why is None:
+                shutil.rmtree(self._path(step))
+                deleted.append(step)
+            else:
+                aside.append(self._set_aside(step, why))
         self._own = None
+        return deleted, aside
 
     def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
         """Starts writing ``state`` and ``meta`` for ``step``: copies the arrays to the host
@@ -147,29 +167,47 @@ class Checkpointer(CheckpointReader):
         """Checksums, writes and prunes (in the writer thread when asynchronous)."""
         record["arrays"] = array_entries(paths, arrays)
         own = self._owned()
-        target = self._path(step)
-        again = step in own and os.path.exists(target)  # this run saves a step once more
-        if os.path.exists(target) and not again:
-            self._make_room(step, own)
+        if os.path.lexists(self._path(step)) and step not in own:
+            self._make_room(step, own)  # before writing: nothing is written in vain
         before = set(threading.enumerate())
-        written = f"{target}{TMP_SUFFIX}-again" if again else target
+        staged = self._staged(step)
         try:
-            self._orbax_save(written, record, arrays)
+            self._remove_leftovers(step)  # of a cut-off attempt of this run's
+            self._orbax_save(staged, record, arrays)
+            self._place(staged, step, own)
+        except CheckpointError:
+            self._remove_leftovers(step)
+            raise
         except Exception as error:
             self._write_failed(step, own, before, error)
-        if again:
-            self._replace(written, step, own)
         self._written(step, own)
 
-    def _replace(self, written: str, step: int, own: list[int]) -> None:
-        """Puts ``written`` in place of this run's earlier checkpoint of ``step`` (a step
-        saved again, once the run ended on it): the earlier one stays whole until the new
-        one is, two renames apart."""
+    def _staged(self, step: int, suffix: str = "") -> str:
+        """Where this run writes ``step``'s checkpoint before it is put in place (a leftover
+        by its name if the run is cut off)."""
+        return f"{self._path(step)}{TMP_SUFFIX}-{self.run_id}{suffix}"
+
+    def _place(self, written: str, step: int, own: list[int]) -> None:
+        """Marks the complete checkpoint ``written`` as this run's of ``step`` (its last
+        file) and renames it to ``<step>``: in place of this run's earlier checkpoint of
+        that step if it verifies (one this writer wrote does: a step saved again, once the
+        run ended on it), which stays whole until the new one is, two renames apart; else
+        clearing the way (:meth:`_make_room`)."""
+        write_marker(written, self.run_id, step)
         target = self._path(step)
-        os.rename(target, f"{target}{TMP_SUFFIX}-replaced")
-        os.rename(written, target)
-        shutil.rmtree(f"{target}{TMP_SUFFIX}-replaced")
-        own.remove(step)
+        if os.path.lexists(target):
+            if step in own and (step in self._fresh or self.verify(step) is None):
+                # A name _remove_leftovers never takes: a failed rename below keeps it.
+                replaced = f"{target}{TMP_SUFFIX}-replaced-{self.run_id}"
+                os.rename(target, replaced)
+                os.rename(written, target)
+                shutil.rmtree(replaced)
+                own.remove(step)
+                return
+            self._make_room(step, own)  # sets aside one of this run's that fails to verify
+            if step in own:
+                own.remove(step)
+        os.rename(written, target)  # never replaces a folder that holds anything
 
     def _orbax_save(self, path: str, record: dict[str, Any], arrays: list[np.ndarray]) -> None:
         """Orbax's write of ``record`` as the ``meta`` item and the non-empty ``arrays`` as
@@ -184,10 +222,14 @@ class Checkpointer(CheckpointReader):
             self._orbax.save(path, args=ocp.args.Composite(**items))
 
     def _written(self, step: int, own: list[int]) -> None:
-        """Counts ``step`` as this run's newest checkpoint, and prunes beyond ``keep``."""
+        """Counts ``step`` as this run's newest checkpoint, and prunes beyond ``keep`` what
+        is still this run's checkpoint by its marker."""
         own.append(step)
+        self._fresh.add(step)
         while self.keep is not None and len(own) > self.keep:
-            shutil.rmtree(self._path(own.pop(0)), ignore_errors=True)
+            oldest = own.pop(0)
+            if self.run_of(oldest) == self.run_id:
+                shutil.rmtree(self._path(oldest), ignore_errors=True)
 
     # -- several processes: each writes its part, process 0 assembles the checkpoint -------
     def _part_path(self, step: int, process: int | None = None) -> str:
@@ -260,16 +302,11 @@ class Checkpointer(CheckpointReader):
         record["arrays"] = [[path, shape, dtype, listed] for path, (shape, dtype), listed
                             in zip(paths, specs, chunks, strict=True)]
         whole = self._part_path(step)
-        shutil.rmtree(whole, ignore_errors=True)
+        _delete(whole)
         self._orbax_save(whole, record, [])
         for p, where in enumerate(parts):
             os.rename(where, os.path.join(whole, f"part-{p}.npz"))
-        if step in own and os.path.exists(self._path(step)):
-            self._replace(whole, step, own)
-            return
-        if os.path.exists(self._path(step)):
-            self._make_room(step, own)
-        os.rename(whole, self._path(step))
+        self._place(whole, step, own)
 
     def _barrier(self) -> Callable[..., None]:
         """Orbax's barrier over every process (JAX's coordination service, safe from a
@@ -295,29 +332,44 @@ class Checkpointer(CheckpointReader):
                               f"{reason}; {intact}", fix) from None
 
     def _remove_leftovers(self, step: int, prefix: str | None = None) -> None:
-        """Deletes the temporary directories of ``step``'s write (those whose names start
-        with ``prefix``, by default all of them)."""
-        prefixes = (prefix,) if prefix else (f"{step}{TMP_SUFFIX}", f"{step}{PART_SUFFIX}")
+        """Deletes the temporary directories of this run's write of ``step`` (those whose
+        names start with ``prefix``, by default all of them)."""
+        prefixes = (prefix,) if prefix else (os.path.basename(self._staged(step)),
+                                             f"{step}{PART_SUFFIX}-{self.run_id}")
         for name in self._names():
             if name.startswith(prefixes):
                 _delete(os.path.join(self.directory, name))
 
     def _make_room(self, step: int, own: list[int]) -> None:
-        """Clears the way for a new write of ``step`` (not this run's own: :meth:`_write`
-        replaces that): a checkpoint that fails verification (a resumed run skipped it) is
-        set aside as ``<step>.unverified``; another run's checkpoint is never touched."""
+        """Clears the way for a new write of ``step`` (not this run's own that verifies:
+        :meth:`_place` replaces that): a checkpoint that fails verification (a resumed run
+        skipped it) is set aside as ``<step>.unverified``; another run's checkpoint, and
+        anything graphmod did not write, is never touched."""
         target = self._path(step)
+        foreign = self._examine(str(step))[0]
+        if foreign is not None:
+            raise CheckpointError(
+                target, f"is in the way of step {step}'s checkpoint, and graphmod did not "
+                f"write it ({foreign})", "move it out of the run directory (it was left "
+                "alone), or write to another directory")
         why = self.verify(step)
         if why is None:
             raise CheckpointError(
                 target, "holds a checkpoint another run wrote",
                 "write to another directory, or move it away (nothing was overwritten)")
+        self._set_aside(step, why)
+
+    def _set_aside(self, step: int, why: str) -> str:
+        """Renames ``step``'s checkpoint, which fails verification for ``why``, to
+        ``<step>.unverified`` (or ``-2``, ...), and returns that name."""
+        target = self._path(step)
         aside, count = target + SET_ASIDE, 1
-        while os.path.exists(aside):
+        while os.path.lexists(aside):
             count += 1
             aside = f"{target}{SET_ASIDE}-{count}"
         os.rename(target, aside)
         log.warning("%s fails verification (%s): set aside as %s", target, why, aside)
+        return os.path.basename(aside)
 
     def _owned(self) -> list[int]:
         """This run's steps in the directory, oldest write first (read once per writer)."""
@@ -343,8 +395,21 @@ class Checkpointer(CheckpointReader):
             super().close()
 
 
+def write_marker(folder: str, run_id: str, step: int) -> None:
+    """Writes graphmod's marker of ``step``'s checkpoint by ``run_id`` into ``folder``."""
+    fd = os.open(os.path.join(folder, MARKER),
+                 os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w") as file:
+        json.dump(marker_record(run_id, step), file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
 def _delete(path: str) -> None:
-    """Deletes a directory tree or a file (a part), if it is there."""
+    """Deletes a directory tree or a file (a part) of this run's, if it is there; a link in
+    its place is left alone (graphmod writes none)."""
+    if os.path.islink(path):
+        return
     if os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.lexists(path):

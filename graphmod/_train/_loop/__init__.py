@@ -2,7 +2,8 @@
 
 Modules: ``_loop`` (the ``Loop`` class: settings, counters, the run's epochs and steps),
 ``_dispatch`` (plugins and the delivery of events to them), ``_steps`` (batches read ahead,
-fused-step planning, step calls), ``_resume`` (continuing from a checkpoint).
+fused-step planning, step calls), ``_models`` (several named models on schedules, reading
+each other's variables), ``_resume`` (continuing from a checkpoint).
 
 Order of events
     ``begin``, then per epoch ``epoch_begin``, ``step`` events, ``epoch_end``; finally
@@ -20,12 +21,13 @@ Speed
     ``epoch`` or ``examples`` timelines are planned exactly; catch-all plugins and schedules
     on wall-clock timelines see one ``step`` event per dispatch, covering its range.
 
-Ctrl-C
-    In the main thread, Ctrl-C only asks the run to stop: the loop finishes the step or
+Ctrl-C, SIGTERM
+    In the main thread, Ctrl-C or SIGTERM (or a signal opted in with
+    ``GRAPHMOD_STOP_SIGNALS``) only asks the run to stop: the loop finishes the step or
     event in progress, plugins get the ``interrupt`` event with the state of that finished
-    step (a ``Checkpoint`` saves it and says so), and ``run`` raises ``KeyboardInterrupt``
-    (a script then exits with status 130). A second Ctrl-C aborts at once, saving nothing
-    more. See ``graphmod._train._interrupt``.
+    step (a ``Checkpoint`` saves it, recording the stop, and says so), and ``run`` raises
+    ``KeyboardInterrupt`` (a script then exits with status 130; 143 after SIGTERM). A second
+    signal aborts at once, saving nothing more. See ``graphmod._train._interrupt``.
 """
 
 from graphmod._train._loop._dispatch import Dispatch, DispatchTrace, PluginError

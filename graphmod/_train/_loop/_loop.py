@@ -2,15 +2,15 @@
 
 The class holds the run's counters, state and settings and drives epochs and steps; plugins
 and events are :mod:`._dispatch`'s, reading batches ahead and fusing steps :mod:`._steps`',
-resuming :mod:`._resume`'s, Ctrl-C :mod:`graphmod._train._interrupt`'s. The order of events
-and the speed rules are in :mod:`graphmod._train._loop`.
+resuming :mod:`._resume`'s, stop signals (Ctrl-C, SIGTERM) :mod:`graphmod._train._interrupt`'s.
+The order of events and the speed rules are in :mod:`graphmod._train._loop`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time as _time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -19,8 +19,9 @@ from graphmod._core._clock import utc_now
 from graphmod._records._collect import training_provenance
 from graphmod._records._record import Provenance
 from graphmod._train._events import Event, Template, Time, check_event_types
-from graphmod._train._interrupt import SigintGuard, StopAgreement, report_unsaved, stop_notice
+from graphmod._train._interrupt import SignalGuard, StopAgreement, report_unsaved
 from graphmod._train._loop._dispatch import DispatchTrace, PluginTable
+from graphmod._train._loop._models import Models, loop_step
 from graphmod._train._loop._resume import loop_record, read_checkpoint, resume_changes
 from graphmod._train._loop._steps import (
     ReadAhead,
@@ -39,13 +40,17 @@ from graphmod._train._loop._steps import (
     steps_to_fuse,
 )
 from graphmod._train._optimize import TrainStep
+from graphmod._train._schedule import Schedule
 
 
 class Loop:
     """Runs ``step(state, *batch)`` (or ``**batch`` for dict batches) over ``data``.
 
     Args:
-        step: a train step, e.g. from :func:`graphmod.optimize`: ``(state, metrics)``.
+        step: a train step, e.g. from :func:`graphmod.optimize`: ``(state, metrics)``; or a
+            dict of them by model name, run in its order at each iteration on the same
+            batch, with a dict of their states by name as the loop's state (a step None:
+            a frozen model, whose state others read); see "Several models in one run".
         data: an :class:`graphmod.data.ArraySource` or any iterable of batches (iterated
             once per epoch).
         epochs: stop after this many epochs.
@@ -56,6 +61,11 @@ class Loop:
         allow_data_change: continue from a checkpoint (``Loop.resume``,
             ``Checkpoint(resume=True)``) although the data differ from the checkpoint's
             description; the change is recorded in the checkpoints written afterwards.
+        schedules: for a dict of steps, the iterations at which a model steps (the step
+            timeline, from 1), e.g. ``{"gen": gm.each(5)}``; default every iteration.
+        reads: for a dict of steps, the models whose current variables a step gets as
+            keywords named after them, e.g. ``{"gen": ["disc"]}``: ``g_step(g_state,
+            *batch, disc=d_state.variables)``. Metrics are named ``model/metric``.
 
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np, optax, graphmod as gm
@@ -72,6 +82,14 @@ class Loop:
         >>> state = loop.run(state)
         >>> seen, int(state.step)
         ([4, 8], 8)
+
+        Two models, the second stepping every other iteration:
+
+        >>> loop = gm.Loop({"a": step, "b": step}, ArraySource((x, y), batch_size=8),
+        ...                schedules={"b": gm.each(2)})
+        >>> states = loop.run({"a": state, "b": jax.tree.map(jnp.copy, state)})
+        >>> int(states["a"].step), int(states["b"].step), sorted(loop.metrics)
+        (12, 10, ['a/loss', 'b/loss'])
     """
 
     def __init__(
@@ -84,7 +102,10 @@ class Loop:
         plugins: Iterable[Any] = (),
         steps_per_call: int = 1,
         allow_data_change: bool = False,
+        schedules: Mapping[str, Schedule] | None = None,
+        reads: Mapping[str, Sequence[str] | str] | None = None,
     ) -> None:
+        step = loop_step(step, schedules, reads, steps_per_call)
         check_loop_settings(step, data, epochs=epochs, steps=steps,
                             steps_per_call=steps_per_call)
         self.step = step
@@ -104,7 +125,8 @@ class Loop:
         self._clock: tuple[float, Time] | None = None
         self._metrics: Any = {}
         self._started = False
-        self._guard: SigintGuard | None = None  # set while run() handles Ctrl-C
+        self._guard: SignalGuard | None = None  # set while run() handles stop signals
+        self._stopped: dict[str, Any] | None = None  # the stop its checkpoints record
         self._agreement: StopAgreement | None = None  # set while a run of processes runs
         self.started_at: str | None = None  # wall-clock start of the run (UTC, ISO 8601)
         self.ended_at: str | None = None
@@ -193,8 +215,13 @@ class Loop:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything but the train state needed to continue exactly: counters, timelines,
-        data position, the loop's settings and each plugin's state (JSON-serialisable)."""
-        return loop_record(self, self._plugins.state_dict())
+        data position, the loop's settings and each plugin's state (JSON-serialisable); once
+        the run is stopped (Ctrl-C, SIGTERM, ...), ``"stopped"``: the signal (None where
+        another process of the run got it) and the step."""
+        record = loop_record(self, self._plugins.state_dict())
+        if self._stopped is not None:
+            record["stopped"] = self._stopped
+        return record
 
     def load_state_dict(self, meta: dict[str, Any]) -> None:
         """Continues from :meth:`state_dict`'s record (the run's ``begin`` is not repeated).
@@ -238,10 +265,13 @@ class Loop:
     def run(self, state: Any) -> Any:
         """Runs to the end (epochs/steps) or a ``terminate``; returns the final state.
 
-        Ctrl-C (in the main thread) stops the run after the step or event in progress:
-        plugins get an ``interrupt`` event holding that finished step's state, then
-        ``KeyboardInterrupt`` is raised; a second Ctrl-C aborts at once. In a run of several
-        processes (:mod:`graphmod.distributed`) a Ctrl-C or a SIGTERM to any process stops
+        Ctrl-C or SIGTERM (in the main thread; more signals with ``GRAPHMOD_STOP_SIGNALS``,
+        see :mod:`graphmod._train._interrupt`) stops the run after the step or event in
+        progress: plugins get an ``interrupt`` event holding that finished step's state
+        (its checkpoints record the stop), then ``KeyboardInterrupt`` is raised (for a
+        signal other than Ctrl-C's, a ``SignalInterrupt``, with which a script exits with
+        128 + the signal: 143 for SIGTERM); a second signal aborts at once. In a run of
+        several processes (:mod:`graphmod.distributed`) a stop signal to any process stops
         every process at one step they agree on, so that they can save it together (see
         :mod:`graphmod.distributed`). A plugin's error in
         ``setup`` or ``teardown`` raises a :class:`PluginError` naming it and the phase;
@@ -249,23 +279,27 @@ class Loop:
         """
         check_event_types([(e.name, e.template) for e in self._plugins.entries
                            if e.template is not None], self.plugins)
-        check_start_state(self.step, state)
-        check_first_batch(self.step, self.data, self.time.epoch, self.position)
+        if isinstance(self.step, Models):
+            self.step.check(state, self.data, self.time.epoch, self.position)
+        else:
+            check_start_state(self.step, state)
+            check_first_batch(self.step, self.data, self.time.epoch, self.position)
         self.state = state
         self._plugins.terminated = False
-        step = self._plugins.wrap(self.step)
+        self._stopped = None
+        step = (self.step.wrapped(self._plugins.wrap) if isinstance(self.step, Models)
+                else self._plugins.wrap(self.step))
         multi = fused_steps(step, self.step) if self.steps_per_call > 1 else None
         limit = steps_in_flight(self.step)
         step, multi = bounded(step, limit), multi and bounded(multi, limit)
-        with SigintGuard(stop_notice(self._plugins.saves_on_interrupt())) as guard, \
-                step_mesh(self.step):
+        with SignalGuard(self._plugins.saves_on_interrupt()) as guard, step_mesh(self.step):
             self._guard = guard
             try:
                 self._run_plugins(step, multi)
             finally:
                 self._guard = None
-        if guard.requested:  # Ctrl-C during the last teardowns: the run itself completed
-            raise KeyboardInterrupt(f"interrupted after the run ended at step {self.time.step}")
+            if guard.requested:  # a stop during the last teardowns: the run itself completed
+                raise guard.stop(self.time.step, ended=True)
         return self.state
 
     def _run_plugins(self, step: Callable[..., Any], multi: Callable[..., Any] | None) -> None:
@@ -280,9 +314,13 @@ class Loop:
             self._run_events(step, multi)
         except BaseException as exc:
             error = exc
-            if isinstance(exc, KeyboardInterrupt) and self._guard is not None \
-                    and self._guard.requested:  # Ctrl-C, here or in a nested loop
-                error = KeyboardInterrupt(f"interrupted at step {self.time.step}")
+            guard = self._guard
+            if isinstance(exc, KeyboardInterrupt) and guard is not None \
+                    and guard.requested:  # a stop signal, here or in a nested loop
+                error = guard.stop(self.time.step)
+            if isinstance(error, KeyboardInterrupt):
+                taken = guard.signal if guard is not None else None  # None: another process's
+                self._stopped = {"signal": taken.name if taken else None, "step": self.time.step}
             self._interrupt(error)
             if error is not exc:
                 raise error from None  # a short traceback, not one through the loop
@@ -320,7 +358,8 @@ class Loop:
         self._emit("end")
 
     def _check_interrupt(self) -> None:
-        """Stops the run here, a safe point (the state is a finished step), after Ctrl-C."""
+        """Stops the run here, a safe point (the state is a finished step), after a stop
+        signal."""
         if self._guard is not None and self._guard.requested:
             raise KeyboardInterrupt
         if self._agreement is not None and self._agreement.reached(self.time.step):
@@ -344,7 +383,10 @@ class Loop:
             count = steps_to_fuse(self._plugins.templates, self.time, sizes,
                                   self.steps_per_call, self.max_steps)
             size, batch = batches.take(count)
-            if count == 1:
+            if isinstance(step, Models):  # one iteration: the steps due, in order
+                self.state, self._metrics = step(self.time.step + 1, self.state, batch,
+                                                 self._metrics)
+            elif count == 1:
                 self.state, self._metrics = call_step(step, self.state, batch)
             else:
                 assert multi is not None

@@ -12,6 +12,7 @@ from graphmod._train._batch import step_arguments
 from graphmod._train._checkpoint import CheckpointReader
 from graphmod._train._command import recorded_command
 from graphmod._train._host_metrics import scalar_metrics
+from graphmod._train._loop._steps import check_first_batch
 
 
 def read_checkpoint(directory: str | os.PathLike, template: Any, step: Any,
@@ -25,12 +26,13 @@ def read_checkpoint(directory: str | os.PathLike, template: Any, step: Any,
             f"Loop.resume: no checkpoint in {path}: "
             f"{'not a directory' if os.path.exists(path) else 'no such directory'} "
             "(nothing was created); pass the directory a Checkpoint plugin saved into")
+    check_first_batch(step, data, 0, 0)  # as Loop.run would, before anything is read
     reader = CheckpointReader(path)
     try:
         if template is None:
             template = _abstract_state(step, data)
         try:
-            state, meta = reader.restore(template, checkpoint)
+            state, meta = reader.restore(template, checkpoint, loop=True)
         except ValueError as error:  # another program's state: which settings changed
             saved = reader.provenance(checkpoint)
             changed = setting_changes(saved and saved.to_dict(), step)
@@ -68,13 +70,26 @@ _SETTINGS = ("bricks", "parameters", "managers", "function", "monitor", "axis_na
              "optimizer", "skip_nonfinite", "trainable")
 
 
+# Fields a later graphmod added to a setting's record: compared only where both records
+# have them, so a checkpoint written before is not taken for one with other settings.
+_ADDED = {"optimizer": ("structure",)}
+
+
 def setting_changes(saved: Mapping[str, Any] | None, step: Any) -> list[str]:
     """The settings of the training record ``saved`` (a checkpoint's provenance) that
     ``step`` (a ``graphmod.optimize`` step) does not share; none for another step."""
     if not saved or saved.get("kind") != "training" or not hasattr(step, "provenance"):
         return []
     now, before = step.provenance.to_dict()["inputs"], saved.get("inputs", {})
-    return [k for k in _SETTINGS if k in before and k in now and before[k] != now[k]]
+    return [k for k in _SETTINGS if k in before and k in now
+            and _compared(k, before[k], now[k]) != _compared(k, now[k], before[k])]
+
+
+def _compared(setting: str, record: Any, other: Any) -> Any:
+    """``record`` of ``setting`` without the fields ``other`` lacks of those added later."""
+    if not (isinstance(record, dict) and isinstance(other, dict)):
+        return record
+    return {k: v for k, v in record.items() if k not in _ADDED.get(setting, ()) or k in other}
 
 
 def loop_record(loop: Any, plugins: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -26,6 +26,7 @@ from graphmod._core._arguments import (
     check_binds,
     is_key,
 )
+from graphmod._core._numbers import is_whole_number
 from graphmod._core._rng_arguments import with_random_streams
 from graphmod._core._sharding import Placement, mesh_context
 from graphmod._train._batch import step_arguments
@@ -245,8 +246,9 @@ def check_loop_settings(step: Any, data: Any, **counts: int | None) -> None:
             "epoch (a list of batches, a graphmod.data.ArraySource, a DataLoader, or an "
             "object whose __iter__ returns a new generator), or run one pass (epochs=1)")
     for label, value in counts.items():
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"Loop({label}={value!r}): must be a positive int")
+        if value is not None and not is_whole_number(value, least=1):  # True is no count
+            raise ValueError(f"Loop({label}={value!r}): must be a positive int, e.g. "
+                             f"{label}=10")
 
 
 def check_first_batch(step: Any, data: Iterable[Any], epoch: int, position: int) -> None:
@@ -258,36 +260,44 @@ def check_first_batch(step: Any, data: Iterable[Any], epoch: int, position: int)
     if not (isinstance(step, TrainStep) and hasattr(data, "iter_epoch")):
         return
     first = next(iter(data.iter_epoch(epoch, start=position)), None)
-    if first is None:
-        return
+    if first is not None:
+        check_batch(step, first)
+
+
+def check_batch(step: TrainStep, batch: Any, reads: Mapping[str, Any] | None = None,
+                who: str = "Loop.run") -> None:
+    """Refuses a batch (with the variables of the models the step ``reads``, passed by
+    name) that ``step``'s function cannot take, naming the mismatch; see
+    :func:`check_first_batch`."""
     fn, examples = step.program.fn, step.program.record.examples
-    args, kwargs = step_arguments(first)
+    args, kwargs = step_arguments(batch)
+    kwargs = {**kwargs, **(reads or {})}
     if examples is not None:  # the nnx.Rngs arguments the step makes need no data
         args, kwargs = with_random_streams(fn, examples, args, kwargs, jax.random.key(0),
-                                           "Loop.run")
-    check_binds(fn, args, kwargs, "Loop.run: the data's batches")
+                                           who)
+    check_binds(fn, args, kwargs, f"{who}: the data's batches")
     if examples is not None:
         try:
             check_arguments(examples, bind_arguments(argument_names(fn), args, kwargs,
                                                      lambda leaf: leaf))
         except ValueError as error:
-            raise ValueError(f"Loop.run: the data's batches do not fit the program: {error}"
+            raise ValueError(f"{who}: the data's batches do not fit the program: {error}"
                              ) from None
 
 
-def check_start_state(step: Any, state: Any) -> None:
-    """Refuses a state the step cannot take, naming the argument and the fix."""
+def check_start_state(step: Any, state: Any, who: str = "Loop.run(state)") -> None:
+    """Refuses a state the step cannot take, naming the argument (``who``) and the fix."""
     if state is None:
-        raise TypeError("Loop.run(state): state is None; pass the train state to start from,"
+        raise TypeError(f"{who}: state is None; pass the train state to start from,"
                         " e.g. state = step.init(program.init(*example_batch), key)")
     if isinstance(step, TrainStep) and not isinstance(state, TrainState):
-        raise TypeError(f"Loop.run(state): a graphmod.optimize step takes a "
+        raise TypeError(f"{who}: a graphmod.optimize step takes a "
                         f"graphmod.TrainState, got {type(state).__name__}; make one with "
                         "state = step.init(variables, jax.random.key(0))")
     deleted = donated(state)
     if deleted:
         raise ValueError(
-            f"Loop.run(state): the state's arrays were donated to an earlier step call "
+            f"{who}: the state's arrays were donated to an earlier step call "
             f"(state{deleted[0]}, and {len(deleted) - 1} more): a graphmod.optimize step "
             "takes over the buffers of the state it is given, also in a Loop; start from "
             "the state that run or call returned, or keep a copy made before it, "

@@ -107,3 +107,19 @@ def test_bad_arguments_are_named(annealed: Problem) -> None:
         loop.run(annealed.state())
     assert isinstance(caught.value.__cause__, KeyError)
 
+
+
+def test_a_value_outside_the_hparams_range_is_refused_before_it_is_written(
+        annealed: Problem) -> None:
+    rate = annealed.dropout.hparam("rate")
+    assert rate.valid == (0.0, 1.0) and rate == gm.HParam("dropout", "rate")
+    written: list[float] = []
+    loop = gm.Loop(annealed.step, annealed.source(8), epochs=1,
+                   plugins=[Anneal(rate, lambda t: 0.5 + 0.25 * t.step)])
+    loop.on("step", lambda e: written.append(_rate(annealed, e.loop.state)))
+    with pytest.raises(gm.PluginError, match=r"on the 'step' event at step 3.*returned 1\.25, "
+                                             r"outside the valid range \[0\.0, 1\.0\] of "
+                                             r"hyperparameter 'rate' of manager 'dropout'; "
+                                             r"make fn return values in \[0\.0, 1\.0\]"):
+        loop.run(annealed.state())
+    assert written == [0.75, 1.0] and _rate(annealed, loop.state) == 1.0  # 1.25 never was

@@ -1,0 +1,387 @@
+"""A loop over several named models: schedules, order, reads, metrics, checkpoints, misuse."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import graphmod as gm
+from graphmod.data import ArraySource
+from graphmod.plugins import Anneal, Checkpoint, EarlyStopping, Logger, NaNGuard, Validation
+from tests.loop.conftest import Problem
+
+# -- plain steps that say when they ran --------------------------------------------------------
+
+
+def numbered(count: int) -> list[np.ndarray]:
+    """Batches holding their iteration number (counted from 1, as the step timeline)."""
+    return [np.full((1,), t, np.int32) for t in range(1, count + 1)]
+
+
+def recorder(name: str, log: list) -> Callable[..., tuple[int, dict]]:
+    def step(state: int, batch: np.ndarray, **reads: int) -> tuple[int, dict]:
+        log.append((name, int(batch[0]), dict(reads)))
+        return state + 1, {"t": batch[0]}
+    return step
+
+
+schedules = st.recursive(
+    st.builds(gm.each, st.integers(1, 4), st.integers(0, 3))
+    | st.builds(lambda ts: gm.at(*ts), st.lists(st.integers(1, 12), min_size=1, max_size=3))
+    | st.builds(gm.after, st.integers(0, 8)) | st.just(gm.always),
+    lambda inner: st.builds(lambda a, b: a & b, inner, inner)
+    | st.builds(lambda a, b: a | b, inner, inner) | st.builds(lambda a: ~a, inner),
+    max_leaves=3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(order=st.permutations(["a", "b", "c"]),
+       chosen=st.dictionaries(st.sampled_from(["a", "b", "c"]), schedules))
+def test_models_step_at_the_iterations_their_schedules_say_in_declared_order(order, chosen):
+    log: list = []
+    loop = gm.Loop({name: recorder(name, log) for name in order}, numbered(12),
+                   schedules=chosen)
+    states = loop.run(dict.fromkeys(order, 0))
+    expected = [(name, t) for t in range(1, 13) for name in order
+                if chosen.get(name, gm.always).holds_at(t)]
+    assert [(name, t) for name, t, _ in log] == expected
+    assert states == {name: sum(1 for n, _ in expected if n == name) for name in order}
+
+
+def test_a_reader_sees_a_model_declared_before_it_after_its_update_and_one_after_before():
+    log: list = []
+    loop = gm.Loop({"disc": recorder("disc", log), "gen": recorder("gen", log),
+                    "late": recorder("late", log)}, numbered(4),
+                   schedules={"disc": gm.each(2)}, reads={"gen": ["disc", "late"]})
+    loop.run({"disc": 0, "gen": 0, "late": 100})
+    seen = [(t, reads) for name, t, reads in log if name == "gen"]
+    # disc steps at 2 and 4 before gen reads it; late steps after gen in every iteration.
+    assert seen == [(1, {"disc": 0, "late": 100}), (2, {"disc": 1, "late": 101}),
+                    (3, {"disc": 1, "late": 102}), (4, {"disc": 2, "late": 103})]
+
+
+def test_metrics_are_named_by_model_and_keep_each_models_latest(tmp_path):
+    log: list = []
+    seen: list = []
+    logger = Logger(tmp_path / "log.csv", every=gm.On("step"))
+    loop = gm.Loop({"disc": recorder("disc", log), "gen": recorder("gen", log)},
+                   numbered(5), schedules={"gen": gm.each(2)}, plugins=[logger])
+    loop.on("step", lambda event: seen.append(
+        {k: int(v) for k, v in event.metrics.items()}))
+    loop.run({"disc": 0, "gen": 0})
+    assert seen == [{"disc/t": 1}, {"disc/t": 2, "gen/t": 2}, {"disc/t": 3, "gen/t": 2},
+                    {"disc/t": 4, "gen/t": 4}, {"disc/t": 5, "gen/t": 4}]
+    with open(logger.path) as file:
+        rows = list(csv.DictReader(file))
+    assert [row["gen/t"] for row in rows] == ["", "2.0", "2.0", "4.0", "4.0"]
+    assert [row["disc/t"] for row in rows] == ["1.0", "2.0", "3.0", "4.0", "5.0"]
+
+
+def test_early_stopping_watches_one_models_metric():
+    def constant(state: int, batch: np.ndarray) -> tuple[int, dict]:
+        return state + 1, {"score": np.float32(1.0)}
+
+    def improving(state: int, batch: np.ndarray) -> tuple[int, dict]:
+        return state + 1, {"score": np.float32(-batch[0])}
+
+    stop = EarlyStopping("gen/score", patience=2, every=gm.On("step"), restore_best=False)
+    loop = gm.Loop({"disc": improving, "gen": constant}, numbered(10), plugins=[stop])
+    states = loop.run({"disc": 0, "gen": 0})
+    assert (stop.best_step, stop.stopped_step, states) == (1, 3, {"disc": 3, "gen": 3})
+
+
+# -- two tiny models, a discriminator and a generator ------------------------------------------
+
+
+class Pair:
+    """A discriminator over 2 features and a generator from 3 noise features, each with its
+    own program and SGD step; each cost reads the other model's variables."""
+
+    def __init__(self) -> None:
+        rng = np.random.default_rng(0)
+        self.x = rng.normal(size=(32, 2)).astype(np.float32)
+        self.z = rng.normal(size=(32, 3)).astype(np.float32)
+        self.gen_traces = 0
+        disc = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+        gen = gm.bricks.Linear(3, 2, rngs=nnx.Rngs(1))
+        judge = gm.compile(lambda m, x: m(x), disc)
+        draw = gm.compile(lambda m, z: m(z), gen)
+
+        def d_cost(m, x, z, gen):
+            fake = draw.infer(gen, z)
+            return ((m(x) - 1.0) ** 2).mean() + (m(fake) ** 2).mean()
+
+        def g_cost(m, x, z, disc):
+            self.gen_traces += 1
+            return ((judge.infer(disc, m(z)) - 1.0) ** 2).mean(), {"fake": m(z).mean()}
+
+        self.judge, self.draw = judge, draw
+        self.d_program = gm.compile(d_cost, disc)
+        self.g_program = gm.compile(g_cost, gen)
+        d_vars, g_vars = judge.init(self.x[:1]), draw.init(self.z[:1])
+        self.d_vars = self.d_program.init(self.x[:4], self.z[:4], gen=g_vars)
+        self.g_vars = self.g_program.init(self.x[:4], self.z[:4], disc=d_vars)
+        self.d_step = gm.optimize(self.d_program, optax.sgd(0.1))
+        self.g_step = gm.optimize(self.g_program, optax.sgd(0.1))
+
+    def source(self) -> ArraySource:
+        return ArraySource((self.x, self.z), batch_size=8)
+
+    def states(self) -> dict[str, gm.TrainState]:
+        return {"disc": self.d_step.init(self.d_vars, jax.random.key(0)),
+                "gen": self.g_step.init(self.g_vars, jax.random.key(1))}
+
+
+@pytest.fixture(scope="module")
+def pair() -> Pair:
+    return Pair()
+
+
+def by_hand(pair: Pair, order: list[str], gen_every: int, iterations: int) -> tuple:
+    """The same run with the two jitted steps called in a Python loop."""
+    states, losses = pair.states(), []
+    batches = list(pair.source())
+    for t in range(1, iterations + 1):
+        x, z = batches[(t - 1) % len(batches)]
+        for name in order:
+            if name == "disc":
+                states["disc"], m = pair.d_step(states["disc"], x, z,
+                                                gen=states["gen"].variables)
+                losses.append(("disc", t, float(m["loss"])))
+            elif t % gen_every == 0:
+                states["gen"], m = pair.g_step(states["gen"], x, z,
+                                               disc=states["disc"].variables)
+                losses.append(("gen", t, float(m["loss"])))
+    return states, losses
+
+
+@pytest.mark.parametrize("order", [["disc", "gen"], ["gen", "disc"]])
+def test_a_loop_of_two_models_matches_the_same_steps_called_by_hand(pair, order):
+    steps = {"disc": pair.d_step, "gen": pair.g_step}
+    losses: list = []
+
+    def record(event):
+        for name, t in ((n, event.time.step) for n in order):
+            if name == "disc" or t % 2 == 0:
+                losses.append((name, t, float(event.metrics[f"{name}/loss"])))
+
+    loop = gm.Loop({name: steps[name] for name in order}, pair.source(), steps=6,
+                   schedules={"gen": gm.each(2)}, reads={"gen": "disc", "disc": ["gen"]})
+    loop.on("step", record)
+    states = loop.run(pair.states())
+    expected, expected_losses = by_hand(pair, order, 2, 6)
+    assert losses == expected_losses
+    assert (int(states["disc"].step), int(states["gen"].step)) == (6, 3)
+    for a, b in zip(jax.tree.leaves(states), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_order_decides_what_a_reader_sees(pair):
+    _, before = by_hand(pair, ["gen", "disc"], 1, 2)
+    _, after = by_hand(pair, ["disc", "gen"], 1, 2)
+    gen_loss = lambda losses: [loss for name, _, loss in losses if name == "gen"]
+    assert gen_loss(before)[1] != gen_loss(after)[1]  # the two orders are told apart
+
+
+def test_a_readers_step_differentiates_its_own_model_only(pair):
+    states = pair.states()
+    x, z = pair.x[:8], pair.z[:8]
+    disc = states["disc"].variables
+    g_params = states["gen"].variables["model"]
+
+    def reference(params):  # the generator's cost in plain jnp, the discriminator constant
+        fake = z @ params["W"] + params["b"]
+        return (((fake @ disc["model"]["W"] + disc["model"]["b"]) - 1.0) ** 2).mean()
+
+    grads = jax.grad(reference)(g_params)
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, g_params, grads)
+    before = jax.tree.map(np.array, disc)
+    new, _ = pair.g_step(states["gen"], x, z, disc=disc)
+    for a, b in zip(jax.tree.leaves(new.variables["model"]), jax.tree.leaves(want),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(disc), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)  # read, not donated nor changed
+
+
+def test_a_reader_does_not_retrace_when_the_read_variables_change(pair):
+    traces: list = []
+    loop = gm.Loop({"disc": pair.d_step, "gen": pair.g_step}, pair.source(), steps=8,
+                   reads={"gen": ["disc"], "disc": ["gen"]})
+    loop.on("step", lambda event: traces.append(pair.gen_traces))
+    states = pair.states()
+    start = np.array(states["disc"].variables["model"]["W"])
+    states = loop.run(states)
+    assert traces == [traces[0]] * 8
+    assert not np.array_equal(states["disc"].variables["model"]["W"], start)
+
+
+def test_a_frozen_model_is_read_and_carried_but_never_steps(pair):
+    teacher = jax.tree.map(jnp.copy, pair.states()["disc"].variables)
+    log: list = []
+    loop = gm.Loop({"disc": None, "gen": pair.g_step}, pair.source(), steps=3,
+                   reads={"gen": ["disc"]})
+    loop.on("step", lambda event: log.append(sorted(event.metrics)))
+    states = loop.run({"disc": teacher, "gen": pair.states()["gen"]})
+    assert log == [["gen/fake", "gen/loss"]] * 3 and int(states["gen"].step) == 3
+    assert states["disc"] is teacher
+
+
+def test_validation_evaluates_the_model_it_names(pair):
+    x, z = ArraySource((pair.x[:10],), 4), ArraySource((pair.z[:10],), 4)
+    mean = {"mean": lambda out, batch: out.mean(-1)}
+    judged = Validation(pair.judge, x, metrics=mean, model="disc", every=gm.On("end"))
+    drawn = Validation(pair.draw, z, metrics=mean, model="gen", every=gm.On("end"),
+                       name="drawn")
+    loop = gm.Loop({"disc": pair.d_step, "gen": pair.g_step}, pair.source(), steps=2,
+                   reads={"gen": ["disc"], "disc": ["gen"]}, plugins=[judged, drawn])
+    states = loop.run(pair.states())
+    assert [sorted(m) for _, m in judged.history] == [["disc/valid/mean"]]
+    assert [sorted(m) for _, m in drawn.history] == [["gen/valid/mean"]]
+    want = np.asarray(pair.draw.infer(states["gen"].variables, pair.z[:10])).mean()
+    np.testing.assert_allclose(drawn.history[0][1]["gen/valid/mean"], want, rtol=1e-5)
+
+
+def test_a_checkpoint_holds_every_model_and_resumes_bitwise(pair, tmp_path):
+    reads = {"gen": ["disc"], "disc": ["gen"]}
+    steps = {"disc": pair.d_step, "gen": pair.g_step}
+    whole = gm.Loop(steps, pair.source(), steps=8, schedules={"gen": gm.each(3)},
+                    reads=reads).run(pair.states())
+    first = gm.Loop(steps, pair.source(), steps=5, schedules={"gen": gm.each(3)},
+                    reads=reads, plugins=[Checkpoint(tmp_path, every=gm.On("end"))])
+    first.run(pair.states())
+    shutil.copytree(tmp_path, tmp_path.parent / f"{tmp_path.name}_copy")
+    second = gm.Loop(steps, pair.source(), steps=8, schedules={"gen": gm.each(3)},
+                     reads=reads, plugins=[Checkpoint(tmp_path, resume=True)])
+    resumed = second.run(pair.states())
+    again = gm.Loop.resume(tmp_path.parent / f"{tmp_path.name}_copy", steps, pair.source(),
+                           state=pair.states(), steps=8, schedules={"gen": gm.each(3)},
+                           reads=reads)
+    assert second.start_time.step == 5
+    for a, b, c in zip(jax.tree.leaves(resumed), jax.tree.leaves(again),
+                       jax.tree.leaves(whole), strict=True):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, c)
+
+
+# -- misuse, refused before anything runs ------------------------------------------------------
+
+
+def step(state, batch):
+    return state, {}
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"schedules": {"critic": gm.each(2)}}, "'critic' is not a model of this loop"),
+    ({"reads": {"critic": ["a"]}}, "'critic' is not a model of this loop"),
+    ({"reads": {"a": ["critic"]}}, "'critic' is not a model of this loop"),
+    ({"reads": {"a": ["a"]}}, "model 'a' reads itself"),
+    ({"reads": {"a": ["b", "b"]}}, "a model is named twice"),
+    ({"schedules": {"a": gm.each(2.5)}}, "between the iterations"),
+    ({"schedules": {"a": 2}}, "expected a graphmod.Schedule"),
+    ({"steps_per_call": 2}, "one iteration per dispatch"),
+])
+def test_bad_settings_are_refused_naming_the_culprit(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        gm.Loop({"a": step, "b": step}, numbered(2), **kwargs)
+
+
+@pytest.mark.parametrize(("steps", "message"), [
+    ({}, "non-empty dict of steps"),
+    ({"a/b": step}, "without '/'"),
+    ({"a": 3}, "model 'a''s step must be callable"),
+    ({"a": None}, "give at least one a train step"),
+])
+def test_bad_steps_are_refused(steps, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        gm.Loop(steps, numbered(2))
+
+
+def test_a_frozen_model_has_no_schedule_and_reads_nothing():
+    with pytest.raises(ValueError, match="model 'b' is frozen"):
+        gm.Loop({"a": step, "b": None}, numbered(2), schedules={"b": gm.each(2)})
+    with pytest.raises(ValueError, match="model 'b' is frozen"):
+        gm.Loop({"a": step, "b": None}, numbered(2), reads={"b": ["a"]})
+
+
+def test_schedules_without_named_models_are_refused():
+    with pytest.raises(ValueError, match="pass the steps as a dict by model name"):
+        gm.Loop(step, numbered(2), schedules={"a": gm.each(2)})
+
+
+@pytest.mark.parametrize(("states", "message"), [
+    ({"a": 0}, r"takes a dict of their states by name, got \['a'\]"),
+    ({"a": 0, "b": 0, "c": 0}, r"got \['a', 'b', 'c'\]"),
+    (0, "got int"),
+    ({"a": 0, "b": None}, r"Loop.run\(state\['b'\]\): state is None"),
+])
+def test_a_state_dict_that_does_not_match_the_models_is_refused_before_any_event(
+        states, message):
+    events: list = []
+    loop = gm.Loop({"a": step, "b": step}, numbered(2), plugins=[events.append])
+    with pytest.raises((ValueError, TypeError), match=message):
+        loop.run(states)
+    assert events == []
+
+
+def test_a_read_clashing_with_a_batch_field_is_refused():
+    data = ArraySource({"x": np.ones((4, 1), np.float32), "b": np.ones((4, 1))}, 2)
+    loop = gm.Loop({"a": lambda s, **kw: (s, {}), "b": step}, data, reads={"a": ["b"]})
+    with pytest.raises(ValueError, match="model 'a' reads 'b', which is also a field"):
+        loop.run({"a": 0, "b": 0})
+
+
+def test_a_program_that_does_not_take_the_read_variables_is_refused(pair):
+    loop = gm.Loop({"disc": pair.d_step, "gen": pair.g_step}, pair.source(),
+                   reads={"disc": ["gen"]})  # gen's cost takes disc=, not given
+    with pytest.raises(TypeError, match=r"model 'gen''s function g_cost takes 'disc', a "
+                       r"model of this loop: declare reads=\{'gen': \['disc'\]\}"):
+        loop.run(pair.states())
+
+
+def test_plugins_of_one_model_refuse_a_loop_of_several_naming_the_fix(pair):
+    check = Validation(pair.judge, ArraySource((pair.x[:4],), 4))
+    loop = gm.Loop({"disc": pair.d_step, "gen": pair.g_step}, pair.source(),
+                   reads={"disc": ["gen"], "gen": ["disc"]}, plugins=[check])
+    with pytest.raises(gm.PluginError, match=r"Validation\(\.\.\., model='gen'\)"):
+        loop.run(pair.states())
+    wrong = Validation(pair.judge, ArraySource((pair.x[:4],), 4), model="critic")
+    loop = gm.Loop({"disc": pair.d_step, "gen": pair.g_step}, pair.source(),
+                   reads={"disc": ["gen"], "gen": ["disc"]}, plugins=[wrong])
+    with pytest.raises(gm.PluginError, match="no such model; it has"):
+        loop.run(pair.states())
+    loop = gm.Loop({"a": step, "b": step}, numbered(2), plugins=[NaNGuard()])
+    with pytest.raises(gm.PluginError, match="NaNGuard: the loop runs several models"):
+        loop.run({"a": 0, "b": 0})
+
+
+def test_read_variables_are_not_taken_for_batched_arguments(pair):
+    # init's batch of one row matches the discriminator's bias (one row): not a batch size
+    variables = pair.g_program.init(pair.x[:1], pair.z[:1], disc=pair.d_vars)
+    state = pair.g_step.init(variables, jax.random.key(0))
+    state, metrics = pair.g_step(state, pair.x[:8], pair.z[:8], disc=pair.d_vars)
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_anneal_writes_the_hyperparameter_of_the_model_it_names():
+    problem = Problem(dropout=gm.dynamic(0.5))
+    rate = problem.dropout.hparam("rate")
+    steps = {"a": problem.step, "b": problem.step}
+    anneal = Anneal(rate, lambda t: 0.25, model="b")
+    loop = gm.Loop(steps, problem.source(), steps=2, plugins=[anneal])
+    states = loop.run({"a": problem.state(), "b": problem.state()})
+    assert (float(rate.get(states["a"].variables)), float(rate.get(states["b"].variables))) \
+        == (0.5, 0.25)
+    loop = gm.Loop(steps, problem.source(), steps=2, plugins=[Anneal(rate, lambda t: 0.25)])
+    with pytest.raises(gm.PluginError, match=r"Anneal\(\.\.\., model='b'\)"):
+        loop.run({"a": problem.state(), "b": problem.state()})
