@@ -108,9 +108,12 @@ def _path_hints(glob: str, calls: bool, layout: Layout) -> list[str]:
 
 def _role_hints(wanted: tuple[_roles.Role, ...], layout: Layout) -> list[str]:
     """The roles the model's parameters have, when none has one of ``wanted`` (a Flax
-    layer's weight named ``w`` is a PARAMETER, not a WEIGHT)."""
+    layer's weight named ``w`` is a PARAMETER, not a WEIGHT), or that it has none."""
     parameters = [i for i in layout.variables if i.role.is_a(_roles.PARAMETER)]
-    if not parameters or any(i.role.is_a(r) for i in parameters for r in wanted):
+    if not parameters:
+        return ["The model holds no parameters at all (no nnx.Param or graphmod.Parameter): "
+                "there is none for it to select; leave it out of this program"]
+    if any(i.role.is_a(r) for i in parameters for r in wanted):
         return []
     names: dict[str, list[str]] = {}
     for info in parameters:

@@ -322,6 +322,8 @@ def test_sigterm_and_an_opted_in_signal_stop_a_run_like_ctrl_c_and_a_second_abor
     import graphmod._train._interrupt as interrupt
 
     monkeypatch.setenv(STOP_SIGNALS_VARIABLE, "usr1")
+    # As in a script: pytest's worker processes (xdist's) have a __main__ without a file.
+    monkeypatch.setattr(interrupt, "_interactive", lambda: False)
     with interrupt.SignalGuard(saves=True) as guard:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             assert signal.getsignal(signum) == guard._handle

@@ -142,7 +142,8 @@ CASES: list[Case] = [
         ValueError, r"rules\[1\] \(VariableFilter\(name='kernel'\), P\(\)\) selects no variable"),
     Case("L2 on a model without parameters", lambda root: _l2_without_parameters(),
          gm.errors.ManagerMatchedNothing,
-         r"manager 'l2' \(L2\) matched nothing.*Fix the filter, or pass strict=False"),
+         r"manager 'l2' \(L2\) matched nothing.*The model holds no parameters at all.*leave it "
+         r"out of this program"),
 ]
 
 

@@ -18,7 +18,7 @@ earlier checkpoints intact; such a leftover is an incomplete write, never read.
 
 **Recognition.** A checkpoint is a folder named ``str(step)`` (no leading zeros) holding the
 marker of that step, neither of them a link (nor anything inside it: a link fails
-verification). Checkpoints written before markers (until 2026-11-29) are recognised by
+verification). Checkpoints written before markers (graphmod until 2026-12) are recognised by
 their own meta record instead, which names the step and the run (graphmod 0.1's: its
 counters' step), and are never rewritten. Anything else named like a checkpoint or a leftover (a
 numbered folder of the user's, ``00095``, a link, a file) is *foreign*: listed

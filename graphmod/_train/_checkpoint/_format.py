@@ -27,8 +27,9 @@ shapes and dtypes before it is used.
 
 Each checkpoint folder holds a marker, ``graphmod-checkpoint.json`` (:func:`marker_record`):
 the run id and the step, written last, before the folder is renamed into place. A folder is a
-checkpoint only if it carries one naming its own step, or (written before markers, until
-2026-11-29) its meta record names its step (and its run id); anything else is not graphmod's.
+checkpoint only if it carries one naming its own step, or (written before markers, by
+graphmod until 2026-12) its meta record names its step (and its run id); anything else is
+not graphmod's.
 The meta record of a loop's checkpoint holds its counters (``"time"``, ``"position"``,
 ``"loop"``): :func:`check_record` checks their types before anything uses them.
 """
