@@ -266,11 +266,12 @@ class Loop:
         """Runs to the end (epochs/steps) or a ``terminate``; returns the final state.
 
         Ctrl-C or SIGTERM (in the main thread; more signals with ``GRAPHMOD_STOP_SIGNALS``,
-        see :mod:`graphmod._train._interrupt`) stops the run after the step or event in
-        progress: plugins get an ``interrupt`` event holding that finished step's state
-        (its checkpoints record the stop), then ``KeyboardInterrupt`` is raised (for a
-        signal other than Ctrl-C's, a ``SignalInterrupt``, with which a script exits with
-        128 + the signal: 143 for SIGTERM); a second signal aborts at once. In a run of
+        see the loop guide's "Ctrl-C, SIGTERM and other stop signals") stops the run after
+        the step or event in progress: plugins get an ``interrupt`` event holding that
+        finished step's state (its checkpoints record the stop), then ``KeyboardInterrupt``
+        is raised (for a signal other than Ctrl-C's, a ``SignalInterrupt``, with which a
+        script exits with 128 + the signal: 143 for SIGTERM); a second signal aborts at
+        once. In a run of
         several processes (:mod:`graphmod.distributed`) a stop signal to any process stops
         every process at one step they agree on, so that they can save it together (see
         :mod:`graphmod.distributed`). A plugin's error in
