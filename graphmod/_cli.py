@@ -365,6 +365,10 @@ def inspect_run(directory: str | os.PathLike) -> str:
         lines.append("latest: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                             for k, v in time.items()))
         lines.append(f"loop: {json.dumps(meta['loop'])}; position in epoch: {meta['position']}")
+        lines += [f"model {model['name']}: {'stepping' if model['steps'] else 'frozen'}"
+                  + (f", at {model['schedule']}" if model["schedule"] else "")
+                  + (f", reads {', '.join(model['reads'])}" if model["reads"] else "")
+                  for model in meta.get("models", [])]  # escaped below, as every line
         if stopped := _stopped(meta):  # the newest verified checkpoint is the stop's save
             lines.append(f"stopped {stopped}; continue with: graphmod resume "
                          f"{shlex.quote(os.path.abspath(directory))}")

@@ -16,6 +16,7 @@ from graphmod._train._checkpoint import Checkpointer, CheckpointError
 from graphmod._train._checkpoint._lock import RunLock, run_lock
 from graphmod._train._command import RESUME_VARIABLE
 from graphmod._train._events import Event, On, Template
+from graphmod._train._loop._resume import check_models, newest_meta
 from graphmod._train._optimize import TrainStep
 from graphmod._train._plugin import Plugin
 from graphmod.typing import LoopLike
@@ -121,6 +122,7 @@ class Checkpoint(Plugin):
                 + "; a run would mix with it (nothing was read, moved or deleted)",
                 "move those out of the directory, or write to another directory")
         if self._wants_resume() and writer.steps():
+            check_models(newest_meta(writer), loop.step, f"Checkpoint {self.name!r}")
             state, meta = writer.restore(loop.state, loop=True)  # the newest that verifies
             loop.state = state
             loop.load_state_dict(meta)

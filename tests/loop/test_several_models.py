@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import csv
+import json
+import pathlib
 import shutil
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -16,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphmod as gm
+from graphmod._train._checkpoint import CheckpointError, CheckpointReader
 from graphmod.data import ArraySource
 from graphmod.plugins import Anneal, Checkpoint, EarlyStopping, Logger, NaNGuard, Validation
 from tests.loop.conftest import Problem
@@ -272,6 +276,130 @@ def test_a_checkpoint_holds_every_model_and_resumes_bitwise(pair, tmp_path):
                        jax.tree.leaves(whole), strict=True):
         np.testing.assert_array_equal(a, c)
         np.testing.assert_array_equal(b, c)
+
+
+# -- what a checkpoint records of the models, checked on resume --------------------------------
+
+
+def _saved_pair(pair, directory, schedules=None) -> None:
+    """Five steps of the pair, disc every iteration, gen at ``schedules`` (each(3)), saved."""
+    gm.Loop({"disc": pair.d_step, "gen": pair.g_step}, pair.source(), steps=5,
+            schedules=schedules or {"gen": gm.each(3)}, reads={"gen": ["disc"], "disc": "gen"},
+            plugins=[Checkpoint(directory, every=gm.On("end"))]).run(pair.states())
+
+
+def _files(directory) -> dict:
+    return {path.relative_to(directory): path.read_bytes()
+            for path in sorted(pathlib.Path(directory).rglob("*")) if path.is_file()}
+
+
+def test_the_checkpoint_records_each_models_name_step_schedule_and_reads(pair, tmp_path):
+    _saved_pair(pair, tmp_path)
+    reader = CheckpointReader(tmp_path)
+    try:
+        models = reader.meta()["models"]
+    finally:
+        reader.close()
+    assert models == [
+        {"name": "disc", "steps": True, "schedule": None, "reads": ["gen"]},
+        {"name": "gen", "steps": True, "schedule": "each(3)", "reads": ["disc"]}]
+    shown = gm.inspect_run(tmp_path)
+    assert "model disc: stepping, reads gen" in shown
+    assert "model gen: stepping, at each(3), reads disc" in shown
+
+
+def test_a_frozen_model_is_recorded_and_shown_as_frozen(pair, tmp_path):
+    teacher = jax.tree.map(jnp.copy, pair.states()["disc"].variables)
+    gm.Loop({"disc": None, "gen": pair.g_step}, pair.source(), steps=2,
+            reads={"gen": ["disc"]}, plugins=[Checkpoint(tmp_path, every=gm.On("end"))]
+            ).run({"disc": teacher, "gen": pair.states()["gen"]})
+    assert "model disc: frozen" in gm.inspect_run(tmp_path)
+
+
+@pytest.mark.parametrize("how", ["plugin", "Loop.resume"])
+def test_a_resume_with_other_model_names_is_refused_naming_both_and_changes_nothing(
+        pair, tmp_path, how):
+    _saved_pair(pair, tmp_path)
+    before = _files(tmp_path)
+    steps = {"disc": pair.d_step, "gen": pair.g_step, "teacher": None}
+    states = {**pair.states(), "teacher": {"w": jnp.ones(2)}}
+    reads = {"gen": ["disc"], "disc": "gen"}
+    message = (r"holds the models \['disc', 'gen'\]; this loop's are "
+               r"\['disc', 'gen', 'teacher'\] \(nothing was restored\)")
+    with pytest.raises((ValueError, gm.PluginError), match=message):
+        if how == "plugin":  # a PluginError naming the checkpoint plugin, from its setup
+            gm.Loop(steps, pair.source(), steps=8, reads=reads,
+                    plugins=[Checkpoint(tmp_path, resume=True)]).run(states)
+        else:
+            gm.Loop.resume(tmp_path, steps, pair.source(), state=states, steps=8, reads=reads)
+    assert _files(tmp_path) == before
+
+
+def test_a_changed_schedule_is_warned_of_and_recorded_as_a_setting_change(pair, tmp_path):
+    _saved_pair(pair, tmp_path)
+    loop = gm.Loop({"disc": pair.d_step, "gen": pair.g_step}, pair.source(), steps=8,
+                   schedules={"gen": gm.each(2)}, reads={"gen": ["disc"], "disc": "gen"},
+                   plugins=[Checkpoint(tmp_path, resume=True, every=gm.On("end"))])
+    with pytest.warns(UserWarning, match=r"this run's \['schedules.gen'\] differ from those"):
+        loop.run(pair.states())
+    assert loop.setting_changes == [{"step": 5, "settings": {"schedules.gen": "each(3)"}}]
+    assert "resumed with other settings at step 5: schedules.gen" in gm.inspect_run(tmp_path)
+
+
+def test_unchanged_models_resume_without_a_warning(pair, tmp_path):
+    _saved_pair(pair, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loop = gm.Loop({"disc": pair.d_step, "gen": pair.g_step}, pair.source(), steps=6,
+                       schedules={"gen": gm.each(3)}, reads={"gen": ["disc"], "disc": "gen"},
+                       plugins=[Checkpoint(tmp_path, resume=True)])
+        loop.run(pair.states())
+    assert loop.setting_changes == []
+
+
+def test_a_checkpoint_of_several_models_is_refused_to_a_loop_of_one_step(pair, tmp_path):
+    _saved_pair(pair, tmp_path)
+    with pytest.raises(ValueError, match=r"holds the models \['disc', 'gen'\]; this loop runs "
+                                         r"one step, not named models"):
+        gm.Loop.resume(tmp_path, lambda state, x, z: (state, {}), pair.source(),
+                       state=pair.states()["disc"])
+
+
+def test_changed_order_reads_and_frozen_models_are_each_named_with_the_value_before():
+    from graphmod._train._loop._models import Models
+    from graphmod._train._loop._resume import model_changes
+
+    count = lambda state, x, **reads: (state + 1, {})
+    saved = Models({"a": count, "b": count}, schedules={"b": gm.each(2)},
+                   reads={"b": "a"}).record()
+    same = Models({"a": count, "b": count}, schedules={"b": gm.each(2)}, reads={"b": "a"})
+    other = Models({"b": count, "a": None}, reads={"b": "a"}, schedules={"b": gm.each(2)})
+    unread = Models({"a": count, "b": count}, schedules={"b": gm.each(2)})
+    assert model_changes(saved, same) == {} and model_changes(None, same) == {}
+    assert model_changes(saved, other) == {"order": ["a", "b"], "frozen.a": False}
+    assert model_changes(saved, unread) == {"reads.b": ["a"]}
+
+
+@pytest.mark.parametrize(("models", "field"), [
+    ({"disc": 1}, "'models'"),
+    ([], "'models'"),
+    (["disc"], r"'models\[0\]'"),
+    ([{"name": "disc", "steps": True, "schedule": None}], r"'models\[0\]'"),
+    ([{"name": 3, "steps": True, "schedule": None, "reads": []}], r"'models\[0\].name'"),
+    ([{"name": "d", "steps": "yes", "schedule": None, "reads": []}], r"'models\[0\].steps'"),
+    ([{"name": "d", "steps": True, "schedule": 5, "reads": []}], r"'models\[0\].schedule'"),
+    ([{"name": "d", "steps": True, "schedule": None, "reads": "g"}], r"'models\[0\].reads'"),
+    ([{"name": "d", "steps": True, "schedule": None, "reads": []}] * 2, "names a model twice"),
+])
+def test_a_malformed_models_record_is_refused_naming_the_field(pair, tmp_path, models, field):
+    _saved_pair(pair, tmp_path)
+    path = tmp_path / "5" / "meta" / "metadata"
+    record = json.loads(path.read_text())
+    record["models"] = models
+    path.write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match=field):
+        gm.Loop.resume(tmp_path, {"disc": pair.d_step, "gen": pair.g_step}, pair.source(),
+                       state=pair.states(), steps=8, reads={"gen": ["disc"], "disc": "gen"})
 
 
 # -- misuse, refused before anything runs ------------------------------------------------------

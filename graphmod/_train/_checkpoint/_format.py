@@ -339,6 +339,37 @@ def _check_loop_record(path: str, record: dict[str, Any], step: int | None,
         if name in record and not isinstance(record[name], kind):
             raise CheckpointError(path, f"the meta record's {name!r} is {record[name]!r:.80}, "
                                   f"not {'a list' if kind is list else 'an object'}")
+    if "models" in record:  # a loop of several models (graphmod 0.3 on)
+        _check_models(path, record["models"])
+
+
+_MODEL_FIELDS = ("name", "steps", "schedule", "reads")
+
+
+def _check_models(path: str, models: Any) -> None:
+    """Raises a :class:`CheckpointError` naming the first malformed part of a loop's
+    ``models`` record (a list of objects of name, steps, schedule and reads)."""
+    if not isinstance(models, list) or not models:
+        raise CheckpointError(path, f"the meta record's 'models' is {models!r:.80}, not a "
+                              f"non-empty list of objects of {', '.join(_MODEL_FIELDS)}")
+    for i, model in enumerate(models):
+        if not isinstance(model, dict) or set(model) != set(_MODEL_FIELDS):
+            raise CheckpointError(path, f"the meta record's 'models[{i}]' is {model!r:.80}, "
+                                  f"not an object of {', '.join(_MODEL_FIELDS)}")
+        reads = model["reads"]
+        for key, valid, kind in (
+                ("name", isinstance(model["name"], str) and model["name"], "a model's name"),
+                ("steps", isinstance(model["steps"], bool), "true or false"),
+                ("schedule", model["schedule"] is None or isinstance(model["schedule"], str),
+                 "a schedule's description or null"),
+                ("reads", isinstance(reads, list) and all(isinstance(r, str) for r in reads),
+                 "a list of model names")):
+            if not valid:
+                raise CheckpointError(path, f"the meta record's 'models[{i}].{key}' is "
+                                      f"{model[key]!r:.80}, not {kind}")
+    names = [model["name"] for model in models]
+    if len(set(names)) != len(names):
+        raise CheckpointError(path, f"the meta record's 'models' names a model twice: {names}")
 
 
 def check_arrays(path: str, entries: list[list[Any]], arrays: list[np.ndarray]) -> None:

@@ -253,7 +253,9 @@ class Loop:
         ``steps_per_call``. Data whose description differs from the checkpoint's are
         refused (naming the fields) unless ``allow_data_change=True``, which is recorded
         (``data_changes`` in later checkpoints). A missing ``directory`` is an error, and
-        nothing is created.
+        nothing is created. For a dict of steps, pass ``schedules=`` and ``reads=`` again:
+        other model names than the checkpoint's are refused before anything is restored,
+        a changed schedule, reads or frozen model is warned of (``setting_changes``).
         """
         restored, meta = read_checkpoint(directory, state, step, data, checkpoint)
         loop = cls(step, data, plugins=plugins, allow_data_change=allow_data_change,

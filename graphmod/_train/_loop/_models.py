@@ -100,6 +100,27 @@ class Models:
             return f"{name}{when}{read}: " + repr(step).replace("\n", "\n    ")
         return "Models:\n  " + "\n  ".join(map(line, self.steps))
 
+    def record(self) -> list[dict[str, Any]]:
+        """What a checkpoint records of these models, in their order (data, never code):
+        each one's ``name``, whether it ``steps`` (False: frozen), its ``schedule`` as the
+        schedule's description (None: every iteration) and the models it ``reads``.
+
+        Examples:
+            >>> import graphmod as gm
+            >>> from graphmod._train._loop._models import Models
+            >>> count = lambda state, x, a: (state + 1, {})
+            >>> models = Models({"a": None, "b": count}, schedules={"b": gm.each(2)},
+            ...                 reads={"b": "a"})
+            >>> for model in models.record():
+            ...     print(model)
+            {'name': 'a', 'steps': False, 'schedule': None, 'reads': []}
+            {'name': 'b', 'steps': True, 'schedule': 'each(2)', 'reads': ['a']}
+        """
+        return [{"name": name, "steps": step is not None,
+                 "schedule": repr(self.schedules[name]) if name in self.schedules else None,
+                 "reads": list(self.reads.get(name, ()))}
+                for name, step in self.steps.items()]
+
     def __call__(self, iteration: int, states: dict[str, Any], batch: Any,
                  metrics: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         args, kwargs = step_arguments(batch)

@@ -9,9 +9,10 @@ from typing import Any
 from graphmod._core._warn import warn
 from graphmod._records._collect import data_record
 from graphmod._train._batch import step_arguments
-from graphmod._train._checkpoint import CheckpointReader
+from graphmod._train._checkpoint import CheckpointError, CheckpointReader
 from graphmod._train._command import recorded_command
 from graphmod._train._host_metrics import scalar_metrics
+from graphmod._train._loop._models import Models
 from graphmod._train._loop._steps import check_first_batch
 
 
@@ -29,6 +30,7 @@ def read_checkpoint(directory: str | os.PathLike, template: Any, step: Any,
     check_first_batch(step, data, 0, 0)  # as Loop.run would, before anything is read
     reader = CheckpointReader(path)
     try:
+        check_models(newest_meta(reader, checkpoint), step, "Loop.resume")
         if template is None:
             template = _abstract_state(step, data)
         try:
@@ -52,16 +54,78 @@ def resume_changes(meta: Mapping[str, Any], data: Iterable[Any], step: Any,
     ``step``'s settings (model, managers, optimizer, trainable=) differ from those the
     checkpoint of ``meta`` was trained with: data are refused unless ``allowed`` (see
     :func:`data_changes`), settings are warned of and recorded with their values before."""
+    check_models(meta, step, "resume")
     changes = list(meta.get("setting_changes", []))
     saved = meta.get("provenance")
-    if changed := setting_changes(saved, step):
+    changed = setting_changes(saved, step)
+    models = model_changes(meta.get("models"), step)
+    if changed or models:
         at = int(meta["time"]["step"])
-        warn(f"resume: this run's {changed} differ from those the checkpoint of "
+        warn(f"resume: this run's {[*changed, *models]} differ from those the checkpoint of "
              f"step {at} was trained with (graphmod inspect shows its record): it "
              "goes on with these, and later checkpoints record the change "
              "(setting_changes, with the settings before)")
-        changes.append({"step": at, "settings": {k: saved["inputs"][k] for k in changed}})
+        changes.append({"step": at, "settings": {**{k: saved["inputs"][k] for k in changed},
+                                                 **models}})
     return data_changes(meta, data, allowed), changes
+
+
+def newest_meta(reader: CheckpointReader, step: int | None = None) -> dict[str, Any]:
+    """The meta record of ``step`` (default the newest readable) for the checks made before
+    a restore, or ``{}`` where none reads (the restore then says why)."""
+    try:
+        return reader.meta(step)
+    except (CheckpointError, FileNotFoundError):
+        return {}
+
+
+def _model_names(step: Any) -> list[str] | None:
+    """The names of a loop's models (``step``: :class:`Models` or a dict of steps by name),
+    or None for a loop of one step."""
+    if isinstance(step, Models):
+        return list(step.names)
+    return list(step) if isinstance(step, Mapping) else None
+
+
+def check_models(meta: Mapping[str, Any], step: Any, who: str) -> None:
+    """Refuses, before anything is restored, a loop whose models are not by name those the
+    checkpoint of ``meta`` holds (its ``models`` record; none: nothing to check)."""
+    saved = meta.get("models")
+    if not saved:
+        return
+    names, now = [model["name"] for model in saved], _model_names(step)
+    if now is not None and sorted(now) == sorted(names):
+        return
+    at = (meta.get("time") or {}).get("step", meta.get("step"))
+    this = (f"this loop's are {now}" if now is not None
+            else "this loop runs one step, not named models")
+    raise ValueError(
+        f"{who}: the checkpoint of step {at} holds the models {names}; {this} (nothing was "
+        f"restored). Resume with the steps of {names}, by those names (Loop({{"
+        + ", ".join(f"{name!r}: ..." for name in names) + "}, data, ...)), or start a new "
+        "run in another directory")
+
+
+def model_changes(saved: Any, step: Any) -> dict[str, Any]:
+    """The settings of a loop's models that differ from a checkpoint's ``models`` record
+    ``saved``, each with its value before: ``order`` (the names), ``frozen.<name>``,
+    ``schedules.<name>`` (a schedule's description, None: every iteration) and
+    ``reads.<name>``; none for a record without models or a loop of one step."""
+    if not saved or not isinstance(step, Models):
+        return {}
+    now = {model["name"]: model for model in step.record()}
+    changes: dict[str, Any] = {}
+    if [model["name"] for model in saved] != list(now):
+        changes["order"] = [model["name"] for model in saved]
+    for before in saved:
+        after = now.get(before["name"])
+        if after is None:
+            continue
+        for key, label in (("steps", "frozen"), ("schedule", "schedules"), ("reads", "reads")):
+            if before[key] != after[key]:
+                value = not before["steps"] if key == "steps" else before[key]
+                changes[f"{label}.{before['name']}"] = value
+    return changes
 
 
 # The parts of a training record that make the program and its training: a resumed run
@@ -102,6 +166,7 @@ def loop_record(loop: Any, plugins: dict[str, Any]) -> dict[str, Any]:
         "position": loop.position,
         "loop": {"epochs": loop.epochs, "steps": loop.max_steps,
                  "steps_per_call": loop.steps_per_call},
+        **({"models": loop.step.record()} if isinstance(loop.step, Models) else {}),
         "plugins": plugins,
         "metrics": {str(name): value for name, value in scalar_metrics(loop.metrics).items()}
         if isinstance(loop.metrics, Mapping) else {},  # JSON: names as strings
