@@ -272,13 +272,12 @@ class Loop:
         the step or event in progress: plugins get an ``interrupt`` event holding that
         finished step's state (its checkpoints record the stop), then ``KeyboardInterrupt``
         is raised (for a signal other than Ctrl-C's, a ``SignalInterrupt``, with which a
-        script exits with 128 + the signal: 143 for SIGTERM); a second signal aborts at
-        once. In a run of
-        several processes (:mod:`graphmod.distributed`) a stop signal to any process stops
-        every process at one step they agree on, so that they can save it together (see
-        :mod:`graphmod.distributed`). A plugin's error in
-        ``setup`` or ``teardown`` raises a :class:`PluginError` naming it and the phase;
-        every plugin set up is torn down, also when another's teardown raises.
+        script exits with 128 + the signal: 143 for SIGTERM); a second signal aborts at once.
+        In a run of several processes (:mod:`graphmod.distributed`) a stop signal to any
+        process stops every process at one step they agree on, so that they can save it
+        together (see :mod:`graphmod.distributed`). A plugin's error in ``setup`` or
+        ``teardown`` raises a :class:`PluginError` naming it and the phase; every plugin set up
+        is torn down, also when another's teardown raises.
         """
         check_event_types([(e.name, e.template) for e in self._plugins.entries
                            if e.template is not None], self.plugins)
