@@ -47,12 +47,14 @@ if TYPE_CHECKING:
     from graphmod._core._scan import remat, scan
     from graphmod._core._show import VariablesTable
     from graphmod._core._variables import Bias, Filter, Parameter, State, Weight
+    from graphmod._fit import FitResult, fit
     from graphmod._train._checkpoint import CheckpointError
     from graphmod._train._evaluate import Evaluation, evaluate
     from graphmod._train._events import Event, On, Template, Time
     from graphmod._train._loop import Loop, PluginError
     from graphmod._train._optimize import TrainStep, optimize
     from graphmod._train._plugin import Plugin
+    from graphmod._train._population import PopulationStep, population
     from graphmod._train._program import Program, compile
     from graphmod._train._schedule import Schedule, after, always, at, before, each, never
     from graphmod._train._train_state import TrainState
@@ -99,6 +101,7 @@ __all__ = [
     "Evaluation",
     "Event",
     "Filter",
+    "FitResult",
     "HParam",
     "Loop",
     "Manager",
@@ -107,6 +110,7 @@ __all__ = [
     "Parameter",
     "Plugin",
     "PluginError",
+    "PopulationStep",
     "Program",
     "Provenance",
     "Schedule",
@@ -131,11 +135,13 @@ __all__ = [
     "each",
     "errors",
     "evaluate",
+    "fit",
     "inspect_run",
     "metrics",
     "never",
     "optimize",
     "plugins",
+    "population",
     "provenance",
     "rebuild",
     "remat",

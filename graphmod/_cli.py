@@ -1,4 +1,5 @@
-"""The graphmod command: run a training script, resume a run, inspect a run directory.
+"""The graphmod command: run a training script, resume a run, inspect a run directory, control
+a running one.
 
 ``graphmod run SCRIPT [ARGS...]`` runs a script as ``python SCRIPT ARGS...`` would;
 ``--processes N`` starts N of them as one multi-process run (:mod:`graphmod.distributed`).
@@ -8,7 +9,9 @@ checkpoint: it prints the script, its sha256 and the command, then replaces itse
 (signals and the exit status are the script's own). It re-runs only a recorded script file
 inside the directory it runs from whose hash is the recorded one, or the script named with
 ``--script PATH``, and refuses every other record (see :mod:`graphmod._train._command`).
-``graphmod inspect DIR`` prints what a run directory holds. Errors go to standard error with
+``graphmod inspect DIR`` prints what a run directory holds; ``graphmod control DIR COMMAND``
+asks the run training there (its ``plugins.Control``) for its status, to pause, save, stop,
+set a hyperparameter or fire an event. Errors go to standard error with
 exit status 2; an interrupted command exits with status 130. Everything printed from a record
 or a checkpoint goes through :func:`terminal_safe`, so a crafted one cannot drive the terminal.
 
@@ -43,9 +46,20 @@ from graphmod import distributed
 from graphmod._train._command import (
     CLI,
     RESUME_VARIABLE,
+    ResubmitRequiredError,
     ResumeRefusedError,
     command_text,
+    launch_text,
     resume_command,
+)
+from graphmod._train._control import (
+    COMMANDS as CONTROL_COMMANDS,
+)
+from graphmod._train._control import (
+    NotRunning,
+    answer_lines,
+    command_request,
+    send_command,
 )
 from graphmod._train._interrupt import (
     SignalInterrupt,
@@ -129,8 +143,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"graphmod run: {stop}", file=sys.stderr)
         return stop.status
     except (Exception, SystemExit) as error:
-        if distributed.PROCESS_ID not in os.environ or \
-                (isinstance(error, SystemExit) and not error.code):
+        several = distributed.PROCESS_ID in os.environ or distributed.joined() is not None
+        if not several or (isinstance(error, SystemExit) and not error.code):
             raise
         _end_failed_process(error)
     return 0
@@ -179,12 +193,21 @@ def _run_processes(args: argparse.Namespace) -> int:
     signal (:func:`stop_signals`) is passed on to every process as SIGTERM, the run's stop
     notice: they stop at one step and save it, and the status is 128 + that signal; a
     second one kills them."""
+    try:  # inside a launch of several (srun -n 2), each of its processes would start N more
+        outer = distributed.detect()
+    except (distributed.LaunchError, ValueError):  # half set: an salloc shell, say
+        outer = None
+    if outer is not None and outer.launcher != "graphmod":
+        raise _Failure(f"--processes {args.processes}: this process is one of "
+                       f"{outer.num_processes or 'several'} processes {outer.launcher} "
+                       "launched, each of which would start its own run; let the launcher "
+                       f"start the processes (drop --processes), or start one launcher task")
     with socket.socket() as probe:  # a free loopback port for JAX's coordinator
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     base = {**os.environ, distributed.NUM_PROCESSES: str(args.processes),
             distributed.COORDINATOR: f"127.0.0.1:{port}",
-            distributed.LAUNCHER_PID: str(os.getpid())}
+            distributed.LAUNCHER_PID: str(os.getpid()), distributed.LAUNCHER: "graphmod"}
     if args.devices_per_process:  # replaces a device count set for this process
         flag = distributed.DEVICE_COUNT_FLAG
         flags = [f for f in base.get("XLA_FLAGS", "").split() if not f.startswith(flag)]
@@ -279,6 +302,10 @@ def _latest_meta(reader: Any, directory: str) -> tuple[int, dict[str, Any]]:
 
 def _resume(args: argparse.Namespace) -> int:
     directory = os.path.abspath(args.directory)
+    try:  # one of a launch of several (srun graphmod resume DIR): the script runs in place
+        here = distributed.detect()
+    except (distributed.LaunchError, ValueError) as error:
+        raise _Failure(str(error)) from None
     reader = _reader(directory)
     try:
         step, meta = _latest_meta(reader, directory)
@@ -287,7 +314,13 @@ def _resume(args: argparse.Namespace) -> int:
     if "command" not in meta:
         raise _Failure(f"{directory}'s checkpoint of step {step} records no command; "
                        f"continue it from Python: graphmod.Loop.resume({directory!r}, ...)")
-    command = resume_command(meta["command"], directory, script=args.script)
+    try:
+        command = resume_command(meta["command"], directory, script=args.script,
+                                 in_place=here is not None)
+    except ResubmitRequiredError as error:
+        if error.command:  # on standard output, to copy; the reason goes to standard error
+            print(terminal_safe(error.command))
+        raise
     time = meta.get("time")
     epoch = f" (epoch {time['epoch']})" if isinstance(time, dict) and "epoch" in time else ""
     ended = _ended(meta)
@@ -295,9 +328,12 @@ def _resume(args: argparse.Namespace) -> int:
              *([f"that checkpoint ends the run it was saved by ({ended}): the script stops "
                 "at once unless it now asks for more epochs or steps"] if ended else []),
              f"script {command.script} (sha256 {command.sha256})",
+             *([f"in place: process {here.process_id} of {here.num_processes} that "
+                f"{here.launcher} launched"] if here is not None else []),
              f"running in {command.cwd}: {shlex.join(command.argv)}"]
-    print("\n".join(f"graphmod resume: {terminal_safe(line)}" for line in lines),
-          file=sys.stderr)
+    if here is None or not here.process_id:  # said once in a launch of several
+        print("\n".join(f"graphmod resume: {terminal_safe(line)}" for line in lines),
+              file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os.chdir(command.cwd)
@@ -385,6 +421,7 @@ def inspect_run(directory: str | os.PathLike) -> str:
             lines.append(f"plugin {name}: {text if len(text) <= 300 else text[:299] + '…'}")
         if meta.get("command"):
             lines.append(f"command: {command_text(meta['command'])}")
+            lines.append(f"launched: {launch_text(meta['command'])}")
         lines += [f"resumed on other data at step {change['step']}: "
                   f"{', '.join(change['fields'])}" for change in meta.get("data_changes", [])]
         lines += [f"resumed with other settings at step {change['step']}: "
@@ -473,7 +510,53 @@ def _parser() -> argparse.ArgumentParser:
                                   "(outside this directory, or changed since the run "
                                   "started) or the same file moved (default: the recorded "
                                   "script, if it lies in this directory and is unchanged)")
+    _add_control(commands)
     return parser
+
+
+def _add_control(commands: Any) -> None:
+    """Registers ``graphmod control DIR COMMAND [ARG]`` (see :func:`_control`)."""
+    sub = commands.add_parser(
+        "control", help="send a command to a running loop",
+        description="Send COMMAND to the loop running with graphmod.plugins.Control whose "
+                    "run directory is DIR, and print its answer: status, pause, resume, "
+                    "stop (saves first; --no-save: not), save, set NAME=VALUE (a dynamic "
+                    "hyperparameter: manager/hparam such as dropout/rate, or lr), event NAME "
+                    "(fires a command event plugins match with On('command', name=NAME)). "
+                    "A run that is not running, or gone, is one line of error and exit "
+                    "status 1.")
+    sub.set_defaults(handler=_control, parser=sub)
+    sub.add_argument("directory", metavar="DIR", help="the run directory")
+    sub.add_argument("action", choices=CONTROL_COMMANDS, metavar="COMMAND",
+                     help=", ".join(CONTROL_COMMANDS))
+    sub.add_argument("argument", nargs="?", metavar="ARG",
+                     help="set: NAME=VALUE; event: NAME")
+    sub.add_argument("--no-save", action="store_true", help="stop: end without saving")
+    sub.add_argument("--wait", type=float, default=5.0, metavar="S",
+                     help="seconds to wait for the loop to apply the command (default 5; "
+                          "then it is left queued)")
+    sub.add_argument("--json", action="store_true", help="print the answer as JSON")
+
+
+def _control(args: argparse.Namespace) -> int:
+    """Sends the command to the run controlled from ``args.directory`` and prints its
+    answer (escaped: it quotes the run); 1 when refused or when no run answers there."""
+    try:
+        command, arguments = command_request(args.action, args.argument,
+                                             save=not args.no_save)
+    except ValueError as error:
+        args.parser.error(str(error))
+    if not 0 <= args.wait <= 60:
+        args.parser.error(f"--wait {args.wait:g}: expected seconds in [0, 60]")
+    try:
+        answer = send_command(args.directory, command, arguments, wait=args.wait)
+    except NotRunning as error:
+        print(f"graphmod control: {terminal_safe(str(error))}", file=sys.stderr)
+        return 1
+    lines = [json.dumps(answer)] if args.json else answer_lines(command, answer)
+    for line in lines:
+        print(terminal_safe(line), file=sys.stdout if answer["ok"] else sys.stderr)
+    return 0 if answer["ok"] else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -490,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.error("a command is needed: run, resume or inspect")
+        parser.error("a command is needed: run, resume, inspect or control")
     if args.command == "run" and args.script is None:
         args.parser.error("a script is needed: graphmod run SCRIPT [ARGS...]")
     try:

@@ -28,7 +28,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import jax
@@ -41,7 +41,9 @@ __all__ = [
     "HookContext",
     "KeyLike",
     "LoopLike",
+    "ModelLayout",
     "OwnedVariableLike",
+    "ProgramContext",
     "TimeLike",
     "Variables",
     "WrapContext",
@@ -251,3 +253,95 @@ class WrapContext(HookContext, Protocol):
         >>> seen
         [True]
     """
+
+
+@runtime_checkable
+class ProgramContext(Protocol):
+    """One trace of a program's whole function as a manager's ``wrap_program(call, next,
+    args, kwargs)`` sees it: which trace it is, and what a layer around the function may do
+    in it (draw a key, own a variable, report a metric, run a function as inference sees
+    it, choose between two ways of running on a traced flag).
+
+    Attributes:
+        model: the program's root brick (the function's first argument).
+        function: the program's function ``fn(model, *args, **kwargs)``.
+
+    Examples:
+        >>> import jax.numpy as jnp, graphmod as gm
+        >>> from flax import nnx
+        >>> seen = []
+        >>> class Modes(gm.Manager):
+        ...     def wrap_program(self, call: gm.typing.ProgramContext, next, args, kwargs):
+        ...         seen.append((isinstance(call, gm.typing.ProgramContext), call.mode))
+        ...         return next(*args, **kwargs)
+        >>> lin = gm.bricks.Linear(1, 1, rngs=nnx.Rngs(0))
+        >>> program = gm.compile(lambda m, x: m(x), lin, managers=[Modes()])
+        >>> _ = program.init(jnp.ones((1, 1)))
+        >>> seen
+        [(True, 'init')]
+    """
+
+    model: Any
+    function: Callable[..., Any]
+
+    @property
+    def mode(self) -> str:
+        """``"init"`` (the abstract trace that makes the variables), ``"train"`` or
+        ``"infer"``."""
+
+    @property
+    def training(self) -> bool:
+        """Whether the program runs in training mode (``init`` too)."""
+
+    @property
+    def name(self) -> str:
+        """The function's name, as the rewrite trace shows it."""
+
+    def rng(self, name: str = "") -> jax.Array:
+        """The step key folded with CRC32 of (manager, ``name``); training only."""
+
+    def variable(self, name: str, init: Any, *, role: Role = ...) -> OwnedVariableLike:
+        """A variable the manager owns for the program, created at ``init`` from ``init``."""
+
+    def report(self, name: str, value: Any) -> Any:
+        """Reports ``value`` in the train step's metrics as ``"<manager>.<name>"``."""
+
+    def note_input(self, name: str, before: Any, after: Any) -> None:
+        """Notes in the rewrite trace that the layer rewrote the function's argument."""
+
+    def infer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` as inference sees the program, without gradient."""
+
+    def saved(self, value: Any) -> Any:
+        """``value``, kept for the backward pass of a :meth:`switch`, not recomputed."""
+
+    def switch(self, on: Any, when_on: Callable[[], Any], when_off: Callable[[], Any]) -> Any:
+        """``when_on()`` where ``on`` holds, else ``when_off()`` (a ``lax.cond`` when
+        ``on`` is traced)."""
+
+
+@runtime_checkable
+class ModelLayout(Protocol):
+    """A model's variables as every program compiled over it lays them out
+    (``program.layout``): each variable's canonical path and role, and each brick's path.
+    What :meth:`graphmod.Manager.frozen_parameters` reads.
+
+    Attributes:
+        variables: one record per model variable, with its ``path``
+            (``"/linear_layers/0.W"``), ``role``, ``name``, ``shape`` and ``dtype``.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> from flax import nnx
+        >>> mlp = gm.bricks.MLP([2, 3, 1], rngs=nnx.Rngs(0))
+        >>> layout: gm.typing.ModelLayout = gm.compile(lambda m, x: m(x), mlp).layout
+        >>> isinstance(layout, gm.typing.ModelLayout), layout.brick_path(mlp.linear_layers[1])
+        (True, '/linear_layers/1')
+        >>> [info.path for info in layout.variables][:2]
+        ['/linear_layers/0.W', '/linear_layers/0.b']
+    """
+
+    variables: Sequence[Any]
+
+    def brick_path(self, brick: Any) -> str | None:
+        """The path of ``brick`` in the model (None for a module not in it)."""

@@ -6,12 +6,19 @@ inference (``program.infer``, ``graphmod.evaluate``, the ``Validation`` plugin) 
 averages in place of the parameters. Nothing is cloned: the averages are manager-owned
 state in the program's variables, saved and restored with them.
 
+Order
+    EMA stands for the stored parameter, so it must read it before any other manager
+    rewrites it (else inference would drop the earlier rewrite: LoRA's adapters, a cast).
+    It declares so (``kinds = ("average",)``, ``runs_before = ("parameter_rewrite",)``):
+    ``compile`` puts it before every manager of kind ``"parameter_rewrite"`` (``LoRA``,
+    ``WeightNorm``, ``WeightNoise``, ``FakeQuant``, ``Precision``, ...) wherever it is
+    listed, and the rewrite trace and the program's display say it moved.
+
 Sharp edges
-    EMA stands for the stored parameter, so it must rewrite it before any other manager:
-    first in the chain (``managers=[ema, lora]``, or its ``with`` block outside the
-    others'), or a trace raises :class:`graphmod.errors.ManagerConflict` (else inference
-    would drop the earlier rewrite: LoRA's adapters). ``lora.merge(ema.merge(variables))``
-    merges both, the averages first. A step averages the parameters as it read them, before
+    A manager of your own that rewrites parameters without declaring
+    ``kinds = ("parameter_rewrite",)`` is not moved: listed before EMA, a trace raises
+    :class:`graphmod.errors.ManagerConflict`. ``lora.merge(ema.merge(variables))`` merges
+    both, the averages first. A step averages the parameters as it read them, before
     its own update (the average after step ``t`` has seen the weights of steps
     ``0 .. t - 1``). A parameter read by several calls in a step (tied weights, a layer
     called twice) moves once per step. The model's own variables keep the trained weights:
@@ -77,6 +84,8 @@ class EMA(gm.Manager):
     """
 
     hparams = ("decay",)
+    kinds = ("average",)
+    runs_before = ("parameter_rewrite",)  # it stands for the stored parameter
 
     def __init__(self, decay: float | gm.Dynamic = 0.999, **kwargs: Any) -> None:
         if "manager_name" not in kwargs and "name" not in kwargs:
@@ -94,10 +103,11 @@ class EMA(gm.Manager):
         if value is not call.parameter_value:
             raise gm.errors.ManagerConflict(
                 f"{self!r}: parameter {call.parameter} reaches it already rewritten by a "
-                "manager listed before it. EMA stands for the stored parameter (inference "
-                "reads the average in its place), so it must rewrite it first, or the "
-                "earlier rewrite (LoRA's adapters, a cast) is lost: list EMA first in "
-                "managers=[...], or open its with-block outside the others'")
+                "manager before it that declares no kind 'parameter_rewrite'. EMA stands "
+                "for the stored parameter (inference reads the average in its place), so "
+                "it must rewrite it first, or the earlier rewrite is lost: declare "
+                "kinds = ('parameter_rewrite',) on that manager's class (EMA then goes "
+                "first wherever it is listed), or list EMA first in managers=[...]")
         dtype = _average_dtype(value)
         # Zeros of the parameter's shape, not its value: also made inside nnx.scan.
         average = call.variable("average", lambda: jnp.zeros(jnp.shape(value), dtype),

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 import graphmod as gm
+from graphmod import roles
 from managers._checks import chooses_variables, require_floating
 
 
@@ -68,6 +69,8 @@ class Dropout(gm.Manager):
         self.rate = rate
         self.broadcast_dims = tuple(broadcast_dims)
         self.per_step = per_step
+        if self.filter.roles is None or self.filter.names_role(roles.PARAMETER):
+            self.kinds = ("parameter_rewrite",)  # DropConnect: EMA and L2 go first
 
     def _drop(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
         require_floating(self, call, name, value)

@@ -60,6 +60,7 @@ class LoRA(gm.Manager):
     """
 
     hparams = ("alpha",)
+    kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
 
     def __init__(self, rank: int, *, alpha: float | gm.Dynamic = 1.0, seed: int = 0,
                  **kwargs: Any) -> None:

@@ -60,6 +60,8 @@ class WeightNoise(_AdditiveNoise):
         ['W']
     """
 
+    kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
+
     def __init__(self, std: float | gm.Dynamic, *, per_call: bool = False,
                  **kwargs: Any) -> None:
         super().__init__(std, **kwargs)

@@ -63,6 +63,8 @@ class FakeQuant(gm.Manager):
         [True, True]
     """
 
+    kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
+
     def __init__(self, bits: int = 8, **kwargs: Any) -> None:
         super().__init__(**roles_by_default(kwargs, (roles.WEIGHT, roles.INPUT,
                                                        roles.OUTPUT)))

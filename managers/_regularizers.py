@@ -5,6 +5,15 @@ roles=[COST])`` and leaves the parameter as it is; :func:`graphmod.optimize` add
 to the one it differentiates and reports their sum under the manager's name
 (``metrics["l2"]``). A parameter read by several applications costs once per step.
 
+Which weight
+    A cost penalises the parameter as stored (``on="stored"``, the default: what a
+    ``WeightNorm`` reads as ``V``, before a ``WeightNoise`` draw) or as the application
+    reads it after every rewrite (``on="rewritten"``: ``g * V / ||V||``). The choice is
+    declared for the chain's order (kinds ``"cost_on_stored_parameters"`` /
+    ``"cost_on_rewritten_parameters"``, running before / after every
+    ``"parameter_rewrite"``), so the listed order no longer decides it, and the program's
+    display shows it.
+
 Sharp edges
     The costs are training-mode only (inference and ``program.train``'s outputs do not
     include them: :func:`graphmod.optimize` does). In a loop over stacked layers (Flax's
@@ -34,7 +43,12 @@ class _ParameterCost(gm.Manager):
     hparams = ("strength",)
     factor = 1.0
 
-    def __init__(self, strength: float | gm.Dynamic, **kwargs: Any) -> None:
+    def __init__(self, strength: float | gm.Dynamic, *, on: str = "stored",
+                 **kwargs: Any) -> None:
+        if on not in ("stored", "rewritten"):
+            raise ValueError(f"{type(self).__name__}(on={on!r}): must be 'stored' (the "
+                             "parameter as stored) or 'rewritten' (as the application reads "
+                             "it, after every parameter rewrite: a WeightNorm's g * V / |V|)")
         super().__init__(**roles_by_default(kwargs))
         number = strength.value if isinstance(strength, gm.Dynamic) else strength
         if isinstance(number, bool) or not isinstance(number, numbers.Real) \
@@ -42,12 +56,20 @@ class _ParameterCost(gm.Manager):
             raise ValueError(f"{type(self).__name__}({number!r}): the strength must be a "
                              "finite float >= 0")
         self.strength = strength
+        self.on = on
+        self.kinds = (f"cost_on_{on}_parameters",)
+        if on == "stored":
+            self.runs_before = ("parameter_rewrite",)
+        else:
+            self.runs_after = ("parameter_rewrite",)
 
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
         require_floating(self, call, name, value)
         if call.training:
-            square = jnp.sum(jnp.square(value.astype(jnp.float32)))
+            # The stored value itself, also after a manager that declares no kind.
+            read = call.parameter_value if self.on == "stored" else value
+            square = jnp.sum(jnp.square(read.astype(jnp.float32)))
             cost = self.factor * jnp.asarray(self.hp("strength"), jnp.float32) * square
             call.add_auxiliary_variable(cost, roles=[roles.COST], name="cost")
         return value
@@ -57,7 +79,9 @@ class L2(_ParameterCost):
     """An L2 penalty ``strength * sum(W ** 2)`` per selected parameter (Keras' ``L2``),
     added to the cost by :func:`graphmod.optimize`. Selects ``WEIGHT`` parameters unless
     its filter chooses variables (``roles=``, ``path=``, ``variable_name=``,
-    ``name_regex=``, ``filter=``); ``strength`` may be :func:`graphmod.dynamic`.
+    ``name_regex=``, ``filter=``); ``strength`` may be :func:`graphmod.dynamic`. ``on``:
+    ``"stored"`` (default) penalises the parameter as stored, ``"rewritten"`` as the
+    application reads it after every parameter rewrite (see the module docstring).
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, graphmod as gm, managers
@@ -69,6 +93,8 @@ class L2(_ParameterCost):
         >>> _, metrics = step(state, jnp.ones((4, 2)))
         >>> bool(jnp.isclose(metrics["l2"], 0.1 * (lin.W[...] ** 2).sum()))
         True
+        >>> managers.L2(0.1, on="rewritten").kinds
+        ('cost_on_rewritten_parameters',)
     """
 
 
@@ -77,7 +103,8 @@ class WeightDecay(_ParameterCost):
     gradient is ``rate * W``, what ``optax.add_decayed_weights(rate)`` adds to the updates
     before the optimizer (coupled decay; for AdamW's decoupled decay use
     ``optax.adamw``). Selects ``WEIGHT`` parameters unless its filter chooses variables
-    (``roles=``, ``path=``, ``variable_name=``, ``name_regex=``, ``filter=``).
+    (``roles=``, ``path=``, ``variable_name=``, ``name_regex=``, ``filter=``); ``on`` as
+    for :class:`L2`.
 
     Examples:
         >>> import graphmod as gm, managers
@@ -87,5 +114,5 @@ class WeightDecay(_ParameterCost):
 
     factor = 0.5
 
-    def __init__(self, rate: float | gm.Dynamic, **kwargs: Any) -> None:
-        super().__init__(rate, **kwargs)
+    def __init__(self, rate: float | gm.Dynamic, *, on: str = "stored", **kwargs: Any) -> None:
+        super().__init__(rate, on=on, **kwargs)

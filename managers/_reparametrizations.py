@@ -69,6 +69,8 @@ class WeightNorm(gm.Manager):
         True
     """
 
+    kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
+
     def __init__(self, *, epsilon: float = 1e-12, **kwargs: Any) -> None:
         super().__init__(**roles_by_default(kwargs))
         _positive("WeightNorm", "epsilon", epsilon)
@@ -100,6 +102,8 @@ class WeightStandardization(gm.Manager):
         >>> [abs(round(float(v), 4)) for v in w.mean(0)], [round(float(v), 3) for v in w.std(0)]
         ([0.0, 0.0], [1.0, 1.0])
     """
+
+    kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
 
     def __init__(self, *, epsilon: float = 1e-5, gain: bool = False, **kwargs: Any) -> None:
         super().__init__(**roles_by_default(kwargs))
@@ -145,6 +149,8 @@ class SpectralNorm(gm.Manager):
         >>> sorted(variables["managers"]["spectral_norm"]["/"]["W"])
         ['sigma', 'u']
     """
+
+    kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
 
     def __init__(self, *, steps: int = 1, epsilon: float = 1e-12, **kwargs: Any) -> None:
         super().__init__(**roles_by_default(kwargs))
@@ -198,6 +204,7 @@ class MaxNorm(gm.Manager):
     """
 
     hparams = ("max_norm",)
+    kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
 
     def __init__(self, max_norm: float | gm.Dynamic, *,
                  axis: int | tuple[int, ...] | None = None, **kwargs: Any) -> None:

@@ -41,6 +41,8 @@ class StopGradient(gm.Manager):
         (0.0, 1.0)
     """
 
+    kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
+
     def rewrite_input(self, call: gm.ApplicationCall, name: str, value: Any) -> Any:
         return jax.lax.stop_gradient(value)
 
@@ -140,6 +142,8 @@ class Precision(gm.Manager):
         >>> program.infer(variables, x).dtype, variables["model"]["W"].dtype
         (dtype('float32'), dtype('float32'))
     """
+
+    kinds = ("parameter_rewrite",)  # a cast: EMA and a cost on the stored weight go first
 
     def __init__(self, compute_dtype: Any = "bfloat16", **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -48,6 +48,7 @@ class LabelSmoothing(gm.Manager):
     """
 
     hparams = ("alpha",)
+    kinds = ("augmentation",)  # Selective Backprop ranks the examples before
     once = True  # targets passed from a classifier's application into its cost: smoothed once
 
     def __init__(self, alpha: float | gm.Dynamic, *, num_classes: int | None = None,
@@ -97,6 +98,7 @@ class Mixup(gm.Manager):
     """
 
     hparams = ("alpha",)
+    kinds = ("augmentation",)  # Selective Backprop ranks the examples before
 
     def __init__(self, alpha: float | gm.Dynamic, *, num_classes: int | None = None,
                  **kwargs: Any) -> None:

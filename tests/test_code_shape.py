@@ -28,6 +28,8 @@ LOCAL_IMPORTS = {
     # `graphmod run` checks the stop signals' settings before it imports JAX.
     ("_train/_interrupt.py", "jax"),
     ("_train/_interrupt.py", "jax.experimental"),
+    # Loop.start's background run lives with the Control plugin, which imports the loop.
+    ("_train/_loop/_loop.py", "graphmod.plugins._control"),
 }
 
 

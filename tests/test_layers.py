@@ -1,4 +1,5 @@
-"""graphmod's layers import one way: core, bricks, records, training, public provenance, CLI.
+"""graphmod's layers import one way: core, bricks, records, training, public provenance, the
+runner (``graphmod.fit``), CLI.
 
 Read from the source (every import statement, also inside functions and under
 ``TYPE_CHECKING``), so a violation is named before anything runs. ``from pkg import name``
@@ -23,6 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("training", ("graphmod._train", "graphmod.plugins", "graphmod.metrics",
                   "graphmod.data", "graphmod.distributed")),
     ("provenance", ("graphmod.provenance",)),
+    ("runner", ("graphmod._fit",)),  # graphmod.fit: compile, loop, plugins, provenance
     ("cli", ("graphmod._cli",)),
     ("package", ("graphmod",)),
 )

@@ -26,6 +26,7 @@ from graphmod._core._collected import Collected, LoopSnapshot, Recorded, crc32
 from graphmod._core._filter import Tag, VariableFilter
 from graphmod._core._loop_keys import Layer, mark
 from graphmod._core._manager import Manager
+from graphmod._core._order import resolve_order
 from graphmod._core._owned import OwnedKey, OwnedStore
 from graphmod._core._rewrites import Rewrite, shape_and_dtype
 from graphmod._core._trace import TraceScope, current_trace
@@ -51,7 +52,10 @@ class Frame:
         self.layout = layout
         self.mode = mode
         self.training = mode != "infer"
-        self.managers = managers
+        self.managers = managers  # as the program holds them (a ManagerOrder: listed)
+        # The chain of application calls, outermost first: the managers with a hook of
+        # theirs, constraints resolved and then priority (see graphmod._core._order).
+        self._call_managers = [m for m in resolve_order(managers) if m.applies_to_calls]
         self.key = key
         self.axis_name = axis_name
         self.mesh = mesh  # the program's device mesh (compile(mesh=...)), else None
@@ -173,7 +177,7 @@ class Frame:
     @contextmanager
     def using(self, managers: tuple[Manager, ...]) -> Iterator[None]:
         """Managers given with ``use_manager=`` for one call and its children."""
-        active = {m.name: m for m in self.chain()}
+        active = {m.name: m for m in (*self.managers, *self._local_managers)}
         for m in managers:
             if not isinstance(m, Manager):
                 raise TypeError(f"use_manager: {m!r} is not a graphmod.Manager")
@@ -189,9 +193,13 @@ class Frame:
             del self._local_managers[len(self._local_managers) - len(managers):]
 
     def chain(self) -> list[Manager]:
-        """Every manager active now, outermost first (stable by priority)."""
-        active = [*self.managers, *self._local_managers]
-        return sorted(active, key=lambda m: -m.priority)
+        """Every manager of application calls active now, outermost first: the program's
+        in their resolved order, with those of ``use_manager=`` resolved among them
+        (stable by priority, declared constraints satisfied)."""
+        if not self._local_managers:
+            return self._call_managers
+        order = resolve_order((*self.managers, *self._local_managers))
+        return [m for m in order if m.applies_to_calls]
 
     def note_match(self, manager: Manager, left: Tag | None = None) -> None:
         """Counts a match of ``manager`` (a strict manager must match something); ``left``:
@@ -209,6 +217,35 @@ class Frame:
                 f"{tag.role} {tag.name!r} in application {tag.application!r} of "
                 f"{tag.brick_path}: narrow one of their filters"
             )
+
+    @contextmanager
+    def inference_pass(self) -> Iterator[None]:
+        """Runs the block as inference sees the program, inside this training trace (the
+        ranking pass of ``managers.SelectiveBackprop``): its application calls are in
+        inference mode (no draws, no state written: the model's writes are dropped), their
+        call ids and parameter rewrites their own; what it rewrites, records, monitors,
+        costs and measures is dropped, so the rest of the trace sees none of it."""
+        if not self.training:
+            yield
+            return
+        seen = self._seen
+        saved = (self.mode, self.monitor, self.collects_costs, self._parameter_cache,
+                 collections.Counter(self._call_counts), dict(self._values), set(self._updated),
+                 len(seen.rewrites), None if seen.records is None else len(seen.records),
+                 {by: set(left) for by, left in seen.unchanged.items()},
+                 {by: set(calls) for by, calls in seen.rewritten_calls.items()})
+        self.mode, self.training, self.monitor, self.collects_costs = "infer", False, {}, False
+        self._parameter_cache = {}
+        try:
+            yield
+        finally:
+            (self.mode, self.monitor, self.collects_costs, self._parameter_cache,
+             self._call_counts, self._values, self._updated, rewrites, records,
+             seen.unchanged, seen.rewritten_calls) = saved
+            self.training = True
+            del seen.rewrites[rewrites:]
+            if seen.records is not None:
+                del seen.records[records:]
 
     # -- randomness -----------------------------------------------------------------------
     def rng(self, parts: tuple[str, ...], call_id: int, *, per_step: bool = True,

@@ -6,11 +6,16 @@ When rewriting happens
 
 How chains are ordered
     Around each application call the matching managers form a chain, the first entered (or
-    listed) outermost; ``priority`` (higher = further out) reorders it stably. Inputs and
-    parameters pass outermost→innermost, outputs return innermost→outermost, like nested
-    ``with`` blocks. Each manager's :meth:`Manager.wrap` is one layer of that chain: the
-    default layer rewrites inputs, calls the next layer and rewrites outputs, so a subclass
-    can override the three hooks, or ``wrap`` itself (remat, precision, sharding).
+    listed) outermost; ``priority`` (higher = further out) reorders it stably, and the
+    ordering constraints managers declare (``kinds``, ``runs_before``, ``runs_after``:
+    EMA runs before every ``"parameter_rewrite"``) are resolved at compile by a stable
+    topological sort (``graphmod._core._order``), shown in ``program.rewrites`` and the
+    program's display. Inputs and parameters pass outermost→innermost, outputs return
+    innermost→outermost, like nested ``with`` blocks. Each manager's :meth:`Manager.wrap`
+    is one layer of that chain: the default layer rewrites inputs, calls the next layer and
+    rewrites outputs, so a subclass can override the three hooks, or ``wrap`` itself
+    (remat, precision, sharding). :meth:`Manager.wrap_program` layers wrap the program's
+    whole function instead (Selective Backprop), outside every application's chain.
 
 What is undefined
     A hook that returns a value of another shape than the original changes the program;
@@ -35,7 +40,7 @@ from graphmod._core._construction import record_construction
 from graphmod._core._filter import Tag, VariableFilter
 from graphmod._core._naming import snake_case
 from graphmod._core._warn import warn
-from graphmod.typing import HookContext, Variables, WrapContext
+from graphmod.typing import HookContext, ModelLayout, ProgramContext, Variables, WrapContext
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +231,18 @@ class Manager:
     application call whose own values it rewrote: values passed on from them (a
     classifier's labels into its cost brick) are rewritten once.
 
+    Ordering constraints (class attributes; an instance may set its own in ``__init__``):
+    ``kinds`` names what the manager is (``"average"``, ``"parameter_rewrite"``,
+    ``"batch_selection"``, ``"augmentation"``, ``"cost_on_stored_parameters"``, or a kind
+    of your own); ``runs_before`` and ``runs_after`` hold kinds or manager classes it must
+    run before (further out: it sees inputs and parameters first) or after. ``compile``
+    sorts the managers to satisfy them, the listed order and ``priority`` winning where
+    nothing is declared, and refuses a cycle (:class:`~graphmod.errors.ManagerConflict`).
+    A built-in manager that rewrites the parameters it reads is a ``"parameter_rewrite"``:
+    declare it on yours, so that ``EMA`` goes before it. Two hooks beyond an application's:
+    :meth:`wrap_program` (around the program's whole function) and
+    :meth:`frozen_parameters` (parameters :func:`graphmod.optimize` leaves as they are).
+
     Examples:
         >>> import jax, jax.numpy as jnp, graphmod as gm
         >>> from flax import nnx
@@ -242,12 +259,24 @@ class Manager:
         >>> double_w = Double(roles=[gm.roles.WEIGHT], variable_name="W", manager_name="w2")
         >>> double_w.name, double_w.filter
         ('w2', VariableFilter(roles=(WEIGHT,), name='W'))
+        >>> class Outermost(gm.Manager):  # before every parameter rewrite, wherever listed
+        ...     runs_before = ("parameter_rewrite",)
+        >>> class Rewrite(gm.Manager):
+        ...     kinds = ("parameter_rewrite",)
+        >>> program = gm.compile(lambda m, x: m(x), lin, managers=[Rewrite(), Outermost()])
+        >>> [m.name for m in program.managers]
+        ['outermost', 'rewrite']
     """
 
     exclusive: ClassVar[bool] = False
     once: ClassVar[bool] = False
     hparams: ClassVar[tuple[str, ...]] = ()
     hparam_ranges: ClassVar[dict[str, tuple[float, float]]] = {}
+    # Ordering constraints, resolved at compile (see graphmod._core._order): what this
+    # manager is, and the kinds (strings) or manager classes it runs before or after.
+    kinds: ClassVar[tuple[str, ...]] = ()
+    runs_before: ClassVar[tuple[str | type, ...]] = ()
+    runs_after: ClassVar[tuple[str | type, ...]] = ()
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Manager:
         manager = super().__new__(cls)
@@ -384,9 +413,62 @@ class Manager:
         manager's ``rewrite_input`` and ``rewrite_output`` around the rest of the chain."""
         return next(*args, **kwargs)
 
+    def wrap_program(self, call: ProgramContext, next: Callable[..., Any], args: tuple,
+                     kwargs: dict) -> Any:
+        """Middleware around the program's whole function ``fn(model, *args, **kwargs)``
+        in every trace (``init``, ``train``, ``infer``, ``graph``); default:
+        ``next(*args, **kwargs)``, the inner layers and then ``fn``. ``args`` and
+        ``kwargs`` are the program's arguments after the model (the batch); ``call`` (a
+        :class:`graphmod.typing.ProgramContext`: ``mode``, ``training``, ``model``,
+        ``function``) can draw a key (``call.rng(name)``), own a variable
+        (``call.variable(name, init)``), report a metric (``call.report(name, value)``),
+        note a rewrite of an argument (``call.note_input``), run a function as inference
+        sees it (``call.infer``) and switch between two ways of running on a traced flag
+        (``call.switch``). Layers
+        nest in chain order, all outside every application's chain; a manager with this
+        hook only is in no application's chain.
+
+        Examples:
+            >>> import jax, jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> class Halve(gm.Manager):  # the program's inputs, halved in training
+            ...     def wrap_program(self, call, next, args, kwargs):
+            ...         return next(*(a / 2 for a in args)) if call.training else next(*args)
+            >>> lin = gm.bricks.Linear(1, 1, use_bias=False, rngs=nnx.Rngs(0))
+            >>> program = gm.compile(lambda m, x: m(x).sum(), lin, managers=[Halve()])
+            >>> v = program.init(jnp.ones((1, 1)))
+            >>> out, _ = program.train(v, jnp.ones((1, 1)), rng=jax.random.key(0))
+            >>> bool(jnp.isclose(out, program.infer(v, jnp.ones((1, 1))) / 2))
+            True
+        """
+        return next(*args, **kwargs)
+
+    def frozen_parameters(self, layout: ModelLayout, variables: Variables
+                          ) -> dict[str, jax.Array]:
+        """The parameters :func:`graphmod.optimize`'s step leaves as they are this step,
+        by path (``"/linear_layers/0.W"``), each with a (traced) bool: where it holds, the
+        parameter and its optimizer state (Adam's moments) keep their values bitwise, however
+        the optimizer would move them (momentum keeps moving a parameter whose gradient is
+        zero). Read from ``variables`` (a dynamic hyperparameter: no retrace when it
+        changes). Default: none (``managers.LayerFreezing`` freezes layers).
+
+        Examples:
+            >>> import graphmod as gm
+            >>> gm.Manager().frozen_parameters(None, {})
+            {}
+        """
+        return {}
+
     # -- matching (used by the chain) -----------------------------------------------------
     def has_hook(self, hook: str) -> bool:
         return _overrides(self, hook)
+
+    @property
+    def applies_to_calls(self) -> bool:
+        """Whether the manager has a hook of application calls (a ``rewrite_*`` or
+        ``wrap``): one with none (``wrap_program`` only) is in no application's chain."""
+        return any(self.has_hook(h) for h in (
+            "rewrite_input", "rewrite_output", "rewrite_parameter", "wrap"))
 
     @property
     def wraps_only(self) -> bool:

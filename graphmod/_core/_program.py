@@ -52,6 +52,7 @@ from graphmod._core._graph import ComputationGraph
 from graphmod._core._layout import Layout
 from graphmod._core._loop_resolution import resolving
 from graphmod._core._manager import Manager
+from graphmod._core._program_chain import program_function
 from graphmod._core._program_checks import check_strict, check_variables, warn_held_off
 from graphmod._core._program_record import ProgramRecord, Shared, abstract
 from graphmod._core._program_variables import VariablesByRole
@@ -85,6 +86,7 @@ class ProgramCore(VariablesByRole):
         self.fn = fn
         self._shared = shared
         self._managers = managers
+        self._function = program_function(fn, managers)  # fn inside wrap_program layers
         self._monitor = monitor
         self._axis_name = axis_name
         self._strict = strict
@@ -314,9 +316,11 @@ class ProgramCore(VariablesByRole):
                          axis_name=self._axis_name, mesh=placement and placement.mesh,
                          monitor=self._monitor, record=record, costs=costs)
 
-        frame = _context.traced(self._shared, fresh, self.fn, self.model, *args, **kwargs)
+        frame = _context.traced(self._shared, fresh, self._function, self.model, *args,
+                                **kwargs)
         if not record:
-            self.rewrites.store(RewriteTrace.traced(mode, frame.rewrites, frame.unchanged))
+            self.rewrites.store(RewriteTrace.traced(mode, frame.rewrites, frame.unchanged,
+                                                    frame.managers))
             warn_held_off(frame)
         if self._strict:
             check_strict(frame)

@@ -22,6 +22,7 @@ from graphmod._core._filter import VariableFilter
 from graphmod._core._frame import Frame
 from graphmod._core._layout import Layout
 from graphmod._core._manager import Manager
+from graphmod._core._order import ManagerOrder, resolve_order
 from graphmod._core._unmatched import unmatched_hints
 from graphmod._core._warn import warn
 from graphmod.errors import ManagerConflict, ManagerMatchedNothing, VariablesMismatch
@@ -30,9 +31,12 @@ __all__ = ["check_managers", "check_strict", "check_variables", "monitors", "war
            "warn_outside_modules"]
 
 
-def check_managers(managers: tuple[Any, ...], layout: Layout) -> tuple[Manager, ...]:
-    """``managers``, checked (managers with distinct names, bricks of this model) and
-    frozen; raises :class:`~graphmod.errors.ManagerConflict` for two with one name."""
+def check_managers(managers: tuple[Any, ...], layout: Layout) -> ManagerOrder:
+    """``managers``, checked (managers with distinct names, bricks of this model), frozen
+    and in their listed order with their declared ordering constraints satisfied (see
+    ``graphmod._core._order``; each chain sorts it by priority too); raises
+    :class:`~graphmod.errors.ManagerConflict` for two with one name or constraints that
+    form a cycle."""
     names: dict[str, Manager] = {}
     for index, manager in enumerate(managers):
         if not isinstance(manager, Manager):
@@ -44,9 +48,11 @@ def check_managers(managers: tuple[Any, ...], layout: Layout) -> tuple[Manager, 
             )
         names[manager.name] = manager
         layout.resolve(manager.filter.brick_instances(), f"manager {manager.name!r}")
+    # As listed, constraints resolved (the chain adds priority); before anything is frozen.
+    order = resolve_order(managers, priority=False)
     for manager in managers:
         manager.freeze()
-    return tuple(managers)
+    return order
 
 
 def monitors(monitor: Any) -> dict[str, VariableFilter]:

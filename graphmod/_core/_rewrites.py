@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+import html
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -82,12 +83,19 @@ class RewriteTrace:
     mode: str
     rewrites: tuple[Rewrite, ...] = ()
     unchanged: tuple[tuple[str, int], ...] = ()
+    # The chain's resolved order and what moved it, when a declared constraint reversed two
+    # managers of the listed order (see graphmod._core._order), as lines of text.
+    order: tuple[str, ...] = ()
 
     @classmethod
-    def traced(cls, mode: str, rewrites: list[Rewrite],
-               unchanged: dict[str, set[Any]]) -> RewriteTrace:
-        """The trace of ``mode`` from a frame's rewrites and the variables left by manager."""
-        return cls(mode, tuple(rewrites), tuple((by, len(left)) for by, left in unchanged.items()))
+    def traced(cls, mode: str, rewrites: list[Rewrite], unchanged: dict[str, set[Any]],
+               managers: Sequence[Any] = ()) -> RewriteTrace:
+        """The trace of ``mode`` from a frame's rewrites, the variables left by manager and
+        the managers in their resolved order (a ``ManagerOrder``, whose ``lines()`` say
+        which constraint moved what)."""
+        lines = managers.lines() if hasattr(managers, "lines") else []
+        return cls(mode, tuple(rewrites),
+                   tuple((by, len(left)) for by, left in unchanged.items()), tuple(lines))
 
     def __iter__(self) -> Iterator[Rewrite]:
         return iter(self.rewrites)
@@ -106,11 +114,13 @@ class RewriteTrace:
 
     def __str__(self) -> str:
         rows = [r.row(i) for i, r in enumerate(self.rewrites)]
-        return self._caption() + "\n" + text_table(_HEADERS, rows)
+        order = "".join(f"{line}\n" for line in self.order)
+        return self._caption() + "\n" + order + text_table(_HEADERS, rows)
 
     def _repr_html_(self) -> str:
-        return html_table(_HEADERS, [r.row(i) for i, r in enumerate(self.rewrites)],
-                          self._caption())
+        order = "".join(f"<div>{html.escape(line)}</div>" for line in self.order)
+        return order + html_table(_HEADERS, [r.row(i) for i, r in enumerate(self.rewrites)],
+                                  self._caption())
 
 
 _MODES = ("init", "train", "infer")

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from graphmod._core._arguments import has_shape
+from graphmod._core._order import declared_text
 from graphmod._core._table import WIDTH, html_table, text_table
 
 
@@ -135,10 +136,15 @@ def program_lines(program: Any) -> list[str]:
     lines = [f"Program {fn}(model, ...) over {type(layout.model).__name__}: "
              f"{len(layout.variables)} arrays, {size_text(size)} values"]
     for order, manager in enumerate(program.managers):
+        declared = declared_text(manager)  # kinds and constraints: why it sits here
         lines.append(f"  {order}. {manager.name}: {type(manager).__name__}, "
-                     f"{manager.filter.as_text(layout.brick_path)}")
+                     f"{_selects(manager, layout)}" + (f"; {declared}" if declared else ""))
     if not program.managers:
         lines.append("  no managers")
+    moves = getattr(program.managers, "moves", ())
+    if moves:  # a declared constraint reversed two managers of the listed order
+        lines.append(f"  order resolved from the listed {', '.join(program.managers.listed)}:")
+        lines.extend(f"    moved {move}" for move in moves)
     traced = program.rewrites.modes
     examples = program.record.examples
     shapes = ", ".join(f"{name}: {tuple(value.shape)} {value.dtype}"
@@ -156,11 +162,24 @@ def program_html(program: Any) -> str:
     head = html.escape(program_lines(program)[0])
     variables = [[info.path, info.role.name, info.shape, info.dtype]
                  for info in layout.variables]
-    managers = [[order, m.name, type(m).__name__, m.filter.as_text(layout.brick_path)]
+    moves = getattr(program.managers, "moves", ())
+    managers = [[order, m.name, type(m).__name__, _selects(m, layout),
+                 declared_text(m) or "-",
+                 "; ".join(str(c) for c in moves if m.name in (c.first, c.then)) or "-"]
                 for order, m in enumerate(program.managers)]
+    caption = "managers, outermost first" + (
+        f" (resolved from the listed {', '.join(program.managers.listed)})" if moves else "")
     parts = [f"<div><strong>{head}</strong></div>",
              html_table(["path", "role", "shape", "dtype"], variables, "model variables"),
-             html_table(["order", "name", "class", "filter"], managers,
-                        "managers, outermost first" if managers else "no managers"),
+             html_table(["order", "name", "class", "filter", "declares", "moved by"], managers,
+                        caption if managers else "no managers"),
              f"<div>{html.escape(program_lines(program)[-1].strip())}</div>"]
     return "".join(parts)
+
+
+def _selects(manager: Any, layout: Any) -> str:
+    """What a manager rewrites: its filter, or the program's function for one whose only
+    hook wraps it (``wrap_program``: Selective Backprop)."""
+    if not manager.applies_to_calls and manager.has_hook("wrap_program"):
+        return "around the program's function"
+    return manager.filter.as_text(layout.brick_path)

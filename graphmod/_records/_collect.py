@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -223,11 +223,16 @@ def data_record(data: Any) -> dict[str, Any]:
     return {"name": class_path(type(data)), "described": False}
 
 
-def training_inputs(step: Any, loop: Any = None) -> dict[str, Any]:
-    """The inputs of a training run: the program's, optimizer, data, loop settings, seeds."""
+_NO_STATE = object()
+
+
+def training_inputs(step: Any, loop: Any = None, *, state: Any = _NO_STATE) -> dict[str, Any]:
+    """The inputs of a training run: the program's, optimizer, data, loop settings, seeds
+    (the train seed read from ``state``, by default the loop's state)."""
     base = step.program.provenance.inputs
     seeds = dict(base["seeds"])
-    state = getattr(loop, "state", None)
+    if state is _NO_STATE:
+        state = getattr(loop, "state", None)
     # The train state keeps the base key's data for the whole run (resumed runs too); the
     # step knows its implementation when it made the first state in this process.
     from_state = key_record(getattr(state, "rng", None))
@@ -242,32 +247,41 @@ def training_inputs(step: Any, loop: Any = None) -> dict[str, Any]:
         inputs["placement"] = {**inputs["placement"], "optimizer_rules": rules_record(
             step.optimizer_placement.rules, step.program.layout)}
     if loop is not None:
-        inputs["data"] = data_record(loop.data)
-        inputs["loop"] = {"epochs": loop.epochs, "steps": loop.max_steps,
-                          "steps_per_call": loop.steps_per_call,
-                          "plugins": [{"name": getattr(p, "name", None),
-                                       "class": class_path(type(p))} for p in loop.plugins]}
-        if getattr(loop, "data_changes", None):  # resumed on other data, as its caller allowed
-            inputs["data_changes"] = list(loop.data_changes)
-        if getattr(loop, "setting_changes", None):  # resumed with other settings
-            inputs["setting_changes"] = list(loop.setting_changes)
+        inputs.update(_loop_inputs(loop))
     inputs["seeds"] = seeds
     inputs["versions"] = base["versions"]
     inputs["platform"] = base["platform"]
     return inputs
 
 
+def _loop_inputs(loop: Any) -> dict[str, Any]:
+    """A run's data and loop settings, and the changes its resumes made."""
+    inputs = {"data": data_record(loop.data),
+              "loop": {"epochs": loop.epochs, "steps": loop.max_steps,
+                       "steps_per_call": loop.steps_per_call,
+                       "plugins": [{"name": getattr(p, "name", None),
+                                    "class": class_path(type(p))} for p in loop.plugins]}}
+    if getattr(loop, "data_changes", None):  # resumed on other data, as its caller allowed
+        inputs["data_changes"] = list(loop.data_changes)
+    if getattr(loop, "setting_changes", None):  # resumed with other settings
+        inputs["setting_changes"] = list(loop.setting_changes)
+    return inputs
+
+
+def _loop_derived(loop: Any) -> dict[str, Any]:
+    """What a run did so far: counts and times."""
+    time = loop.time
+    return {"steps": time.step, "examples": time.examples, "epochs": time.epoch,
+            "seconds": round(time.seconds, 6), "train_seconds": round(time.train_seconds, 6),
+            # Wall-clock times the loop noted as they happened.
+            "started": loop.started_at or utc_now(), "ended": loop.ended_at or utc_now()}
+
+
 def training_derived(step: Any, loop: Any = None) -> dict[str, Any]:
     """The derived fields of a training run: the program's, counts and times."""
     derived = dict(step.program.provenance.derived)
     if loop is not None:
-        time = loop.time
-        derived.update({"steps": time.step, "examples": time.examples, "epochs": time.epoch,
-                        "seconds": round(time.seconds, 6),
-                        "train_seconds": round(time.train_seconds, 6),
-                        # Wall-clock times the loop noted as they happened.
-                        "started": loop.started_at or utc_now(),
-                        "ended": loop.ended_at or utc_now()})
+        derived.update(_loop_derived(loop))
     return derived
 
 
@@ -278,6 +292,42 @@ def training_provenance(step: Any, loop: Any = None,
                       training_derived(step, loop))
 
 
+def models_inputs(models: Sequence[Mapping[str, Any]], steps: Mapping[str, Any],
+                  loop: Any) -> dict[str, Any]:
+    """The inputs of a run of several models: each stepping model's own training record
+    (program, managers, optimizer, train seed from its state) under its name, None for a
+    frozen one; the models' ``order``, ``schedules`` (descriptions, None: every
+    iteration), ``reads`` and ``frozen`` names; the data and loop settings; versions.
+
+    ``models`` is what a checkpoint records of them (``Models.record()``), ``steps`` their
+    ``graphmod.optimize`` steps by name (None: frozen)."""
+    states = loop.state if isinstance(loop.state, Mapping) else {}
+    stepping = [model for model in models if model["steps"]]
+
+    def record(name: str) -> dict[str, Any]:  # the model's own, its seed from its state
+        step = steps[name]
+        return training_provenance(step, inputs=training_inputs(step, state=states.get(name))
+                                   ).to_dict()
+
+    return {
+        "models": {model["name"]: record(model["name"]) if model["steps"] else None
+                   for model in models},
+        "order": [model["name"] for model in models],
+        "schedules": {model["name"]: model["schedule"] for model in stepping},
+        "reads": {model["name"]: list(model["reads"]) for model in stepping if model["reads"]},
+        "frozen": [model["name"] for model in models if not model["steps"]],
+        **_loop_inputs(loop),
+        "versions": versions(),
+        "platform": platform_record(),
+    }
+
+
+def models_provenance(inputs: Mapping[str, Any], loop: Any) -> Provenance:
+    """The record of a run of several models from its :func:`models_inputs`: what the loop
+    did so far among the derived fields (each model's fingerprint is in its own record)."""
+    return Provenance("training", inputs, _loop_derived(loop))
+
+
 def capture(obj: Any) -> Provenance:
     """The provenance of a program, a train step, a loop or an evaluation.
 
@@ -285,7 +335,9 @@ def capture(obj: Any) -> Provenance:
     seeds and environment, with the graph fingerprint and rewrite trace; a train step's
     adds the optimizer and the train seed; a loop's (whose step is a
     :func:`graphmod.optimize` step) adds the data, the loop's settings and what happened:
-    steps, examples, epochs, times.
+    steps, examples, epochs, times. A loop of several models records each model's own
+    training record under its name (``record.models``), with their order, schedules, reads
+    and frozen models, the data and the loop's settings.
 
     Examples:
         >>> import jax, jax.numpy as jnp, graphmod as gm

@@ -55,7 +55,8 @@ class Provenance:
     tuple), made of JSON values only, and round-trip through :meth:`to_json` and
     :meth:`from_json` exactly; loading JSON never imports or runs anything.
     ``graphmod.rebuild`` constructs the model and managers again from a record, and
-    ``graphmod.provenance.diff`` compares two.
+    ``graphmod.provenance.diff`` compares two. The training record of a run of several
+    models holds each model's own record under its name (:attr:`models`).
 
     Examples:
         >>> import graphmod as gm
@@ -144,6 +145,37 @@ class Provenance:
         """The provenance of the evaluated model (evaluation records), else None."""
         nested = self._inputs.get("model")
         return Provenance.from_dict(nested) if is_record(nested) else None
+
+    @property
+    def models(self) -> dict[str, Provenance | None] | None:
+        """The records of a run of several models (``graphmod.Loop({"disc": ..., "gen":
+        ...}, ...)``): each model's own training record by name, in the loop's order (None
+        for a frozen model, which has no program); None for any other record.
+
+        Raises:
+            ProvenanceError: the record lists a model whose record is missing or damaged.
+
+        Examples:
+            >>> import graphmod as gm
+            >>> gen = gm.Provenance("training", {"optimizer": {"name": "sgd"}})
+            >>> run = gm.Provenance("training", {"models": {"gen": gen.to_dict(),
+            ...                     "teacher": None}, "order": ["gen", "teacher"]})
+            >>> run.models["gen"]["optimizer"]["name"], run.models["teacher"], gen.models
+            ('sgd', None, None)
+        """
+        order = several_models(self)
+        if order is None:
+            return None
+        nested = self._inputs["models"]
+        out: dict[str, Provenance | None] = {}
+        for name in order:
+            record = nested[name]
+            try:
+                out[name] = None if record is None else Provenance.from_dict(record)
+            except ProvenanceError as error:
+                raise ProvenanceError(f"models[{name!r}]: {error}; the record is damaged"
+                                      ) from None
+        return out
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -254,8 +286,16 @@ class Provenance:
 
     # -- display --------------------------------------------------------------------------------
     def summary(self) -> list[tuple[str, str]]:
-        """``(field, text)`` lines describing the record briefly."""
-        return summary_lines(self)
+        """``(field, text)`` lines describing the record briefly (for a run of several
+        models, each model's too, under its name)."""
+        lines = summary_lines(self)
+        try:
+            models = self.models
+        except ProvenanceError as error:  # shown, never raised: inspect prints crafted records
+            return [lines[0], ("models", f"unreadable ({error})"), *lines[1:]]
+        if models is None:
+            return lines
+        return [lines[0], *_models_lines(self._inputs, models), *lines[1:]]
 
     def __str__(self) -> str:
         lines = self.summary()
@@ -273,6 +313,47 @@ class Provenance:
         return (f"<table><caption>{html.escape(self._kind)} provenance</caption>{rows}</table>"
                 f"<details><summary>JSON</summary><pre>{html.escape(self.to_json(indent=2))}"
                 "</pre></details>")
+
+
+def _models_lines(inputs: Mapping[str, Any], models: Mapping[str, Provenance | None]
+                  ) -> list[tuple[str, str]]:
+    """Summary lines of each model of a run of several models: when it steps, what it
+    reads, and its own record's model, managers, optimizer and fingerprint."""
+    schedules, reads = inputs.get("schedules"), inputs.get("reads")
+    schedules = schedules if isinstance(schedules, Mapping) else {}
+    reads = reads if isinstance(reads, Mapping) else {}
+    lines = [("models", ", ".join(models))]
+    for name, record in models.items():
+        if record is None:
+            lines.append((name, "frozen (no program: its state is carried and read)"))
+            continue
+        read = reads.get(name)
+        lines.append((name, f"steps at {schedules.get(name) or 'every iteration'}"
+                      + (f", reads {', '.join(map(str, read))}" if read else "")))
+        lines += [(f"{name}.{k}", v) for k, v in summary_lines(record)[1:]
+                  if k in ("bricks", "managers", "optimizer", "seeds", "fingerprint")]
+    return lines
+
+
+def several_models(record: Provenance) -> tuple[Any, ...] | None:
+    """The model names of a training record of several models (its ``order``), or None for
+    any other record (one without ``models`` and ``order``).
+
+    Raises:
+        ProvenanceError: ``models`` or ``order`` is malformed."""
+    inputs = record.inputs
+    if record.kind != "training" or "models" not in inputs or "order" not in inputs:
+        return None
+    order, nested = inputs["order"], inputs["models"]
+    if not (isinstance(order, tuple) and order and isinstance(nested, Mapping)):
+        raise ProvenanceError("models, order: a record of several models holds a mapping of "
+                              "their records and the list of their names; the record is "
+                              "damaged")
+    if not all(isinstance(name, str) for name in order) or len(set(order)) != len(order) \
+            or sorted(order) != sorted(nested):
+        raise ProvenanceError(f"order: lists {list(order)}, but the record holds the models "
+                              f"{list(nested)}; the record is damaged")
+    return order
 
 
 def _excerpt(text: str, position: int) -> str:

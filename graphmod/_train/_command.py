@@ -4,9 +4,18 @@ A checkpoint records how its process was started (:func:`recorded_command`) so t
 ``graphmod resume DIR`` can run it again. The record is data and stays data: the interpreter
 is never recorded, and :func:`resume_command` turns a record back into an argument list only
 for a run started from a script file, as ``[sys.executable, "--", /absolute/script, *args]``
-(``[*CLI, "run", "--processes", N, "--", /absolute/script, *args]`` for several processes):
-the script can never be read as an interpreter option, the arguments reach the script as its
-``sys.argv`` and no shell is involved.
+(``[*CLI, "run", "--processes", N, "--", /absolute/script, *args]`` for several processes
+of ``graphmod run``): the script can never be read as an interpreter option, the arguments
+reach the script as its ``sys.argv`` and no shell is involved.
+
+A run of several processes also records how they were launched (``launcher``: see
+:mod:`graphmod.distributed`, and ``job``: the scheduler's facts that help to submit it
+again, such as Slurm's job id, name, partition and nodes). ``graphmod resume`` starts only
+the local processes of ``graphmod run``; a run another launcher started (Slurm, MPI, a TPU
+pod, Kubernetes, explicit arguments) is resumed in place inside a new launch of it
+(``srun graphmod resume DIR``: every process runs the script itself, ``in_place``), and
+refused outside one with :class:`ResubmitRequiredError`, which carries the command that
+submits it again (printed, never run). Records without these fields read as before.
 
 Threat model: a checkpoint directory may come from someone else, and its record may be
 crafted, hash included. So the trust anchor is the directory ``graphmod resume`` runs from,
@@ -91,9 +100,11 @@ def recorded_command() -> dict[str, Any]:
     ``module`` (``python -m``, with ``module``), ``code`` (``python -c``), ``stdin``,
     ``jupyter``, ``interactive`` or ``unknown``. ``argv`` (``sys.argv``, for display) and
     ``cwd`` (the working directory at start) come with every kind. A run started by
-    ``graphmod run SCRIPT`` records ``SCRIPT``; one started by ``graphmod run --processes N
-    [--devices-per-process D] SCRIPT`` also records ``processes`` (and
-    ``devices_per_process``).
+    ``graphmod run SCRIPT`` records ``SCRIPT``; a process of a run of several also records
+    ``processes``, ``launcher`` (``graphmod`` for ``graphmod run --processes N
+    [--devices-per-process D] SCRIPT``, with ``devices_per_process``; ``slurm`` and the
+    others of :mod:`graphmod.distributed`) and, for a scheduler, ``job`` (its facts, as
+    strings).
 
     Examples:
         >>> from graphmod._train._command import KINDS, recorded_command
@@ -141,22 +152,40 @@ def script_sha256(path: str | os.PathLike) -> str:
 _first_sha256 = functools.cache(script_sha256)
 
 
-def _processes() -> dict[str, int]:
-    """``{"processes": N, "devices_per_process": D}`` in a process of a run started by
-    ``graphmod run --processes N [--devices-per-process D]`` (D when its XLA flags set it);
-    ``{}`` in a process started alone."""
-    try:
-        count = int(os.environ.get(distributed.NUM_PROCESSES, "1"))
-    except ValueError:
-        return {}
+# The scheduler's facts a record keeps, {field: variable}: what helps to submit it again.
+_SLURM_FACTS = {"job_id": "SLURM_JOB_ID", "job_name": "SLURM_JOB_NAME",
+                "partition": "SLURM_JOB_PARTITION", "account": "SLURM_JOB_ACCOUNT",
+                "qos": "SLURM_JOB_QOS", "nodes": "SLURM_JOB_NUM_NODES",
+                "cpus_per_task": "SLURM_CPUS_PER_TASK", "gpus_per_node": "SLURM_GPUS_PER_NODE",
+                "submit_dir": "SLURM_SUBMIT_DIR"}
+_POD_FACTS = {"jobset": "JOBSET_NAME", "job": "REPLICATED_JOB_NAME", "pod": "HOSTNAME"}
+_FACTS = {"slurm": _SLURM_FACTS, "kubernetes": _POD_FACTS, "gketpu": _POD_FACTS}
+
+
+def _processes() -> dict[str, Any]:
+    """``{"processes": N, "launcher": ..., ...}`` in a process of a run of several (the one
+    it joined, else the one ``graphmod run --processes N`` started it in: D devices when its
+    XLA flags set them); ``{}`` in a process alone."""
+    launch = distributed.joined()
+    if launch is None:  # not joined (yet): graphmod run's variable alone says so, as before
+        try:
+            count = int(os.environ.get(distributed.NUM_PROCESSES, "1"))
+        except ValueError:
+            return {}
+        record: dict[str, Any] = {"processes": count}
+    else:
+        count = launch.num_processes or 1
+        record = {"processes": count, "launcher": launch.launcher}
     if count <= 1:
         return {}
-    record = {"processes": count}
-    for flag in os.environ.get("XLA_FLAGS", "").split():
-        name, _, value = flag.partition("=")
-        if name == distributed.DEVICE_COUNT_FLAG and value.isdigit():
-            record["devices_per_process"] = int(value)
-    return record
+    if record.get("launcher", "graphmod") == "graphmod":
+        for flag in os.environ.get("XLA_FLAGS", "").split():
+            name, _, value = flag.partition("=")
+            if name == distributed.DEVICE_COUNT_FLAG and value.isdigit():
+                record["devices_per_process"] = int(value)
+    facts = {field: os.environ[name] for field, name in
+             _FACTS.get(record.get("launcher", ""), {}).items() if name in os.environ}
+    return {**record, **({"job": facts} if facts else {})}
 
 
 def _main_script(file: Any, argv0: str) -> str | None:
@@ -236,6 +265,34 @@ def command_text(record: Any) -> str:
     return f"started {how} (argv {record.get('argv')!r}, in {cwd})"
 
 
+class ResubmitRequiredError(ResumeRefusedError):
+    """A run another launcher started (Slurm, MPI, a TPU pod, Kubernetes, explicit
+    arguments), resumed outside a launch of it: ``graphmod resume`` starts no process.
+    :attr:`command` submits it again where one can be written (each of its processes then
+    runs ``graphmod resume DIR``, in place), else None; it is printed, never run.
+
+    Examples:
+        >>> import os, tempfile
+        >>> from graphmod._train._command import ResubmitRequiredError, resume_command
+        >>> folder = tempfile.mkdtemp()
+        >>> script = os.path.join(folder, "train.py")
+        >>> open(script, "w").close()  # started by mpirun -np 4 python train.py
+        >>> record = {"kind": "script", "script": script, "args": [], "cwd": folder,
+        ...           "launcher": "ompi", "processes": 4}
+        >>> try:
+        ...     resume_command(record, "/runs/a", script=script)
+        ... except ResubmitRequiredError as error:
+        ...     print(error.command)  # doctest: +ELLIPSIS
+        mpirun -np 4 graphmod resume /runs/a --script ...train.py
+        >>> resume_command(record, "/runs/a", script=script, in_place=True).argv[1]
+        '--'
+    """
+
+    def __init__(self, message: str, command: str | None) -> None:
+        super().__init__(message)
+        self.command = command
+
+
 class ResumeCommand(NamedTuple):
     """What ``graphmod resume`` runs: the argument list (to run without a shell), its working
     directory, and the script with its sha256 (shown before it runs).
@@ -254,7 +311,8 @@ class ResumeCommand(NamedTuple):
 
 def resume_command(record: Any, directory: str | os.PathLike, *,
                    script: str | os.PathLike | None = None,
-                   trusted: str | os.PathLike | None = None) -> ResumeCommand:
+                   trusted: str | os.PathLike | None = None,
+                   in_place: bool = False) -> ResumeCommand:
     """The command, working directory and script that run ``record``'s script again.
 
     Args:
@@ -266,17 +324,22 @@ def resume_command(record: Any, directory: str | os.PathLike, *,
             its recorded hash (the script moved), wherever it lies.
         trusted: without ``script``, the directory the recorded script must lie in
             (default: the working directory, the one ``graphmod resume`` runs from).
+        in_place: this process is one of a launch of several (``srun graphmod resume``):
+            run the script in this process, whoever launched the run before.
 
     Returns:
-        ``[sys.executable, "--", script, *args]``, for a run of several processes ``[*CLI,
-        "run", "--processes", N, ("--devices-per-process", D,) "--", script, *args]``,
-        with the recorded working directory, the resolved script and its sha256.
+        ``[sys.executable, "--", script, *args]``, for a run of several processes of
+        ``graphmod run`` ``[*CLI, "run", "--processes", N, ("--devices-per-process", D,)
+        "--", script, *args]`` (unless ``in_place``), with the recorded working directory,
+        the resolved script and its sha256.
 
     Raises:
         ResumeRefusedError: the record names no script to run (see the module docstring),
             the script lies outside ``trusted`` or its hash is not the recorded one, or the
             arguments or directory are not plain strings; the message names the script,
             both hashes and the fix.
+        ResubmitRequiredError: (not ``in_place``) another launcher started the run's
+            processes; it carries the command that submits it again.
 
     Examples:
         >>> import hashlib, os, tempfile
@@ -309,20 +372,28 @@ def resume_command(record: Any, directory: str | os.PathLike, *,
     if not isinstance(cwd, str) or not os.path.isdir(cwd):
         _refuse(f"{directory} recorded the working directory {cwd!r}, which does not exist",
                 directory)
-    launch = _launch(record, directory)
+    launch = [] if in_place else _launch(record, directory, path if script else None)
     # "--" ends the options: neither the script nor its arguments can be read as one.
     argv = ([*CLI, "run", *launch, "--", path, *args] if launch
             else [sys.executable, "--", path, *args])
     return ResumeCommand(argv, cwd, path, found)
 
 
-def _launch(record: Any, directory: str) -> list[str]:
+def _whole(n: Any, most: float) -> bool:
+    """Whether ``n`` is a whole number from 1 to ``most`` (a bool is no count)."""
+    return type(n) is int and 1 <= n <= most
+
+
+def _launch(record: Any, directory: str, script: str | None) -> list[str]:
     """``graphmod run``'s options that start a multi-process run again (``[]`` for a run
-    of one process); refuses counts that are not whole numbers within bounds."""
+    of one process); refuses counts that are not whole numbers within bounds, and a run
+    another launcher started (:func:`_resubmit`)."""
     if not isinstance(record, dict) or "processes" not in record:
         return []
+    if record.get("launcher", "graphmod") != "graphmod":
+        _resubmit(record, directory, script)
     count, devices = record["processes"], record.get("devices_per_process")
-    whole = lambda n, most: type(n) is int and 1 <= n <= most  # a bool is no count
+    whole = _whole
     if not whole(count, MAX_PROCESSES) or not (devices is None
                                                or whole(devices, MAX_DEVICES_PER_PROCESS)):
         _refuse(f"{directory} recorded {count!r} processes of {devices!r} devices each, not "
@@ -330,6 +401,88 @@ def _launch(record: Any, directory: str) -> list[str]:
                 directory)
     options = ["--processes", str(count)]
     return options if devices is None else [*options, "--devices-per-process", str(devices)]
+
+
+_LAUNCHED_BY = {"slurm": "Slurm", "ompi": "Open MPI's mpirun", "mpi": "an MPI launcher",
+               "gcetpu": "a TPU VM pod", "gketpu": "a TPU slice on GKE",
+               "kubernetes": "Kubernetes", "environment": "a launcher of its own",
+               "explicit": "a launcher of its own (explicit arguments)"}
+
+
+def _submit_command(launcher: str, count: int, facts: dict[str, str],
+                    resume: list[str]) -> str | None:
+    """The command that starts ``count`` processes of ``launcher`` again, each running
+    ``resume`` (None where no command can be written: Kubernetes, your own launcher)."""
+    cwd = _cwd() or "."
+    if launcher == "slurm":
+        options = [f"--{field.replace('_', '-')}={facts[field]}" for field in
+                   ("job_name", "partition", "account", "qos", "nodes") if field in facts]
+        options += [f"--ntasks={count}", *(f"--{field.replace('_', '-')}={facts[field]}"
+                                           for field in ("cpus_per_task", "gpus_per_node")
+                                           if field in facts)]
+        return shlex.join(["sbatch", *options, f"--chdir={cwd}",
+                           f"--wrap={shlex.join(['srun', *resume])}"])
+    if launcher == "ompi":
+        return shlex.join(["mpirun", "-np", str(count), *resume])
+    if launcher == "mpi":
+        return f"{distributed.COORDINATOR}=RANK0_HOST:PORT " + shlex.join(
+            ["mpiexec", "-n", str(count), *resume])
+    if launcher == "gcetpu":
+        inner = f"cd {shlex.quote(cwd)} && {distributed.CLUSTER}=gcetpu {shlex.join(resume)}"
+        return shlex.join(["gcloud", "compute", "tpus", "tpu-vm", "ssh", "TPU_NAME",
+                           "--zone=ZONE", "--worker=all", f"--command={inner}"])
+    return None
+
+
+def _job_facts(record: dict[str, Any]) -> dict[str, str]:
+    """The scheduler's facts a record holds, those that are plain strings or numbers."""
+    job = record.get("job")
+    return {str(k): str(v) for k, v in job.items() if type(v) in (str, int)} \
+        if isinstance(job, dict) else {}
+
+
+def launch_text(record: Any) -> str:
+    """How a recorded run's processes were launched, in one line (``graphmod inspect``).
+
+    Examples:
+        >>> from graphmod._train._command import launch_text
+        >>> launch_text({"kind": "script", "processes": 2, "launcher": "slurm",
+        ...              "job": {"job_id": "4242", "nodes": "1"}})
+        'slurm: 2 processes (job_id 4242, nodes 1)'
+        >>> launch_text({"kind": "script", "processes": 2, "devices_per_process": 4})
+        'graphmod run --processes 2 --devices-per-process 4'
+        >>> launch_text({"kind": "script"})
+        'one process'
+    """
+    if not isinstance(record, dict) or "processes" not in record:
+        return "one process"
+    launcher, count = record.get("launcher", "graphmod"), record["processes"]
+    if launcher == "graphmod":
+        devices = record.get("devices_per_process")
+        return f"graphmod run --processes {count}" + (
+            "" if devices is None else f" --devices-per-process {devices}")
+    facts = ", ".join(f"{field} {value}" for field, value in _job_facts(record).items())
+    return f"{launcher}: {count} processes" + (f" ({facts})" if facts else "")
+
+
+def _resubmit(record: dict[str, Any], directory: str, script: str | None) -> NoReturn:
+    """Raises :class:`ResubmitRequiredError` for a run ``record``'s launcher started."""
+    launcher, count = str(record.get("launcher")), record.get("processes")
+    if not _whole(count, float("inf")):
+        _refuse(f"{directory} recorded {count!r} processes, not a whole number >= 1",
+                directory)
+    resume = ["graphmod", "resume", directory, *(["--script", script] if script else [])]
+    command = _submit_command(launcher, count, _job_facts(record), resume)
+    by = _LAUNCHED_BY.get(launcher, f"JAX's {launcher!r} detection")
+    how = (f"submit it again with: {command}" + (
+        " (with the options the record cannot see: --time, --gres, --signal=USR1@60, ...)"
+        if launcher == "slurm" else "") if command else
+        f"start its processes again as you started them, each running {shlex.join(resume)} "
+        f"(or its script with Checkpoint({directory!r}, resume=True))")
+    raise ResubmitRequiredError(
+        f"{directory} was started by {by} ({launch_text(record)}), which graphmod resume does "
+        f"not start: inside a launch of it, where every process runs graphmod resume, it "
+        f"resumes in place; {how}", command)
 
 
 def _runnable(script: str, where: str, directory: str) -> str:

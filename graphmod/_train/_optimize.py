@@ -257,6 +257,7 @@ class TrainStep:
         updates, opt_state = self.tx.update(grads, state.opt_state, params,
                                             **_extra_args(self.tx, cost, grads, loss))
         new_params = optax.apply_updates(params, updates)
+        new_params, opt_state = _keep_frozen(self, state, params, new_params, opt_state)
         _, new_rest = self._parameters(new_variables)
         variables = program.merge(new_params, new_rest)
         skipped = state.skipped
@@ -272,6 +273,33 @@ class TrainStep:
         if program.placement is not None:  # outputs placed as inputs: nothing moves
             new_state = jax.lax.with_sharding_constraint(new_state, self._shardings(new_state))
         return new_state, {"loss": cost, **metrics}
+
+
+def _keep_frozen(step: TrainStep, state: TrainState, params: dict, new_params: dict,
+                 opt_state: Any) -> tuple[dict, Any]:
+    """The parameters the program's managers freeze this step
+    (:meth:`graphmod.Manager.frozen_parameters`) and their optimizer state as they were,
+    bitwise; every other as the optimizer moved it."""
+    program = step.program
+    frozen: dict[str, Any] = {}
+    for manager in program.managers:
+        if manager.has_hook("frozen_parameters"):
+            for path, flag in manager.frozen_parameters(program.layout, state.variables).items():
+                frozen[path] = flag if path not in frozen else frozen[path] | flag
+    if not frozen:
+        return new_params, opt_state
+
+    def flag(path: tuple[Any, ...], _: Any) -> Any:
+        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        info = program.layout.by_key.get(keys[1:]) if keys[0] == "model" else None
+        return False if info is None else frozen.get(info.path, False)
+
+    mask = jax.tree_util.tree_map_with_path(flag, params)
+    states = optax.tree_map_params(step.tx, lambda _, f: f, opt_state, mask,
+                                   transform_non_params=lambda v: jax.tree.map(lambda _: False, v))
+    keep = lambda f, new, old: jnp.where(f, old, new)
+    return (jax.tree.map(keep, mask, new_params, params),
+            jax.tree.map(keep, states, opt_state, state.opt_state))
 
 
 def _copied(tree: Any) -> Any:

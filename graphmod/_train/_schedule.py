@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+import re
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -109,6 +110,147 @@ class Schedule:
 
     def __invert__(self) -> Schedule:
         return _Not(self)
+
+    @staticmethod
+    def parse(text: str, *, field: str = "schedule") -> Schedule:
+        """The schedule whose description (its ``repr``) is ``text``: the inverse of
+        ``repr``, for descriptions a record keeps (a checkpoint's models).
+
+        Only the schedule grammar is read: ``each(n)``, ``each(n, start=s)``,
+        ``at(t, ...)``, ``after(t)``, ``before(t)``, ``always``, ``never``, with int or
+        float literals, combined with ``&``, ``|``, ``~`` and parentheses (Python's
+        precedence: ``~`` before ``&`` before ``|``). Nothing is evaluated or imported, so
+        a crafted record cannot run code; anything else raises a ``ValueError`` naming
+        ``field`` and the text.
+
+        Examples:
+            >>> import graphmod as gm
+            >>> rule = gm.each(5, start=1) & ~gm.at(11, 2.5) | gm.after(100)
+            >>> gm.Schedule.parse(repr(rule)) == rule, repr(gm.Schedule.parse("~always"))
+            (True, '~always')
+            >>> gm.Schedule.parse("__import__('os')", field="models[1].schedule")
+            ... # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ValueError: models[1].schedule: "__import__('os')" is not a schedule: ...
+        """
+        return _Parser(text, field).schedule()
+
+
+_TOKEN = re.compile(r"\s*(?:(?P<number>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
+                    r"|(?P<name>[a-z]+)|(?P<op>[()&|~,=]))")
+# A record's schedule is short: a longer or deeper one is crafted (and would nest past
+# Python's recursion limit when evaluated).
+_MAX_TEXT, _MAX_DEPTH = 10_000, 100
+_GRAMMAR = ("a schedule reads as each(5), at(1, 2), after(3), before(4), always or never, "
+            "combined with &, | and ~")
+
+
+class _Parser:
+    """Recursive descent over the schedule grammar of :meth:`Schedule.parse` (never eval)."""
+
+    def __init__(self, text: Any, field: str) -> None:
+        self.text, self.field = text, field
+        if not isinstance(text, str):
+            raise TypeError(f"{field}: expected a schedule's description (text), got "
+                            f"{type(text).__name__}")
+        if len(text) > _MAX_TEXT:
+            self.fail(f"longer than {_MAX_TEXT} characters")
+        self.tokens: list[tuple[str, str, int]] = []
+        at, end = 0, len(text.rstrip())
+        while at < end:
+            match = _TOKEN.match(text, at)
+            if match is None or match.lastgroup is None:
+                where = at + len(text[at:]) - len(text[at:].lstrip())
+                self.fail(f"unexpected {text[where]!r} at {where}")
+            kind = match.lastgroup
+            self.tokens.append((kind, match[kind], match.start(kind)))
+            at = match.end()
+        if sum(value in "&|~" for kind, value, _ in self.tokens if kind == "op") > _MAX_DEPTH:
+            self.fail(f"it combines more than {_MAX_DEPTH} rules")
+        self.next = 0
+
+    def fail(self, why: str) -> NoReturn:
+        text = self.text if len(self.text) <= 200 else self.text[:200] + "..."
+        raise ValueError(f"{self.field}: {text!r} is not a schedule: {why}; {_GRAMMAR}")
+
+    def peek(self) -> str | None:
+        return self.tokens[self.next][1] if self.next < len(self.tokens) else None
+
+    def take(self, kind: str, value: str | None = None) -> str:
+        wanted = repr(value) if value is not None else {"name": "a rule",
+                                                        "number": "a number"}[kind]
+        if self.next >= len(self.tokens):
+            self.fail(f"it ends where {wanted} was expected")
+        got_kind, got, where = self.tokens[self.next]
+        if got_kind != kind or (value is not None and got != value):
+            self.fail(f"{wanted} expected at {where}, got {got!r}")
+        self.next += 1
+        return got
+
+    def schedule(self) -> Schedule:
+        rule = self.either(0)
+        if self.next < len(self.tokens):
+            _, got, where = self.tokens[self.next]
+            self.fail(f"unexpected {got!r} at {where}")
+        return rule
+
+    def either(self, depth: int) -> Schedule:
+        rule = self.both(depth)
+        while self.peek() == "|":
+            self.next += 1
+            rule = rule | self.both(depth)
+        return rule
+
+    def both(self, depth: int) -> Schedule:
+        rule = self.unary(depth)
+        while self.peek() == "&":
+            self.next += 1
+            rule = rule & self.unary(depth)
+        return rule
+
+    def unary(self, depth: int) -> Schedule:
+        if depth > _MAX_DEPTH:
+            self.fail(f"nested deeper than {_MAX_DEPTH}")
+        if self.peek() == "~":
+            self.next += 1
+            return ~self.unary(depth + 1)
+        if self.peek() == "(":
+            self.next += 1
+            rule = self.either(depth + 1)
+            self.take("op", ")")
+            return rule
+        name = self.take("name")
+        if name in ("always", "never"):
+            return always if name == "always" else never
+        if name not in _RULES:
+            self.fail(f"{name!r} is no schedule (known: {', '.join(_RULES)}, always, never)")
+        self.take("op", "(")
+        numbers, start = [self.number()], None
+        while self.peek() == ",":
+            self.next += 1
+            if self.peek() == "start" and name == "each" and start is None:
+                self.next += 1
+                self.take("op", "=")
+                start = self.number()
+            elif start is None:
+                numbers.append(self.number())
+            else:
+                self.fail("start= comes last")
+        self.take("op", ")")
+        arguments = (*numbers, *(() if start is None else (start,)))
+        if name in ("after", "before") and len(arguments) != 1:
+            self.fail(f"{name}() takes one number")
+        if name == "each" and len(arguments) > 2:
+            self.fail("each() takes n and start")
+        try:
+            return _RULES[name](*arguments)
+        except (TypeError, ValueError) as error:  # each(0), at(): the constructor's reason
+            self.fail(str(error))
+
+    def number(self) -> float:
+        text = self.take("number")
+        return float(text) if any(c in text for c in ".eE") else int(text)
 
 
 def _is_int(value: Any) -> bool:
@@ -355,3 +497,6 @@ always: Schedule = _Constant(True)
 
 never: Schedule = _Constant(False)
 """Holds nowhere."""
+
+# The constructors a schedule's description may name (Schedule.parse): an allow list.
+_RULES = {"each": each, "at": at, "after": after, "before": before}

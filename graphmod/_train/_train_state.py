@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 import optax
 
 from graphmod._core._show import VariablesTable, size_text
@@ -111,5 +112,9 @@ def _evaluation_point(variables: Any, z: Any, b1: Any) -> Any:
 
 
 def _count(value: Any) -> str:
-    """A step counter as text, without a device read inside a trace."""
-    return "traced" if isinstance(value, jax.core.Tracer) else str(int(value))
+    """A step counter as text (a population's: one value per member unless all agree),
+    without a device read inside a trace."""
+    if isinstance(value, jax.core.Tracer):
+        return "traced"
+    counts = np.asarray(value)
+    return str(int(counts.flat[0])) if (counts == counts.flat[0]).all() else str(counts.tolist())

@@ -11,11 +11,11 @@ from typing import Any
 import jax
 
 from graphmod._core._numbers import is_whole_number
-from graphmod._records._collect import training_inputs, training_provenance
 from graphmod._train._checkpoint import Checkpointer, CheckpointError
 from graphmod._train._checkpoint._lock import RunLock, run_lock
 from graphmod._train._command import RESUME_VARIABLE
 from graphmod._train._events import Event, On, Template
+from graphmod._train._loop._models import Models, run_inputs, run_provenance
 from graphmod._train._loop._resume import check_models, newest_meta
 from graphmod._train._optimize import TrainStep
 from graphmod._train._plugin import Plugin
@@ -213,14 +213,15 @@ class Checkpoint(Plugin):
         self._saved_step, self._saved_epoch = loop.time.step, loop.time.epoch
 
     def _provenance(self, loop: LoopLike) -> dict[str, Any]:
-        """``{"provenance": record}`` for a graphmod.optimize step (inputs kept from the
-        first save: the data are hashed once); a failure is noted, never raised."""
-        if not isinstance(loop.step, TrainStep):
+        """``{"provenance": record}`` for a graphmod.optimize step or several models (inputs
+        kept from the first save: the data are hashed once); a failure is noted, never
+        raised."""
+        if not isinstance(loop.step, TrainStep | Models):
             return {}
         try:
             if self._inputs is None:
-                self._inputs = training_inputs(loop.step, loop)
-            record = training_provenance(loop.step, loop, self._inputs)
+                self._inputs = run_inputs(loop)
+            record = run_provenance(loop, self._inputs)
         except Exception as error:  # a checkpoint matters more than its record
             return {"provenance_error": f"{type(error).__name__}: {error}"}
         return {"provenance": record.to_dict()}

@@ -7,9 +7,12 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import jax
+import numpy as np
+
 from graphmod._core._numbers import is_whole_number
 from graphmod._train._events import Event, On, Template
-from graphmod._train._host_metrics import copying, on_host, scalar_metrics
+from graphmod._train._host_metrics import copying, on_host, scalar_metrics, scalars
 from graphmod._train._plugin import Plugin
 from graphmod.plugins._common import metric_names, per_model, planned_steps, template_or
 from graphmod.typing import LoopLike
@@ -33,7 +36,9 @@ class ProgressBar(Plugin):
             times the length of its data; open-ended when neither is known).
         metrics: names of step metrics to show beside the bar (those present are shown);
             in a loop over several models, a name without a model (``"loss"``) is shown
-            for each (``"disc/loss"``, ``"gen/loss"``).
+            for each (``"disc/loss"``, ``"gen/loss"``); a one-dimensional one (a
+            population's, one value per member) as ``"loss mean"``, ``"loss min"`` and
+            ``"loss max"``.
         every: the step events on which the metrics are read and shown (default: at most
             every 0.1 s: a copy started, nothing waited for).
         name: the plugin's name.
@@ -101,7 +106,7 @@ class ProgressBar(Plugin):
             self._show(self._copying)
             self._copying = None
         if self._shown and self._copying is None and self._due(event):
-            self._copying = copying(event.metrics, self._shown)
+            self._copying = copying(event.metrics, self._shown, per_index=True)
 
     def _due(self, event: Event) -> bool:
         if self.show_every is not None:
@@ -129,7 +134,9 @@ class ProgressBar(Plugin):
                 self._bar.set_description_str(desc, refresh=False)
 
     def _show(self, metrics: Any) -> None:
-        values = scalar_metrics(metrics, self._shown)  # on the host already (or at the end)
+        # On the host already (or at the end); a one-dimensional metric (a population's:
+        # one value per member) as its mean, min and max.
+        values = {**scalar_metrics(metrics, self._shown), **_spread(metrics, self._shown)}
         if values:
             self.postfix = values
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()})
@@ -152,3 +159,16 @@ class ProgressBar(Plugin):
         finally:
             self._bar.close()
             self._bar = None
+
+
+def _spread(metrics: Any, names: tuple[str, ...]) -> dict[str, float]:
+    """Each one-dimensional metric among ``names`` (a population's, one value per member)
+    as ``name mean``, ``name min`` and ``name max``."""
+    rows = {name: value for name, value in scalars(metrics, names, per_index=True).items()
+            if np.ndim(value) == 1}
+    shown: dict[str, float] = {}
+    for name, value in zip(rows, jax.device_get(list(rows.values())), strict=True):
+        value = np.asarray(value, np.float64)
+        shown.update({f"{name} mean": float(value.mean()), f"{name} min": float(value.min()),
+                      f"{name} max": float(value.max())})
+    return shown

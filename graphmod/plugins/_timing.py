@@ -100,6 +100,8 @@ class Timing(Plugin):
                 break
             fresh.append(record)
         for record in reversed(fresh):
+            if record.kind != "plugin":
+                continue  # a model's step (several models): training, not a plugin's time
             self.totals.setdefault((record.plugin, record.event), Tally()).add(record.seconds)
         if fresh:
             self._last = fresh[0]

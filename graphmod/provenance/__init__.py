@@ -17,7 +17,7 @@ from graphmod.provenance._names import (
     RebuildError,
     default_names,
 )
-from graphmod.provenance._rebuild import Rebuilt, rebuild
+from graphmod.provenance._rebuild import Rebuilt, rebuild, rebuild_models
 
 __all__ = [
     "DEFAULT_ALLOWED",
@@ -34,4 +34,5 @@ __all__ = [
     "optimizer",
     "read",
     "rebuild",
+    "rebuild_models",
 ]

@@ -27,9 +27,10 @@ Any malformed entry raises :class:`RebuildError` naming its field, never a bare
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ from graphmod._core._codec import construct
 from graphmod._core._filter import VariableFilter
 from graphmod._core._layout import Layout
 from graphmod._records._collect import brick_records, modules, parameter_records
-from graphmod._records._record import Provenance
+from graphmod._records._record import Provenance, several_models
 from graphmod._train._program import compile
 from graphmod.provenance._decoder import RecordDecoder
 from graphmod.provenance._names import RebuildError, Rules
@@ -251,38 +252,152 @@ def rebuild(provenance: Provenance | str, *, model: nnx.Module | None = None,
         >>> bool((again.model.linear_layers[0].W[...] == mlp.linear_layers[0].W[...]).all())
         True
     """
-    if isinstance(provenance, str | bytes):
-        provenance = Provenance.from_json(provenance)
-    if not isinstance(provenance, Provenance):
-        raise TypeError(f"rebuild: expected a Provenance, got {type(provenance).__name__}")
+    provenance = _record(provenance, "rebuild")
+    if several_models(provenance) is not None:
+        names = list(provenance.inputs["order"])
+        raise RebuildError(
+            f"rebuild: this record is a run of several models ({', '.join(names)}); rebuild "
+            "them all with graphmod.provenance.rebuild_models(record), or one with "
+            f"rebuild(record.models[{names[-1]!r}])")
     if provenance.kind == "evaluation":
         nested = provenance.model
         if nested is None:
             raise RebuildError("rebuild: this evaluation record holds no model record")
         provenance = nested
-    if model is not None and not isinstance(model, nnx.Module):
-        raise TypeError("rebuild(model=...): expected the flax.nnx.Module the record "
-                        f"describes, got {type(model).__name__}")
+    model = _module(model, "rebuild(model=...)")
+    plan = _Plan(provenance, model, Rules.widened(allow, allow_factories))  # imports nothing
+    return plan.build(verify)
+
+
+def rebuild_models(provenance: Provenance | str, *,
+                   models: Mapping[str, nnx.Module] | None = None, allow: Iterable[str] = (),
+                   allow_factories: Iterable[str] = (), verify: bool = True
+                   ) -> dict[str, Rebuilt]:
+    """Rebuilds every stepping model of a run of several models, as :func:`rebuild` does one.
+
+    A record of ``graphmod.Loop({"disc": d_step, "gen": g_step}, ...)`` (from
+    ``capture(loop)`` or a checkpoint, ``graphmod.provenance.read(directory)``) holds each
+    model's own training record under its name (``record.models``). Each one is checked
+    as :func:`rebuild` checks a record, *all of them before anything any of them names is
+    imported*, then each is constructed. A frozen model (step None) has no program: it is
+    left out, and its state (its variables) is yours to give again.
+
+    Args:
+        provenance: a training record of several models, or its JSON text.
+        models: by model name, the model to use instead of constructing that model's
+            recorded root brick (``rebuild(..., model=...)`` for each).
+        allow, allow_factories, verify: as for :func:`rebuild`, for every model.
+
+    Returns:
+        ``{name: Rebuilt}`` for each stepping model, in the loop's order.
+
+    Raises:
+        RebuildError: as :func:`rebuild`, the message naming the model
+            (``models['gen']: ...``); or the record is not one of several models.
+        TypeError, ValueError: as :func:`rebuild`; ``models=`` names a model the record
+            lacks or a frozen one.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, graphmod as gm
+        >>> from flax import nnx
+        >>> programs = {name: gm.compile(lambda m, x: (m(x) ** 2).mean(),
+        ...                              gm.bricks.Linear(2, 1, rngs=nnx.Rngs(seed)))
+        ...             for seed, name in enumerate(["a", "b"])}
+        >>> steps = {k: gm.optimize(p, gm.provenance.optimizer("sgd", 0.1))
+        ...          for k, p in programs.items()}
+        >>> loop = gm.Loop(steps, [(jnp.ones((4, 2)),)] * 2)
+        >>> _ = loop.run({k: steps[k].init(p.init(jnp.ones((4, 2))), jax.random.key(0))
+        ...               for k, p in programs.items()})
+        >>> again = gm.provenance.rebuild_models(gm.provenance.capture(loop))
+        >>> sorted(again), again["b"].optimizer is not None
+        (['a', 'b'], True)
+        >>> bool((again["b"].model.W[...] == programs["b"].model.W[...]).all())
+        True
+    """
+    provenance = _record(provenance, "rebuild_models")
+    if several_models(provenance) is None:
+        raise RebuildError("rebuild_models: this record is not a run of several models (it "
+                           "holds no models and order); rebuild it with "
+                           "graphmod.provenance.rebuild(record)")
+    records = provenance.models or {}
+    if models is not None and not isinstance(models, Mapping):
+        raise TypeError("rebuild_models(models=...): expected a dict of models by name, got "
+                        f"{type(models).__name__}")
+    given = {name: _module(model, f"rebuild_models(models={{{name!r}: ...}})")
+             for name, model in (models or {}).items()}
+    for name in given:
+        if records.get(name) is None:
+            raise ValueError(
+                f"rebuild_models(models={{{name!r}: ...}}): the record "
+                f"{'freezes' if name in records else 'has no'} model {name!r}; its stepping "
+                f"models are {[k for k, v in records.items() if v is not None]}")
     rules = Rules.widened(allow, allow_factories)
-    inputs = provenance.inputs
-    check = RecordDecoder(rules, None, dry=True)
-    root = check.mapping(inputs.get("bricks") or {}, "bricks").get("/")
-    if root is None:
-        raise RebuildError("rebuild: the record holds no root brick (bricks['/'])")
-    # 1. Check everything to be constructed, importing nothing.
-    if model is None:
-        construct(root, check, "bricks['/']", "brick",
-                  fix="construct the model yourself and pass it, rebuild(record, model=model)")
-    _the_rest(inputs, check)
-    # 2. Construct.
-    if model is None:
-        model = construct(root, RecordDecoder(rules, None, dry=False), "bricks['/']", "brick")
-    if verify:
-        _verify(provenance, model, check)
-    built, monitor, tx, seeds = _the_rest(inputs, RecordDecoder(rules, modules(model),
-                                                                dry=False))
-    return Rebuilt(model, built, tx, monitor, seeds, _trainable(inputs, built), provenance,
-                   rules.added)
+    plans = {}
+    for name, record in records.items():  # 1. every model checked: nothing imported yet
+        if record is not None:
+            with _naming(name):
+                plans[name] = _Plan(record, given.get(name), rules)
+    built = {}
+    for name, plan in plans.items():  # 2. constructed
+        with _naming(name):
+            built[name] = plan.build(verify)
+    return built
+
+
+def _record(provenance: Any, who: str) -> Provenance:
+    """``provenance`` as a record (JSON text read), or a TypeError."""
+    if isinstance(provenance, str | bytes):
+        provenance = Provenance.from_json(provenance)
+    if not isinstance(provenance, Provenance):
+        raise TypeError(f"{who}: expected a Provenance, got {type(provenance).__name__}")
+    return provenance
+
+
+def _module(model: Any, argument: str) -> nnx.Module | None:
+    if model is not None and not isinstance(model, nnx.Module):
+        raise TypeError(f"{argument}: expected the flax.nnx.Module the record describes, got "
+                        f"{type(model).__name__}")
+    return model
+
+
+@contextlib.contextmanager
+def _naming(name: str) -> Iterator[None]:
+    """Prefixes a :class:`RebuildError` raised inside with the model it concerns."""
+    try:
+        yield
+    except RebuildError as error:
+        raise RebuildError(f"models[{name!r}]: {error}") from error.__cause__
+
+
+class _Plan:
+    """One record checked for :func:`rebuild` (the first pass: nothing imported), then
+    built by :meth:`build` (the second)."""
+
+    def __init__(self, provenance: Provenance, model: nnx.Module | None, rules: Rules) -> None:
+        self.provenance, self.model, self.rules = provenance, model, rules
+        inputs = provenance.inputs
+        self.check = RecordDecoder(rules, None, dry=True)
+        self.root = self.check.mapping(inputs.get("bricks") or {}, "bricks").get("/")
+        if self.root is None:
+            raise RebuildError("rebuild: the record holds no root brick (bricks['/'])")
+        if model is None:
+            construct(self.root, self.check, "bricks['/']", "brick",
+                      fix="construct the model yourself and pass it, rebuild(record, "
+                      "model=model)")
+        _the_rest(inputs, self.check)
+
+    def build(self, verify: bool) -> Rebuilt:
+        """Constructs what the record describes (checked again as it is resolved)."""
+        inputs, model = self.provenance.inputs, self.model
+        if model is None:
+            model = construct(self.root, RecordDecoder(self.rules, None, dry=False),
+                              "bricks['/']", "brick")
+        if verify:
+            _verify(self.provenance, model, self.check)
+        built, monitor, tx, seeds = _the_rest(inputs, RecordDecoder(self.rules, modules(model),
+                                                                    dry=False))
+        return Rebuilt(model, built, tx, monitor, seeds, _trainable(inputs, built),
+                       self.provenance, self.rules.added)
 
 
 def _trainable(inputs: Mapping[str, Any], managers: tuple[Any, ...]) -> tuple[Any, ...] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import pathlib
+import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -12,7 +13,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from hypothesis import given, settings
@@ -22,6 +22,7 @@ import graphmod as gm
 from graphmod._train._checkpoint import CheckpointError, CheckpointReader
 from graphmod.data import ArraySource
 from graphmod.plugins import Anneal, Checkpoint, EarlyStopping, Logger, NaNGuard, Validation
+from graphmod.provenance import RebuildError
 from tests.loop.conftest import Problem
 
 # -- plain steps that say when they ran --------------------------------------------------------
@@ -55,11 +56,51 @@ def test_models_step_at_the_iterations_their_schedules_say_in_declared_order(ord
     log: list = []
     loop = gm.Loop({name: recorder(name, log) for name in order}, numbered(12),
                    schedules=chosen)
+    loop.on("step", lambda event: None)  # plugin calls among the model steps
     states = loop.run(dict.fromkeys(order, 0))
     expected = [(name, t) for t in range(1, 13) for name in order
                 if chosen.get(name, gm.always).holds_at(t)]
-    assert [(name, t) for name, t, _ in log] == expected
+    steps = [d for d in loop.trace if d.kind == "model"]  # which model stepped when
+    assert [(d.plugin, d.step) for d in steps] == expected
+    assert [d.order for d in steps] == [order.index(name) for name, _ in expected]
+    assert {d.event for d in steps} <= {"train"} and all(d.seconds >= 0 for d in steps)
+    assert [(d.event, d.step) for d in loop.trace if d.kind == "plugin"] == [
+        ("step", t) for t in range(1, 13)]
+    assert [(name, t) for name, t, _ in log] == expected  # the steps' own log agrees
     assert states == {name: sum(1 for n, _ in expected if n == name) for name in order}
+
+
+def test_a_loop_of_one_step_records_its_plugin_calls_only():
+    loop = gm.Loop(step, numbered(3))
+    loop.on("step", lambda event: None)
+    loop.run(0)
+    assert [d.event for d in loop.trace] == ["step"] * 3
+    assert {d.kind for d in loop.trace} == {"plugin"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(rule=schedules)
+def test_a_schedules_description_parses_back_to_the_same_schedule(rule):
+    again = gm.Schedule.parse(repr(rule))
+    assert again == rule and repr(again) == repr(rule)
+    assert [again.holds_at(t) for t in range(30)] == [rule.holds_at(t) for t in range(30)]
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("__import__('os').system('true')", "unexpected '_' at 0"),
+    ("each(2) | exec", "'exec' is no schedule"),
+    ("each(2); at(1)", "unexpected ';' at 7"),
+    ("each(2, start=1, 3)", "start= comes last"),
+    ("after(1, 2)", r"after\(\) takes one number"),
+    ("each(0)", r"each\(n\): n must be > 0"),
+    ("each(True)", "unexpected 'T' at 5"),
+    ("each(2) &", "it ends where a rule was expected"),
+    ("(" * 200 + "always" + ")" * 200, "nested deeper than 100"),
+    ("~" * 101 + "always", "it combines more than 100 rules"),
+])
+def test_any_other_text_is_refused_naming_the_field_and_the_text(text, why):
+    with pytest.raises(ValueError, match=r"^models\[1\]\.schedule: .* is not a schedule: " + why):
+        gm.Schedule.parse(text, field="models[1].schedule")
 
 
 def test_a_reader_sees_a_model_declared_before_it_after_its_update_and_one_after_before():
@@ -135,8 +176,8 @@ class Pair:
         d_vars, g_vars = judge.init(self.x[:1]), draw.init(self.z[:1])
         self.d_vars = self.d_program.init(self.x[:4], self.z[:4], gen=g_vars)
         self.g_vars = self.g_program.init(self.x[:4], self.z[:4], disc=d_vars)
-        self.d_step = gm.optimize(self.d_program, optax.sgd(0.1))
-        self.g_step = gm.optimize(self.g_program, optax.sgd(0.1))
+        self.d_step = gm.optimize(self.d_program, gm.provenance.optimizer("sgd", 0.1))
+        self.g_step = gm.optimize(self.g_program, gm.provenance.optimizer("sgd", 0.1))
 
     def source(self) -> ArraySource:
         return ArraySource((self.x, self.z), batch_size=8)
@@ -268,9 +309,10 @@ def test_a_checkpoint_holds_every_model_and_resumes_bitwise(pair, tmp_path):
     second = gm.Loop(steps, pair.source(), steps=8, schedules={"gen": gm.each(3)},
                      reads=reads, plugins=[Checkpoint(tmp_path, resume=True)])
     resumed = second.run(pair.states())
+    # Neither schedules, reads nor states given: the checkpoint's record of the models and
+    # the programs' init examples have them.
     again = gm.Loop.resume(tmp_path.parent / f"{tmp_path.name}_copy", steps, pair.source(),
-                           state=pair.states(), steps=8, schedules={"gen": gm.each(3)},
-                           reads=reads)
+                           steps=8)
     assert second.start_time.step == 5
     for a, b, c in zip(jax.tree.leaves(resumed), jax.tree.leaves(again),
                        jax.tree.leaves(whole), strict=True):
@@ -306,6 +348,66 @@ def test_the_checkpoint_records_each_models_name_step_schedule_and_reads(pair, t
     shown = gm.inspect_run(tmp_path)
     assert "model disc: stepping, reads gen" in shown
     assert "model gen: stepping, at each(3), reads disc" in shown
+    # The provenance's summary: each model's schedule, reads and own record.
+    assert re.search(r"\n  gen +steps at each\(3\), reads disc\n", shown)
+    assert re.search(r"\n  gen\.optimizer +sgd\(learning_rate=0\.1\)\n", shown)
+
+
+def test_the_provenance_of_two_models_rebuilds_both_bitwise(pair, tmp_path):
+    _saved_pair(pair, tmp_path)
+    record = gm.provenance.read(tmp_path)
+    assert (record.kind, record["order"], record["frozen"], record.derived["steps"]) == \
+        ("training", ("disc", "gen"), (), 5)
+    assert record["schedules"] == {"disc": None, "gen": "each(3)"}
+    assert record["reads"] == {"disc": ("gen",), "gen": ("disc",)}
+    assert record.to_dict()["inputs"]["data"] == pair.source().describe()
+    for name, key, step in (("disc", 0, pair.d_step), ("gen", 1, pair.g_step)):
+        own = record.models[name]  # the model's own training record, as its step makes it
+        assert own.kind == "training" and own.fingerprint.startswith("sha256:")
+        assert own["seeds"]["train"]["data"] == (0, key)
+        assert own.to_dict()["inputs"]["bricks"] == step.provenance.to_dict()["inputs"]["bricks"]
+    with pytest.raises(RebuildError, match=r"a run of several models \(disc, gen\); rebuild "
+                                           r"them all with graphmod.provenance.rebuild_models"):
+        gm.rebuild(record)
+
+    rebuilt = gm.provenance.rebuild_models(record)
+    assert list(rebuilt) == ["disc", "gen"]
+    x, z = pair.x[:8], pair.z[:8]
+    for name, step, variables, reads in (("disc", pair.d_step, pair.d_vars, "gen"),
+                                         ("gen", pair.g_step, pair.g_vars, "disc")):
+        again = rebuilt[name]
+        program = again.compile(step.program.fn)  # the same function again
+        args, kwargs = again.example_arguments()
+        made = program.init(*args, rng=again.seeds["init"], **kwargs)
+        for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(variables), strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert program.provenance.fingerprint == record.models[name].fingerprint
+        twin = gm.optimize(program, again.optimizer)
+        assert twin.optimizer_record == step.optimizer_record
+        other = {reads: pair.states()[reads].variables}
+        ours, _ = twin(twin.init(made, again.seeds["train"]), x, z, **other)
+        theirs, _ = step(pair.states()[name], x, z, **other)  # one step: the same update
+        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_crafted_model_record_is_refused_before_any_model_is_built(pair, tmp_path,
+                                                                       monkeypatch):
+    _saved_pair(pair, tmp_path)
+    record = gm.provenance.read(tmp_path).to_dict()
+    record["inputs"]["models"]["gen"]["inputs"]["bricks"]["/"]["class"] = "os.system"
+    built: list = []
+    original = gm.bricks.Linear.__init__
+    monkeypatch.setattr(gm.bricks.Linear, "__init__",
+                        lambda self, *a, **k: built.append(a) or original(self, *a, **k))
+    with pytest.raises(RebuildError, match=r"^models\['gen'\]: rebuild: bricks\['/'\]"):
+        gm.provenance.rebuild_models(gm.Provenance.from_dict(record))
+    assert built == []  # disc's record, first and sound, was not built either
+    with pytest.raises(ValueError, match=r"the record has no model 'critic'; its stepping "
+                                         r"models are \['disc', 'gen'\]"):
+        gm.provenance.rebuild_models(gm.Provenance.from_dict(record), models={"critic": None})
+    with pytest.raises(RebuildError, match="not a run of several models"):
+        gm.provenance.rebuild_models(pair.g_step.provenance)
 
 
 def test_a_frozen_model_is_recorded_and_shown_as_frozen(pair, tmp_path):
@@ -313,7 +415,12 @@ def test_a_frozen_model_is_recorded_and_shown_as_frozen(pair, tmp_path):
     gm.Loop({"disc": None, "gen": pair.g_step}, pair.source(), steps=2,
             reads={"gen": ["disc"]}, plugins=[Checkpoint(tmp_path, every=gm.On("end"))]
             ).run({"disc": teacher, "gen": pair.states()["gen"]})
-    assert "model disc: frozen" in gm.inspect_run(tmp_path)
+    shown = gm.inspect_run(tmp_path)
+    assert "model disc: frozen" in shown and re.search(r"\n  disc +frozen \(no program", shown)
+    record = gm.provenance.read(tmp_path)
+    assert (record["frozen"], record.models["disc"], record["schedules"]) == \
+        (("disc",), None, {"gen": None})
+    assert list(gm.provenance.rebuild_models(record)) == ["gen"]  # nothing to build of disc
 
 
 @pytest.mark.parametrize("how", ["plugin", "Loop.resume"])
@@ -355,6 +462,56 @@ def test_unchanged_models_resume_without_a_warning(pair, tmp_path):
                        plugins=[Checkpoint(tmp_path, resume=True)])
         loop.run(pair.states())
     assert loop.setting_changes == []
+
+
+def test_given_settings_override_the_recorded_ones_and_are_recorded_as_changes(pair, tmp_path):
+    _saved_pair(pair, tmp_path)
+    faster = gm.optimize(pair.g_program, gm.provenance.optimizer("sgd", 0.2))
+    with pytest.warns(UserWarning, match=r"this run's \['optimizer.gen', 'schedules.gen'\] "
+                                         r"differ from those"):
+        gm.Loop.resume(tmp_path, {"disc": pair.d_step, "gen": faster}, pair.source(), steps=6,
+                       schedules={"gen": gm.each(2)},
+                       plugins=[Checkpoint(tmp_path, every=gm.On("end"))])
+    reader = CheckpointReader(tmp_path)
+    try:
+        meta = reader.meta(6)
+    finally:
+        reader.close()
+    (change,) = meta["setting_changes"]
+    assert change["step"] == 5 and sorted(change["settings"]) == ["optimizer.gen",
+                                                                  "schedules.gen"]
+    assert change["settings"]["schedules.gen"] == "each(3)"
+    assert change["settings"]["optimizer.gen"]["arguments"] == \
+        pair.g_step.optimizer_record["arguments"]  # the optimizer before
+    assert meta["models"][0]["reads"] == ["gen"]  # the reads not given: the recorded ones
+
+
+def test_a_crafted_schedule_in_a_checkpoint_is_refused_and_nothing_runs(pair, tmp_path):
+    _saved_pair(pair, tmp_path)
+    path = tmp_path / "5" / "meta" / "metadata"
+    record = json.loads(path.read_text())
+    record["models"][1]["schedule"] = "__import__('os').system('touch pwned')"
+    path.write_text(json.dumps(record))
+    before = _files(tmp_path)
+    with pytest.raises(ValueError, match=r"the checkpoint of step 5: models\[1\]\.schedule "
+                       r"\(model 'gen'\): \"__import__\('os'\).*\" is not a schedule: .*"
+                       r"pass the schedules yourself"):
+        gm.Loop.resume(tmp_path, {"disc": pair.d_step, "gen": pair.g_step}, pair.source(),
+                       steps=8, plugins=[Checkpoint(tmp_path, every=gm.On("end"))])
+    assert _files(tmp_path) == before and not pathlib.Path("pwned").exists()
+
+
+@pytest.mark.parametrize(("inputs", "message"), [
+    ({"models": {"a": {"kind": "training"}}, "order": ["a"]}, r"models\['a'\]: not a provenance"),
+    ({"models": {"a": None}, "order": ["a", "b"]}, r"order: lists \['a', 'b'\], but the record "
+                                                  r"holds the models \['a'\]"),
+    ({"models": [], "order": ["a"]}, "holds a mapping of their records"),
+])
+def test_a_damaged_record_of_several_models_is_named_and_still_prints(inputs, message):
+    record = gm.Provenance("training", inputs)
+    with pytest.raises(gm.provenance.ProvenanceError, match=message):
+        gm.provenance.rebuild_models(record)
+    assert dict(record.summary())["models"].startswith("unreadable (")
 
 
 def test_a_checkpoint_of_several_models_is_refused_to_a_loop_of_one_step(pair, tmp_path):
@@ -440,6 +597,11 @@ def test_a_frozen_model_has_no_schedule_and_reads_nothing():
         gm.Loop({"a": step, "b": None}, numbered(2), schedules={"b": gm.each(2)})
     with pytest.raises(ValueError, match="model 'b' is frozen"):
         gm.Loop({"a": step, "b": None}, numbered(2), reads={"b": ["a"]})
+
+
+def test_the_record_of_a_model_without_a_program_is_refused_naming_it():
+    with pytest.raises(TypeError, match=r"model 'a''s step is not a graphmod\.optimize step"):
+        gm.provenance.capture(gm.Loop({"a": step, "b": None}, numbered(2)))
 
 
 def test_schedules_without_named_models_are_refused():

@@ -98,10 +98,28 @@ def test_with_lora_it_comes_first_and_inference_keeps_the_adapters() -> None:
     assert not np.allclose(merged["model"]["kernel"], state.variables["model"]["kernel"])
     np.testing.assert_allclose(program.infer(state.variables, x, y),
                                gm.compile(_cost, _linear()).infer(merged, x, y), rtol=1e-6)
-    late = gm.compile(_cost, _linear(), managers=[managers.LoRA(1), managers.EMA(0.5)])
+    # Listed after LoRA, EMA still goes first: it declares runs_before "parameter_rewrite".
+    late_lora = managers.LoRA(1, bricks=[nnx.Linear])
+    late = gm.compile(_cost, _linear(), managers=[late_lora, managers.EMA(0.5)])
+    assert [m.name for m in late.managers] == ["ema", "lora"]
+    late_step = gm.optimize(late, optax.adam(0.1), trainable=[late_lora])
+    late_state = late_step.init(late.init(x, y), jax.random.key(0))
+    for _ in range(3):
+        late_state, _ = late_step(late_state, x, y)
+    np.testing.assert_array_equal(late.infer(late_state.variables, x, y),
+                                  program.infer(state.variables, x, y))
+    assert "moved: ema before lora (EMA.runs_before 'parameter_rewrite')" in str(
+        late.rewrites.train)
+
+    class Shift(gm.Manager):  # a parameter rewrite that does not declare its kind
+        def rewrite_parameter(self, call, name, value):
+            return value + 1.0
+
+    undeclared = gm.compile(_cost, _linear(), managers=[Shift(roles=[roles.WEIGHT]),
+                                                        managers.EMA(0.5)])
     with pytest.raises(gm.errors.ManagerConflict, match=r"parameter /\.kernel reaches it "
-                       r"already rewritten by a manager listed before it.*list EMA first"):
-        late.init(x, y)  # else inference would read the average without the adapters
+                       r"already rewritten.*declare kinds = \('parameter_rewrite',\)"):
+        undeclared.init(x, y)  # else inference would read the average without the shift
 
 
 def test_a_parameter_read_by_several_calls_or_loop_steps_moves_once_per_step() -> None:

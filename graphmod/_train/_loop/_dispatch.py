@@ -14,7 +14,7 @@ import collections
 import dataclasses
 import time as _time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from graphmod._core._table import html_table, text_table
 from graphmod._train._events import AnyOf, Event, Template, Time, as_template, plugin_name
@@ -45,15 +45,26 @@ class Registration:
     name: str
 
 
-@dataclasses.dataclass(frozen=True)
-class Dispatch:
-    """One plugin call: which event, which plugin, in which order, how long it took."""
+class Dispatch(NamedTuple):
+    """One plugin call (``kind="plugin"``): which event, at which step, which plugin, in
+    which order, how long it took; or, in a loop of several models, one model's step
+    (``kind="model"``): event ``"train"``, the iteration, the model's name as ``plugin``,
+    its position in the declared order as ``order`` and the host seconds of the call (its
+    dispatch: the device may still be computing). An immutable record; a named tuple,
+    since one is made per call (a third of a frozen dataclass's cost).
+
+    Examples:
+        >>> from graphmod._train._loop import Dispatch
+        >>> Dispatch("train", 3, "gen", 1, 0.0, kind="model").kind
+        'model'
+    """
 
     event: str
     step: int
     plugin: str
     order: int
     seconds: float
+    kind: str = "plugin"
 
 
 _TRACE_HEADERS = ("event", "step", "order", "plugin", "ms")
@@ -61,28 +72,35 @@ _SHOWN = 20  # rows a repr shows
 
 
 class DispatchTrace:
-    """The latest dispatches of a loop (a bounded buffer); prints as a table.
+    """The latest dispatches of a loop (a bounded buffer, oldest dropped first); prints as
+    a table.
+
+    Each plugin call is a row; in a loop of several models each model's step is one too
+    (``kind="model"``, event ``"train"``, shown as ``model NAME``), so the trace says which
+    model stepped at which iteration, in which order, among the plugin calls around it. A
+    loop of one step records no step rows (its hot path appends nothing).
 
     Examples:
         >>> from graphmod._train._loop import Dispatch, DispatchTrace
-        >>> trace = DispatchTrace(maxlen=2)
+        >>> trace = DispatchTrace(maxlen=3)
         >>> for i in range(3):
         ...     trace.append(Dispatch("step", i, "print", 0, 0.0))
+        >>> trace.append(Dispatch("train", 3, "gen", 1, 0.0, kind="model"))
         >>> [d.step for d in trace]
-        [1, 2]
+        [1, 2, 3]
         >>> print(repr(trace))
-        DispatchTrace: 2 plugin calls
-        event  step  order  plugin  ms
-        -----  ----  -----  ------  -----
-        step   1     0      print   0.000
-        step   2     0      print   0.000
+        DispatchTrace: 2 plugin calls, 1 model step
+        event  step  order  plugin     ms
+        -----  ----  -----  ---------  -----
+        step   1     0      print      0.000
+        step   2     0      print      0.000
+        train  3     1      model gen  0.000
     """
 
     def __init__(self, maxlen: int = 4096) -> None:
         self._records: collections.deque[Dispatch] = collections.deque(maxlen=maxlen)
-
-    def append(self, record: Dispatch) -> None:
-        self._records.append(record)
+        # The deque's own append (C): a model's step costs the loop no Python frame here.
+        self.append: Callable[[Dispatch], None] = self._records.append
 
     def __iter__(self) -> Iterator[Dispatch]:
         return iter(self._records)
@@ -104,11 +122,15 @@ class DispatchTrace:
 
     def _caption(self, shown: int) -> str:
         latest = f", the latest {shown}" if len(self) > shown else ""
-        return f"DispatchTrace: {len(self)} plugin calls{latest}"
+        steps = sum(d.kind == "model" for d in self._records)
+        counted = f"{len(self) - steps} plugin calls" + (
+            f", {steps} model step{'' if steps == 1 else 's'}" if steps else "")
+        return f"DispatchTrace: {counted}{latest}"
 
     def _rows(self, count: int) -> list[tuple]:
         chosen = list(self._records)[-count:] if count else []
-        return [(d.event, d.step, d.order, d.plugin, f"{d.seconds * 1e3:.3f}") for d in chosen]
+        return [(d.event, d.step, d.order, f"model {d.plugin}" if d.kind == "model"
+                 else d.plugin, f"{d.seconds * 1e3:.3f}") for d in chosen]
 
 
 class PluginTable:

@@ -16,13 +16,17 @@ from typing import Any
 import jax
 
 from graphmod._core._clock import utc_now
-from graphmod._records._collect import training_provenance
 from graphmod._records._record import Provenance
 from graphmod._train._events import Event, Template, Time, check_event_types
 from graphmod._train._interrupt import SignalGuard, StopAgreement, report_unsaved
 from graphmod._train._loop._dispatch import DispatchTrace, PluginTable
-from graphmod._train._loop._models import Models, loop_step
-from graphmod._train._loop._resume import loop_record, read_checkpoint, resume_changes
+from graphmod._train._loop._models import Models, loop_step, run_provenance
+from graphmod._train._loop._resume import (
+    loop_record,
+    read_checkpoint,
+    recorded_models,
+    resume_changes,
+)
 from graphmod._train._loop._steps import (
     ReadAhead,
     batch_placer,
@@ -179,7 +183,9 @@ class Loop:
 
     @property
     def trace(self) -> DispatchTrace:
-        """The last plugin calls (event, step, plugin, order, seconds), newest last."""
+        """The last plugin calls (event, step, plugin, order, seconds), newest last; in a
+        loop of several models each model's step too (``kind="model"``, event ``"train"``,
+        the model's name as ``plugin``): see :class:`DispatchTrace`."""
         return self._plugins.trace
 
     @trace.setter
@@ -195,7 +201,10 @@ class Loop:
     @property
     def provenance(self) -> Provenance:
         """The run's record: the step's (program, optimizer, train seed), the data, the
-        loop's settings and what happened so far (steps, examples, epochs, times).
+        loop's settings and what happened so far (steps, examples, epochs, times). For
+        several models, each stepping model's own training record under its name
+        (``record.models``; a frozen model's is None), with their ``order``, ``schedules``
+        (descriptions), ``reads`` and ``frozen`` names.
 
         Examples:
             >>> import jax, jax.numpy as jnp, graphmod as gm
@@ -207,11 +216,15 @@ class Loop:
             >>> _ = loop.run(step.init(program.init(jnp.ones((4, 2))), jax.random.key(0)))
             >>> loop.provenance["loop"]["epochs"], loop.provenance.derived["steps"]
             (1, 3)
+            >>> two = gm.Loop({"a": step, "b": None}, [(jnp.ones((4, 2)),)] * 3)
+            >>> states = {"a": step.init(program.init(jnp.ones((4, 2))), jax.random.key(1)),
+            ...           "b": {"w": jnp.ones(2)}}
+            >>> _ = two.run(states)
+            >>> record = two.provenance
+            >>> record["order"], record["frozen"], record.models["a"]["optimizer"]["name"]
+            (('a', 'b'), ('b',), 'sgd')
         """
-        if not isinstance(self.step, TrainStep):
-            raise TypeError("capture(loop): the loop's step is not a graphmod.optimize step, "
-                            "so its model is unknown; capture the program instead")
-        return training_provenance(self.step, self)
+        return run_provenance(self)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything but the train state needed to continue exactly: counters, timelines,
@@ -249,17 +262,20 @@ class Loop:
 
         ``state`` is a template of the train state (any state of the same program); by
         default it is derived from ``step`` (a :func:`graphmod.optimize` step) and the first
-        batch of ``data``. ``settings`` override the saved ``epochs``/``steps``/
+        batch of ``data`` (for a dict of steps, from each program's ``init`` examples; a
+        frozen model's needs ``state=``). ``settings`` override the saved ``epochs``/``steps``/
         ``steps_per_call``. Data whose description differs from the checkpoint's are
         refused (naming the fields) unless ``allow_data_change=True``, which is recorded
         (``data_changes`` in later checkpoints). A missing ``directory`` is an error, and
-        nothing is created. For a dict of steps, pass ``schedules=`` and ``reads=`` again:
-        other model names than the checkpoint's are refused before anything is restored,
-        a changed schedule, reads or frozen model is warned of (``setting_changes``).
+        nothing is created. For a dict of steps, the schedules and reads are the
+        checkpoint's (its record of the models: schedules parsed back from their
+        descriptions, never evaluated) unless given as ``schedules=`` or ``reads=``; other
+        model names than the checkpoint's are refused before anything is restored, and a
+        changed schedule, reads or frozen model is warned of (``setting_changes``).
         """
         restored, meta = read_checkpoint(directory, state, step, data, checkpoint)
         loop = cls(step, data, plugins=plugins, allow_data_change=allow_data_change,
-                   **{**meta["loop"], **settings})
+                   **{**meta["loop"], **recorded_models(meta, step, settings), **settings})
         loop.load_state_dict(meta)
         return loop.run(restored)
 
@@ -385,9 +401,9 @@ class Loop:
             count = steps_to_fuse(self._plugins.templates, self.time, sizes,
                                   self.steps_per_call, self.max_steps)
             size, batch = batches.take(count)
-            if isinstance(step, Models):  # one iteration: the steps due, in order
+            if isinstance(step, Models):  # one iteration: the steps due, in order, traced
                 self.state, self._metrics = step(self.time.step + 1, self.state, batch,
-                                                 self._metrics)
+                                                 self._metrics, self._plugins.trace.append)
             elif count == 1:
                 self.state, self._metrics = call_step(step, self.state, batch)
             else:
@@ -441,4 +457,27 @@ class Loop:
         if isinstance(exc, KeyboardInterrupt):
             report_unsaved(self.time.step, state_taken=self.state is None,
                            saved=self._plugins.saves_on_interrupt())
+
+    # -- in the background ----------------------------------------------------------------------
+    def start(self, state: Any) -> Any:
+        """Runs the loop in a background thread and returns a handle at once (a
+        ``BackgroundRun``): the notebook stays usable while it trains, its progress bar
+        updating. The handle's ``status()``, ``pause()``, ``resume()``,
+        ``set(name, value)``, ``save()``, ``event(name)`` and ``stop()`` are the commands of
+        the loop's :class:`graphmod.plugins.Control` (one with ``serve=False`` is added if
+        the loop has none); ``result()`` returns the final state (re-raising the run's
+        exception), ``running`` says whether it still runs. Stop signals stay with the main
+        thread: Ctrl-C never reaches a background run; ``stop()`` ends it.
+
+        Examples:
+            >>> import numpy as np, graphmod as gm
+            >>> loop = gm.Loop(lambda count, x: (count + 1, {}), [(np.ones(3),)] * 12)
+            >>> run = loop.start(0)  # returns at once; the loop counts to 12 meanwhile
+            >>> run.result(), run.running
+            (12, False)
+        """
+        # Here, not at the top: the plugins import the loop's modules (a cycle otherwise).
+        from graphmod.plugins._control import BackgroundRun
+
+        return BackgroundRun(self, state)
 

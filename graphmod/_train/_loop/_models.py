@@ -22,6 +22,17 @@ Frozen models
     variables, or a TrainState) is carried, read by other steps and checkpointed with the
     rest.
 
+Trace
+    Each model's step is a row of the loop's dispatch trace (``loop.trace``: event
+    ``"train"``, the iteration, the model's name, its position in the declared order, the
+    host seconds of the call; ``kind="model"``): which model stepped when, among the plugin
+    calls. A loop of one step records none.
+
+Provenance
+    ``capture(loop)`` (and each checkpoint) holds every stepping model's own training
+    record under its name (``record.models``), with their order, schedules, reads and
+    frozen models; ``graphmod.provenance.rebuild_models`` rebuilds them all.
+
 Metrics
     Each model's metrics are named ``model/metric`` (``gen/loss``); ``loop.metrics`` holds
     every model's latest (a model's stay as its last step left them on the iterations it
@@ -36,9 +47,18 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
+from time import perf_counter
 from typing import Any
 
+from graphmod._records._collect import (
+    models_inputs,
+    models_provenance,
+    training_inputs,
+    training_provenance,
+)
+from graphmod._records._record import Provenance
 from graphmod._train._batch import step_arguments
+from graphmod._train._loop._dispatch import Dispatch
 from graphmod._train._loop._steps import check_batch, check_start_state
 from graphmod._train._optimize import TrainStep
 from graphmod._train._schedule import Schedule
@@ -51,8 +71,9 @@ Step = Callable[..., tuple[Any, Mapping[str, Any]]]
 class Models:
     """The named steps of a loop over several models (the loop makes it from a dict).
 
-    Calling it runs one iteration: ``models(t, states, batch, metrics)`` returns the
-    states after the steps due at ``t`` and ``metrics`` updated with theirs.
+    Calling it runs one iteration: ``models(t, states, batch, metrics, record)`` returns
+    the states after the steps due at ``t`` and ``metrics`` updated with theirs; ``record``
+    (the loop's ``trace.append``) gets a :class:`Dispatch` row of each step taken.
 
     Examples:
         >>> import graphmod as gm
@@ -62,8 +83,11 @@ class Models:
         >>> states, metrics = models(2, {"a": 0, "b": 0}, (1,), {})
         >>> states, sorted(metrics)
         ({'a': 1, 'b': 1}, ['a/count', 'b/count'])
-        >>> models(1, states, (1,), {})[0]
+        >>> rows = []
+        >>> models(1, states, (1,), {}, rows.append)[0]
         {'a': 2, 'b': 1}
+        >>> [(row.event, row.step, row.plugin, row.order) for row in rows]
+        [('train', 1, 'a', 0)]
     """
 
     def __init__(self, steps: Mapping[str, Step | None], *,
@@ -81,9 +105,11 @@ class Models:
         self.steps = dict(steps)
         self.schedules = _schedules(schedules or {}, self.steps)
         self.reads = _reads(reads or {}, self.steps)
-        # The hot path's plan: (name, step, schedule or None for always, names read).
-        self._plan = tuple((name, step, self.schedules.get(name), self.reads.get(name, ()))
-                           for name, step in self.steps.items() if step is not None)
+        # The hot path's plan: (name, step, schedule or None for always, names read, the
+        # model's position in the declared order).
+        self._plan = tuple((name, step, self.schedules.get(name), self.reads.get(name, ()),
+                            order) for order, (name, step) in enumerate(self.steps.items())
+                           if step is not None)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -122,14 +148,19 @@ class Models:
                 for name, step in self.steps.items()]
 
     def __call__(self, iteration: int, states: dict[str, Any], batch: Any,
-                 metrics: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+                 metrics: Mapping[str, Any], record: Callable[[Dispatch], None] | None = None
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
         args, kwargs = step_arguments(batch)
         states, metrics = dict(states), dict(metrics)
-        for name, step, schedule, reads in self._plan:
+        for name, step, schedule, reads, order in self._plan:
             if schedule is not None and not schedule.holds_at(iteration):
                 continue
             read = {other: variables_of(states[other]) for other in reads}
+            begin = perf_counter()
             states[name], out = step(states[name], *args, **kwargs, **read)
+            if record is not None:  # the host time of the call (its dispatch): no sync
+                record(Dispatch("train", iteration, name, order, perf_counter() - begin,
+                                "model"))
             if not isinstance(out, Mapping):
                 raise TypeError(f"Loop: model {name!r}'s step returned metrics of type "
                                 f"{type(out).__name__}; a step returns (state, metrics) "
@@ -160,7 +191,7 @@ class Models:
         if first is None:
             return
         _, fields = step_arguments(first)
-        for name, step, _, reads in self._plan:
+        for name, step, _, reads, _ in self._plan:
             if clash := sorted(set(reads) & set(fields)):
                 raise ValueError(f"Loop: model {name!r} reads {clash[0]!r}, which is also a "
                                  "field of the data's dict batches: rename the model or the "
@@ -190,6 +221,34 @@ def loop_step(step: Any, schedules: Mapping[str, Schedule] | None,
         raise ValueError(f"Loop(steps_per_call={steps_per_call!r}): a loop over several models "
                          "runs one iteration per dispatch for now; leave steps_per_call=1")
     return Models(step, schedules=schedules, reads=reads)
+
+
+def run_inputs(loop: LoopLike) -> dict[str, Any]:
+    """The inputs of a loop's run record: its :func:`graphmod.optimize` step's, or for
+    several models each one's (see ``models_inputs``); refuses, naming the model, a step
+    that is no ``graphmod.optimize`` step (its model is unknown)."""
+    step = loop.step
+    if isinstance(step, Models):
+        for name, one in step.steps.items():
+            if one is not None and not isinstance(one, TrainStep):
+                raise TypeError(f"capture(loop): model {name!r}'s step is not a "
+                                "graphmod.optimize step, so its model is unknown; capture "
+                                "its program instead")
+        return models_inputs(step.record(), step.steps, loop)
+    if not isinstance(step, TrainStep):
+        raise TypeError("capture(loop): the loop's step is not a graphmod.optimize step, "
+                        "so its model is unknown; capture the program instead")
+    return training_inputs(step, loop)
+
+
+def run_provenance(loop: LoopLike, inputs: Mapping[str, Any] | None = None) -> Provenance:
+    """A loop's run record (``inputs``: a cached :func:`run_inputs`; the derived fields,
+    what the run did so far, are made now)."""
+    if inputs is None:
+        inputs = run_inputs(loop)
+    if isinstance(loop.step, Models):
+        return models_provenance(inputs, loop)
+    return training_provenance(loop.step, loop, inputs)
 
 
 def model_state(loop: LoopLike, state: Any, model: str | None, who: str) -> Any:

@@ -14,6 +14,8 @@ from graphmod._train._command import recorded_command
 from graphmod._train._host_metrics import scalar_metrics
 from graphmod._train._loop._models import Models
 from graphmod._train._loop._steps import check_first_batch
+from graphmod._train._optimize import TrainStep
+from graphmod._train._schedule import Schedule
 
 
 def read_checkpoint(directory: str | os.PathLike, template: Any, step: Any,
@@ -65,9 +67,42 @@ def resume_changes(meta: Mapping[str, Any], data: Iterable[Any], step: Any,
              f"step {at} was trained with (graphmod inspect shows its record): it "
              "goes on with these, and later checkpoints record the change "
              "(setting_changes, with the settings before)")
-        changes.append({"step": at, "settings": {**{k: saved["inputs"][k] for k in changed},
-                                                 **models}})
+        changes.append({"step": at, "settings": {
+            **{k: _setting_before(saved, k, step) for k in changed}, **models}})
     return data_changes(meta, data, allowed), changes
+
+
+def recorded_models(meta: Mapping[str, Any], step: Any, given: Mapping[str, Any]
+                    ) -> dict[str, Any]:
+    """The ``schedules=`` and ``reads=`` of a loop of several models (``step``: a dict of
+    steps) as the checkpoint of ``meta`` records them, for ``Loop.resume``; those
+    ``given`` are left out (the caller's win), and so are those of a model the loop now
+    freezes. Schedules are parsed back from their descriptions
+    (:meth:`graphmod.Schedule.parse`: the schedule grammar alone, never evaluated); a text
+    that is no schedule is refused naming the record's field."""
+    saved = meta.get("models")
+    if not saved or not isinstance(step, Mapping):
+        return {}
+    stepping = {name for name, one in step.items() if one is not None}
+    recorded: dict[str, Any] = {}
+    if "schedules" not in given:
+        at = (meta.get("time") or {}).get("step")
+        schedules = {}
+        for i, model in enumerate(saved):
+            if model["schedule"] is None or model["name"] not in stepping:
+                continue
+            try:
+                schedules[model["name"]] = Schedule.parse(
+                    model["schedule"], field=f"Loop.resume: the checkpoint of step {at}: "
+                    f"models[{i}].schedule (model {model['name']!r})")
+            except ValueError as error:
+                raise ValueError(f"{error}. Nothing was run; pass the schedules yourself, "
+                                 "Loop.resume(..., schedules={...})") from None
+        recorded["schedules"] = schedules
+    if "reads" not in given:
+        recorded["reads"] = {model["name"]: list(model["reads"]) for model in saved
+                             if model["reads"] and model["name"] in stepping}
+    return recorded
 
 
 def newest_meta(reader: CheckpointReader, step: int | None = None) -> dict[str, Any]:
@@ -141,12 +176,32 @@ _ADDED = {"optimizer": ("structure",)}
 
 def setting_changes(saved: Mapping[str, Any] | None, step: Any) -> list[str]:
     """The settings of the training record ``saved`` (a checkpoint's provenance) that
-    ``step`` (a ``graphmod.optimize`` step) does not share; none for another step."""
-    if not saved or saved.get("kind") != "training" or not hasattr(step, "provenance"):
+    ``step`` (a ``graphmod.optimize`` step) does not share; none for another step. For
+    several models (``step``: :class:`Models` or a dict of steps), each stepping model's
+    against its own record, named ``<setting>.<model>`` (``optimizer.gen``)."""
+    if not saved or saved.get("kind") != "training":
+        return []
+    steps = step.steps if isinstance(step, Models) else step
+    if isinstance(steps, Mapping):
+        records = (saved.get("inputs") or {}).get("models")
+        if not isinstance(records, Mapping):
+            return []
+        return [f"{setting}.{name}" for name, one in steps.items()
+                if one is not None and isinstance(records.get(name), Mapping)
+                for setting in setting_changes(records[name], one)]
+    if not hasattr(step, "provenance"):
         return []
     now, before = step.provenance.to_dict()["inputs"], saved.get("inputs", {})
     return [k for k in _SETTINGS if k in before and k in now
             and _compared(k, before[k], now[k]) != _compared(k, now[k], before[k])]
+
+
+def _setting_before(saved: Mapping[str, Any], key: str, step: Any) -> Any:
+    """The value of a changed setting (a :func:`setting_changes` name) in ``saved``."""
+    if isinstance(step, Models | Mapping):
+        setting, name = key.split(".", 1)  # setting names hold no dot; model names may
+        return saved["inputs"]["models"][name]["inputs"][setting]
+    return saved["inputs"][key]
 
 
 def _compared(setting: str, record: Any, other: Any) -> Any:
@@ -209,10 +264,28 @@ def _short(value: Any) -> str:
 
 
 def _abstract_state(step: Any, data: Iterable[Any]) -> Any:
-    """The shapes of ``step``'s train state, from the first batch of ``data``."""
+    """The shapes of ``step``'s train state, from the first batch of ``data``; for a dict
+    of steps, each model's from its program's ``init`` examples (which hold what it reads)."""
+    if isinstance(step, Mapping):
+        return {name: _abstract_model_state(name, one) for name, one in step.items()}
     if not hasattr(step, "abstract_state"):
         raise TypeError("Loop.resume: pass state=<a train state of this program> (the step "
                         "is no graphmod.optimize step, so its state's shapes are unknown)")
     first = next(iter(data.iter_epoch(0) if hasattr(data, "iter_epoch") else data))
     args, kwargs = step_arguments(first)
+    return step.abstract_state(*args, **kwargs)
+
+
+def _abstract_model_state(name: str, step: Any) -> Any:
+    """The shapes of one model's train state, from its program's ``init`` examples."""
+    record = step.program.record if isinstance(step, TrainStep) else None
+    if record is None or record.examples is None:
+        what = ("is frozen (its state is not a train state)" if step is None else
+                "is no graphmod.optimize step" if record is None else
+                "has a program whose init has not run (no example shapes)")
+        raise TypeError(f"Loop.resume: model {name!r} {what}, so its state's shapes are "
+                        "unknown; pass state= with a state of every model, e.g. "
+                        f"state={{{name!r}: ..., ...}} (the states you started from)")
+    args = [record.examples[argument] for argument in record.positional]
+    kwargs = {k: v for k, v in record.examples.items() if k not in record.positional}
     return step.abstract_state(*args, **kwargs)
