@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--quick", action="store_true", help="a tiny run, to check it works")
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args(argv)
-    examples, epochs = (1024, 2) if args.quick else (8192, 10)  # 10 x 64 = 640 iterations
+    examples, epochs = (1024, 2) if args.quick else (16384, 20)  # 20 x 128 iterations
     repeats = args.repeats or (2 if args.quick else 15)
     results = [measure(width, examples, epochs, repeats) for width in (16, 256)]
     lines = [f"{results[0]['iterations']} iterations (disc every one, gen every other), "

@@ -327,8 +327,9 @@ class ModelLayout(Protocol):
     What :meth:`graphmod.Manager.frozen_parameters` reads.
 
     Attributes:
-        variables: one record per model variable, with its ``path``
+        variables: one record per model variable, with its ``identity``, ``path``
             (``"/linear_layers/0.W"``), ``role``, ``name``, ``shape`` and ``dtype``.
+        objects: the model's own ``nnx.Variable`` (or array leaf) of each, by identity.
 
     Examples:
         >>> import graphmod as gm
@@ -342,6 +343,7 @@ class ModelLayout(Protocol):
     """
 
     variables: Sequence[Any]
+    objects: Mapping[str, Any]
 
     def brick_path(self, brick: Any) -> str | None:
         """The path of ``brick`` in the model (None for a module not in it)."""

@@ -269,12 +269,27 @@ def _loop_inputs(loop: Any) -> dict[str, Any]:
 
 
 def _loop_derived(loop: Any) -> dict[str, Any]:
-    """What a run did so far: counts and times."""
+    """What a run did so far: counts and times, and what its plugins decided."""
     time = loop.time
-    return {"steps": time.step, "examples": time.examples, "epochs": time.epoch,
-            "seconds": round(time.seconds, 6), "train_seconds": round(time.train_seconds, 6),
-            # Wall-clock times the loop noted as they happened.
-            "started": loop.started_at or utc_now(), "ended": loop.ended_at or utc_now()}
+    derived = {"steps": time.step, "examples": time.examples, "epochs": time.epoch,
+               "seconds": round(time.seconds, 6), "train_seconds": round(time.train_seconds, 6),
+               # Wall-clock times the loop noted as they happened.
+               "started": loop.started_at or utc_now(), "ended": loop.ended_at or utc_now()}
+    if decided := run_decisions(loop):
+        derived["decisions"] = decided
+    return derived
+
+
+def run_decisions(loop: Any) -> dict[str, list[dict[str, Any]]]:
+    """Each plugin's :meth:`graphmod.Plugin.provenance_record` that is not None, by plugin
+    name (a plain callable plugin records nothing)."""
+    found = {}
+    for plugin in loop.plugins:
+        decide = getattr(plugin, "provenance_record", None)
+        records = decide() if callable(decide) else None
+        if records is not None:
+            found[getattr(plugin, "name", type(plugin).__name__)] = [dict(r) for r in records]
+    return found
 
 
 def training_derived(step: Any, loop: Any = None) -> dict[str, Any]:

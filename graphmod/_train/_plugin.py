@@ -76,5 +76,33 @@ class Plugin:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores what :meth:`state_dict` returned."""
 
+    def provenance_record(self) -> list[dict[str, Any]] | None:
+        """What this plugin decided that changed the run, as JSON records (population-based
+        training's exploits, a layer freezing's steps, a control's commands), which the
+        run's provenance lists under ``derived["decisions"][name]``; default None: it
+        decides nothing (a plugin that only observes, or one whose effect its settings
+        already say).
+
+        Examples:
+            >>> import jax, jax.numpy as jnp, optax, graphmod as gm
+            >>> from flax import nnx
+            >>> class Halver(gm.Plugin):
+            ...     def __init__(self):
+            ...         super().__init__(name="halver")
+            ...         self.done = []
+            ...     def on_step(self, event):
+            ...         self.done.append({"step": event.time.step})
+            ...     def provenance_record(self):
+            ...         return self.done
+            >>> program = gm.compile(lambda m, x: (m(x) ** 2).mean(),
+            ...                      gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0)))
+            >>> step = gm.optimize(program, optax.sgd(0.1))
+            >>> loop = gm.Loop(step, [(jnp.ones((4, 2)),)] * 2, plugins=[Halver()])
+            >>> _ = loop.run(step.init(program.init(jnp.ones((4, 2))), jax.random.key(0)))
+            >>> [dict(d) for d in loop.provenance.derived["decisions"]["halver"]]
+            [{'step': 1}, {'step': 2}]
+        """
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -72,8 +72,10 @@ class PopulationStep(TrainStep):
     leading axis of :attr:`members`; the batch is shared. It is a :class:`TrainStep` (the
     member step's program, optimizer and provenance), so a ``Loop``, its ``Checkpoint``
     and ``Loop.resume`` take it as they take one model's step; ``steps_per_call=k`` fuses
-    steps as for one model. See :mod:`graphmod._train._population` for the hyperparameters
-    that may differ between members.
+    steps as for one model. The hyperparameters that may differ between members (a
+    manager's dynamic ones, an optimizer's made dynamic with ``optax.inject_hyperparams``)
+    are read and written with :meth:`get` and :meth:`set`; the loop guide's "Populations"
+    section says more.
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, graphmod as gm

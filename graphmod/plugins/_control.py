@@ -315,6 +315,10 @@ class Control(Plugin):
         self.commands = [dict(c) for c in commands if isinstance(c, dict)] \
             if isinstance(commands, list) else []
 
+    def provenance_record(self) -> list[dict[str, Any]]:
+        """Every command applied so far (:attr:`commands`), for the run's record."""
+        return list(self.commands)
+
     # -- commands, from any thread ----------------------------------------------------------
     def _request(self, request: Request) -> dict[str, Any]:
         return self.command(request.command, request.args, wait=request.wait, origin="socket")

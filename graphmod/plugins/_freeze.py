@@ -120,6 +120,10 @@ class FreezeLayers(Plugin):
         self.history = [{"step": int(e["step"]), "frozen": int(e["frozen"])}
                         for e in state.get("history", [])]
 
+    def provenance_record(self) -> list[dict[str, int]]:
+        """When how many layers froze (:attr:`history`), for the run's record."""
+        return self.history
+
 
 class _Freeze:
     """The handler of a :class:`FreezeLayers`' own ``layers_frozen`` events."""

@@ -22,8 +22,10 @@ Decisions are events and records
     (``state_dict()["decisions"]``: a JSON list of ``{"step", "member", "source", "score",
     "source_score", "hparams": {name: {"old", "source", "factor", "new"}}}``). Checkpoints
     save that list in their meta record (``graphmod inspect`` shows it under the plugins'
-    states); a resumed run restores it. The draws come from ``np.random.default_rng([seed,
-    step])``, so a resumed run makes the same decisions as the uninterrupted one.
+    states) and the run's provenance in ``derived["decisions"][<name>]``
+    (:meth:`PBT.provenance_record`); a resumed run restores it. The draws come from
+    ``np.random.default_rng([seed, step])``, so a resumed run makes the same decisions as
+    the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ Score = str | Callable[[TrainState], Any]
 
 class PBT(Plugin):
     """Population-based training: the worst members copy the best and perturb their
-    hyperparameters (see :mod:`graphmod.plugins._pbt` for the rules and records).
+    hyperparameters (the loop guide's "Populations" section gives the rules and records).
 
     Args:
         score: the metric ranking the members, read from the due event's metrics (shape
@@ -205,6 +207,10 @@ class PBT(Plugin):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.decisions = [dict(d) for d in state.get("decisions", [])]
+
+    def provenance_record(self) -> list[dict[str, Any]]:
+        """Every exploit/explore decision so far (:attr:`decisions`), for the run's record."""
+        return self.decisions
 
     # -- helpers --------------------------------------------------------------------------------
     def _population(self, loop: LoopLike) -> PopulationStep:

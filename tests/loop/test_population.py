@@ -203,6 +203,9 @@ def test_a_resumed_pbt_run_makes_the_same_decisions_and_ends_bitwise_equal(popul
     record = gm.provenance.read(str(tmp_path / "cut"))
     assert np.shape(record["seeds"]["train"]["data"]) == (MEMBERS, 2)
     assert "graphmod.plugins.PBT" in [q["class"] for q in record["loop"]["plugins"]]
+    # ... and every decision of the run, as the run's provenance lists them.
+    assert [dict(d) for d in record.derived["decisions"]["pbt"]] == decisions
+    assert [dict(d) for d in whole.provenance.derived["decisions"]["pbt"]] == decisions
 
 
 def test_members_of_different_shapes_are_refused_naming_the_path(population):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from hypothesis import given, settings
@@ -675,3 +676,28 @@ def test_anneal_writes_the_hyperparameter_of_the_model_it_names():
     loop = gm.Loop(steps, problem.source(), steps=2, plugins=[Anneal(rate, lambda t: 0.25)])
     with pytest.raises(gm.PluginError, match=r"Anneal\(\.\.\., model='b'\)"):
         loop.run({"a": problem.state(), "b": problem.state()})
+
+
+def test_two_models_given_one_state_are_refused_before_a_step_donates_it(pair):
+    state = pair.states()["disc"]
+    loop = gm.Loop({"a": pair.d_step, "b": pair.d_step}, pair.source(), steps=2,
+                   reads={"a": ["b"]})
+    with pytest.raises(ValueError, match="models 'a' and 'b' share arrays"):
+        loop.run({"a": state, "b": state})
+    assert loop.time.step == 0
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))  # nothing donated
+
+
+def test_a_reader_whose_program_holds_the_read_models_parameters_is_refused(pair):
+    both = nnx.Dict(gen=gm.bricks.Linear(3, 2, rngs=nnx.Rngs(1)),
+                    disc=gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0)))
+    disc_program = gm.compile(lambda m, x: (m(x) ** 2).mean(), both["disc"])
+    joint = gm.compile(lambda m, x, z, disc: (m["disc"](m["gen"](z)) ** 2).mean(), both)
+    d_step = gm.optimize(disc_program, optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"holds 'disc''s parameter /\.W \(as /disc\.W\)"):
+        gm.Loop({"disc": d_step, "gen": gm.optimize(joint, optax.sgd(0.1))}, pair.source(),
+                reads={"gen": ["disc"]})
+    # Choosing what the reader trains is the user's say: leaving disc out is accepted.
+    gm.Loop({"disc": d_step,
+             "gen": gm.optimize(joint, optax.sgd(0.1), trainable=nnx.PathContains("gen"))},
+            pair.source(), reads={"gen": ["disc"]})

@@ -50,6 +50,9 @@ from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
 from typing import Any
 
+import jax
+
+from graphmod import roles as _roles
 from graphmod._records._collect import (
     models_inputs,
     models_provenance,
@@ -62,7 +65,7 @@ from graphmod._train._loop._dispatch import Dispatch
 from graphmod._train._loop._steps import check_batch, check_start_state
 from graphmod._train._optimize import TrainStep
 from graphmod._train._schedule import Schedule
-from graphmod.typing import LoopLike
+from graphmod.typing import LoopLike, ModelLayout
 
 Step = Callable[..., tuple[Any, Mapping[str, Any]]]
 """``step(state, *batch, **reads) -> (state, metrics)``, e.g. a :func:`graphmod.optimize`."""
@@ -105,10 +108,13 @@ class Models:
         self.steps = dict(steps)
         self.schedules = _schedules(schedules or {}, self.steps)
         self.reads = _reads(reads or {}, self.steps)
-        # The hot path's plan: (name, step, schedule or None for always, names read, the
-        # model's position in the declared order).
-        self._plan = tuple((name, step, self.schedules.get(name), self.reads.get(name, ()),
-                            order) for order, (name, step) in enumerate(self.steps.items())
+        for reader, read in self.reads.items():
+            _check_trained_once(reader, read, self.steps)
+        # The hot path's plan: (name, step, its schedule's test or None for always, names
+        # read, the model's position in the declared order).
+        self._plan = tuple((name, step, _holds(self.schedules.get(name)),
+                            self.reads.get(name, ()), order)
+                           for order, (name, step) in enumerate(self.steps.items())
                            if step is not None)
 
     @property
@@ -150,22 +156,28 @@ class Models:
     def __call__(self, iteration: int, states: dict[str, Any], batch: Any,
                  metrics: Mapping[str, Any], record: Callable[[Dispatch], None] | None = None
                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+        # The loop's hot path: per model step a few dict operations and, with ``record``,
+        # one trace row made without a Python frame (about 1 µs a model step, no sync).
         args, kwargs = step_arguments(batch)
         states, metrics = dict(states), dict(metrics)
-        for name, step, schedule, reads, order in self._plan:
-            if schedule is not None and not schedule.holds_at(iteration):
+        for name, step, holds, reads, order in self._plan:
+            if holds is not None and not holds(iteration):
                 continue
-            read = {other: variables_of(states[other]) for other in reads}
+            if reads:
+                kwargs_in = {**kwargs, **{other: variables_of(states[other]) for other in reads}}
+            else:
+                kwargs_in = kwargs
             begin = perf_counter()
-            states[name], out = step(states[name], *args, **kwargs, **read)
+            states[name], out = step(states[name], *args, **kwargs_in)
             if record is not None:  # the host time of the call (its dispatch): no sync
-                record(Dispatch("train", iteration, name, order, perf_counter() - begin,
-                                "model"))
-            if not isinstance(out, Mapping):
+                record(_row(Dispatch, ("train", iteration, name, order, perf_counter() - begin,
+                                       "model")))
+            if type(out) is not dict and not isinstance(out, Mapping):
                 raise TypeError(f"Loop: model {name!r}'s step returned metrics of type "
                                 f"{type(out).__name__}; a step returns (state, metrics) "
                                 "with metrics a dict of arrays")
-            metrics.update({f"{name}/{key}": value for key, value in out.items()})
+            for key, value in out.items():
+                metrics[f"{name}/{key}"] = value
         return states, metrics
 
     def wrapped(self, wrap: Callable[[Step], Step]) -> Models:
@@ -185,6 +197,7 @@ class Models:
                 + "{" + ", ".join(f"{name!r}: ..." for name in self.steps) + "}")
         for name, step in self.steps.items():
             check_start_state(step, states[name], f"Loop.run(state[{name!r}])")
+        _check_own_buffers(states, self.steps)
         if not hasattr(data, "iter_epoch"):
             return  # a plain iterable is not read ahead (the step's own trace says)
         first = next(iter(data.iter_epoch(epoch, start=position)), None)
@@ -200,6 +213,14 @@ class Models:
                 _check_unread(name, step, reads, self.steps)
                 check_batch(step, first, {other: variables_of(states[other]) for other in reads},
                             f"Loop.run: model {name!r}")
+
+
+_row = tuple.__new__  # a Dispatch made from a tuple in C (its own __new__ is Python)
+
+
+def _holds(schedule: Schedule | None) -> Callable[[int], bool] | None:
+    """The test of a model's schedule, bound once; None: every iteration."""
+    return None if schedule is None else schedule.holds_at
 
 
 def variables_of(state: Any) -> Any:
@@ -305,6 +326,54 @@ def _check_unread(name: str, step: TrainStep, reads: Sequence[str],
                 f"Loop: model {name!r}'s function {getattr(fn, '__name__', 'fn')} takes "
                 f"{other!r}, a model of this loop: declare reads={{{name!r}: [{other!r}]}} "
                 "to pass it that model's variables")
+
+
+def _check_trained_once(reader: str, read: Sequence[str], steps: Mapping[str, Any]) -> None:
+    """Refuses a reader whose own program holds the parameters of a model it reads (the
+    slip of compiling the generator's cost over ``nnx.Dict(gen=gen, disc=disc)``): its
+    optimizer would train them too, as its cost differentiates them, besides their own
+    model's step. Two models of one program (two copies trained apart) hold their own
+    values and are not concerned."""
+    step = steps[reader]
+    if not isinstance(step, TrainStep) or step.trainable is not None:
+        return  # trainable= chooses what the reader trains
+    layout = step.program.layout
+    for other in read:
+        theirs = steps[other]
+        if not isinstance(theirs, TrainStep) or theirs.program.layout is layout:
+            continue
+        mine = {id(variable): path for path, variable in _parameters(layout)}
+        for path, variable in _parameters(theirs.program.layout):
+            if id(variable) in mine:
+                raise ValueError(
+                    f"Loop(reads={{{reader!r}: [{other!r}]}}): model {reader!r}'s program "
+                    f"holds {other!r}'s parameter {path} (as {mine[id(variable)]}), so "
+                    f"{reader!r}'s step would train it too; compile {reader!r}'s cost over "
+                    f"its own model alone and use {other!r} through the variables it reads "
+                    f"(or choose what it trains with optimize(..., trainable=...))")
+
+
+def _parameters(layout: ModelLayout) -> list[tuple[str, Any]]:
+    """``(path, nnx.Variable)`` of each PARAMETER of a program's model."""
+    return [(info.path, layout.objects[info.identity]) for info in layout.variables
+            if info.role.is_a(_roles.PARAMETER)]
+
+
+def _check_own_buffers(states: Mapping[str, Any], steps: Mapping[str, Any]) -> None:
+    """Refuses two models given one array (``{"a": state, "b": state}``): the first step
+    donates its state's buffers, which the other model's state would then miss."""
+    owners: dict[int, str] = {}
+    for name, state in states.items():
+        for leaf in jax.tree.leaves(state):
+            if not isinstance(leaf, jax.Array):
+                continue
+            other = owners.setdefault(id(leaf), name)
+            if other != name and (steps[name] is not None or steps[other] is not None):
+                raise ValueError(
+                    f"Loop.run(state): the states of models {other!r} and {name!r} share "
+                    "arrays, and a train step donates its state's buffers (the other "
+                    f"model's would be freed under it); give {name!r} a copy: "
+                    f"jax.tree.map(jnp.copy, state)")
 
 
 def _known(name: Any, steps: Mapping[str, Any], argument: str) -> str:
