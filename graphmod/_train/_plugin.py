@@ -65,6 +65,31 @@ class Plugin:
     def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
         """Called once after the run, also when it stops on an error or an interrupt."""
 
+    due: Event | None = None
+    """An event whose work this plugin put off (set by its handler, e.g. a Checkpoint's
+    save): once that event and every event it set off were delivered, the loop calls
+    :meth:`settle` with it. None: nothing put off."""
+
+    def settle(self, event: Event) -> None:
+        """Does the work put off at :attr:`due` (the loop calls it once ``event`` and every
+        event it set off were delivered: a Checkpoint saves then, after a Validation and an
+        EarlyStopping recorded that event's results), and clears :attr:`due`. Only plugins
+        that override it are asked (default: nothing is ever put off).
+
+        Examples:
+            >>> import numpy as np, graphmod as gm
+            >>> class Later(gm.Plugin):
+            ...     done = []
+            ...     def on_step(self, event):
+            ...         self.due = event  # put off until what it sets off is delivered
+            ...     def settle(self, event):
+            ...         self.due = None
+            ...         self.done.append(event.time.step)
+            >>> _ = gm.Loop(lambda s, x: (s, {}), [np.ones(1)] * 2, plugins=[Later()]).run(0)
+            >>> Later.done
+            [1, 2]
+        """
+
     def wrap_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
         """Step middleware: return a function with ``step``'s signature (default: ``step``)."""
         return step

@@ -74,8 +74,8 @@ class EarlyStopping(Plugin):
             raise ValueError(f"EarlyStopping(patience={patience!r}): must be a positive int")
         if not is_real_number(min_delta) or not min_delta >= 0:
             raise ValueError(f"EarlyStopping(min_delta={min_delta!r}): must be a number >= 0")
-        self.due = template_or(every, On("validated"), "EarlyStopping")
-        super().__init__(name=name, every=AnyOf((self.due, On("end"))))
+        self.watched = template_or(every, On("validated"), "EarlyStopping")
+        super().__init__(name=name, every=AnyOf((self.watched, On("end"))))
         self.metric = metric
         self.mode = mode
         self.patience = patience

@@ -2,10 +2,10 @@
 
 Plugins receive an event in registration order, ``*_end`` and ``end`` in reverse (LIFO),
 higher ``priority`` first. Events a plugin fires are queued and delivered after the current
-one; a plugin with a ``due`` event and a ``settle`` method (a Checkpoint) is called again
-once that event and every event it set off were delivered. Each call is timed into a
-bounded :class:`DispatchTrace`; a plugin's exception becomes a :class:`PluginError` naming
-the plugin and where it raised.
+one; a plugin that overrides :meth:`Plugin.settle` (a Checkpoint) and set its ``due`` event
+is called again once that event and every event it set off were delivered. Each call is
+timed into a bounded :class:`DispatchTrace`; a plugin's exception becomes a
+:class:`PluginError` naming the plugin and where it raised.
 """
 
 from __future__ import annotations
@@ -181,8 +181,8 @@ class PluginTable:
         if priority is None:
             priority = getattr(plugin, "priority", 0)
         self.entries.append(Registration(template, plugin, priority, len(self.entries), name))
-        if callable(getattr(plugin, "settle", None)):
-            self._settling.append(self.entries[-1])
+        if isinstance(plugin, Plugin) and type(plugin).settle is not Plugin.settle:
+            self._settling.append(self.entries[-1])  # it may put work off (Plugin.due)
         self.templates += [] if template is None else _parts(template)
         # Dispatch orders, computed once: registration order, and LIFO for *_end events.
         self._orders = (sorted(self.entries, key=lambda e: (-e.priority, e.order)),
@@ -242,7 +242,7 @@ class PluginTable:
         every event it set off (a Checkpoint saves then, after Validation and
         EarlyStopping recorded that event's results)."""
         for order, entry in enumerate(self._settling):
-            if (due := getattr(entry.plugin, "due", None)) is not None:
+            if (due := entry.plugin.due) is not None:
                 self._call(entry, due, order, entry.plugin.settle)
 
     def deliver_interrupt(self, event: Event, error: BaseException) -> None:
