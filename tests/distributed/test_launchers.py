@@ -177,6 +177,24 @@ def test_explicit_arguments_join_two_processes_into_one_mesh_saved_by_both(
     assert (meta["command"]["launcher"], meta["command"]["processes"]) == ("explicit", 2)
 
 
+def test_graphmod_run_trains_the_same_run_as_a_launch_of_your_own(
+        explicit_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # The same script under graphmod's own launcher (its processes join through
+    # initialize() with no argument): the final variables equal the explicit launch's.
+    done = subprocess.run(
+        [sys.executable, "-m", "graphmod._cli", "run", "--processes", "2",
+         "--devices-per-process", "4", SCRIPT, str(tmp_path / "out.npz"), str(tmp_path / "run")],
+        cwd=ROOT, env={**_unlaunched(), "LAUNCHER_RUN_JOIN": "graphmod"}, capture_output=True,
+        text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    joined = json.loads((tmp_path / "out.npz.joined-1").read_text())
+    assert (joined["launcher"], joined["process_id"], joined["num_processes"]) == (
+        "graphmod", 1, 2)
+    ours, theirs = dict(np.load(tmp_path / "out.npz")), dict(np.load(explicit_run / "out.npz"))
+    assert sorted(ours) == sorted(theirs)
+    jax.tree.map(np.testing.assert_array_equal, ours, theirs)  # bit for bit
+
+
 def test_slurm_tasks_stop_at_one_step_on_a_sigterm_to_one_and_save_it(
         slurm_stopped: tuple[pathlib.Path, list]) -> None:
     folder, codes = slurm_stopped
