@@ -686,6 +686,11 @@ def test_two_models_given_one_state_are_refused_before_a_step_donates_it(pair):
         loop.run({"a": state, "b": state})
     assert loop.time.step == 0
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))  # nothing donated
+    # Steps of your own that donate nothing may share an array.
+    shared = jnp.zeros(2)
+    keep = lambda state, batch: (state, {})
+    states = gm.Loop({"a": keep, "b": keep}, numbered(2)).run({"a": shared, "b": shared})
+    assert states["a"] is shared and states["b"] is shared
 
 
 def test_a_reader_whose_program_holds_the_read_models_parameters_is_refused(pair):

@@ -360,15 +360,17 @@ def _parameters(layout: ModelLayout) -> list[tuple[str, Any]]:
 
 
 def _check_own_buffers(states: Mapping[str, Any], steps: Mapping[str, Any]) -> None:
-    """Refuses two models given one array (``{"a": state, "b": state}``): the first step
-    donates its state's buffers, which the other model's state would then miss."""
+    """Refuses two models given one array (``{"a": state, "b": state}``) where one of them
+    is a :func:`graphmod.optimize` step's: it donates its state's buffers, which the other
+    model's state would then miss (a step of your own that donates nothing may share)."""
     owners: dict[int, str] = {}
+    donates = {name: isinstance(step, TrainStep) for name, step in steps.items()}
     for name, state in states.items():
         for leaf in jax.tree.leaves(state):
             if not isinstance(leaf, jax.Array):
                 continue
             other = owners.setdefault(id(leaf), name)
-            if other != name and (steps[name] is not None or steps[other] is not None):
+            if other != name and (donates[name] or donates[other]):
                 raise ValueError(
                     f"Loop.run(state): the states of models {other!r} and {name!r} share "
                     "arrays, and a train step donates its state's buffers (the other "
