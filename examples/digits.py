@@ -3,7 +3,10 @@
 The end-to-end path of graphmod in one script:
 
 1. an MLP brick (``graphmod.bricks.MLP([64, 256, 256, 10])``) written once, with no
-   regularization in its code;
+   regularization in its code, taking raw pixel intensities: the feature scaling
+   (``graphmod.data.MinMax``, each pixel's training range onto 0..1) is fitted on the
+   training split only and compiled into the program (``compile(..., transforms=)``), so
+   training, validation and the saved model all scale alike;
 2. managers that rewrite it while ``graphmod.compile`` traces the cost: ``Dropout`` on the
    inputs of every linear layer and ``BatchNorm`` on the outputs of every linear layer but
    the last;
@@ -13,8 +16,9 @@ The end-to-end path of graphmod in one script:
    ``--out``), ``Validation`` (test accuracy every 10 epochs), ``ProgressBar`` and ``Print``;
 4. a derived inference program (``program.derive(lambda m, x: m(x))``) for predictions:
    dropout off, batch norm on its running statistics;
-5. the trained variables saved with their provenance (``program.save``) and checked by
-   loading them back;
+5. the trained variables saved with their provenance and fitted scaling (``program.save``)
+   and checked by loading them back (``graphmod.provenance.transforms(DIR)`` gives a
+   fresh process the scaling to compile with);
 6. ``program.update_model``: the trained arrays written back into the NNX objects for eager
    use. Outside a compiled program managers do nothing, so the eager MLP has no batch
    normalization; folding batch norm's inference-mode affine map into the linear layers
@@ -57,20 +61,20 @@ from sklearn.model_selection import train_test_split
 import graphmod
 import managers
 from graphmod import On, each, roles
-from graphmod.data import ArraySource
+from graphmod.data import ArraySource, FittedTransforms, MinMax, Transforms
 from graphmod.plugins import Checkpoint, Print, ProgressBar, Validation
 
 DIMS = (64, 256, 256, 10)
 
 
 def load_data(seed: int, test_size: float = 0.25) -> tuple[np.ndarray, ...]:
-    """Digits (8x8 pixels, 10 classes) scaled to [0, 1], split stratified by class.
+    """Digits (8x8 pixels, 10 classes), raw intensities 0..16, split stratified by class.
 
     Returns:
         ``(x_train, x_test, y_train, y_test)``: float32 features and int32 labels.
     """
     digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
+    x = digits.data.astype(np.float32)
     y = digits.target.astype(np.int32)
     x_train, x_test, y_train, y_test = train_test_split(
         x, y, test_size=test_size, stratify=y, random_state=seed)
@@ -85,12 +89,19 @@ def cost(model: graphmod.bricks.MLP, x: jax.Array, y: jax.Array) -> tuple[jax.Ar
     return loss, {"accuracy": accuracy}
 
 
-def build(seed: int, dropout: float) -> tuple[graphmod.bricks.MLP, graphmod.Program]:
-    """The MLP and its cost program, compiled with dropout and batch-norm managers."""
+def fit_scaling(x_train: np.ndarray, y_train: np.ndarray) -> FittedTransforms:
+    """Each pixel's training range onto 0..1 (``MinMax``), fitted on the training split."""
+    return Transforms({0: MinMax()}).fit(ArraySource((x_train, y_train), batch_size=1))
+
+
+def build(seed: int, dropout: float, transforms: FittedTransforms | None = None
+          ) -> tuple[graphmod.bricks.MLP, graphmod.Program]:
+    """The MLP and its cost program, compiled with dropout and batch-norm managers and the
+    fitted feature scaling (``transforms``, applied to ``x`` before the model runs)."""
     mlp = graphmod.bricks.MLP(list(DIMS), activation=jax.nn.relu, rngs=nnx.Rngs(seed))
     with managers.Dropout(dropout, bricks=mlp.linear_layers, roles=[roles.INPUT]), \
          managers.BatchNorm(bricks=mlp.linear_layers[:-1], roles=[roles.OUTPUT]):
-        program = graphmod.compile(cost, mlp)
+        program = graphmod.compile(cost, mlp, transforms=transforms)
     return mlp, program
 
 
@@ -195,7 +206,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """
     args = parse_args(argv)
     data = x_train, x_test, y_train, y_test = load_data(args.seed)
-    mlp, program = build(args.seed, args.dropout)
+    scaling = fit_scaling(x_train, y_train)  # on the training split only
+    mlp, program = build(args.seed, args.dropout, scaling)
     state, loop = train(args, program, data)
     predict = program.derive(lambda m, x: m(x))
     trained = jax.tree.map(np.array, state.variables)  # host copies
@@ -209,15 +221,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     checkpoint = save_variables(args.out, program, state.variables)
 
-    # Eager use: the model's NNX variables get the trained arrays. Managers do nothing
-    # outside a compiled program, so fold batch norm into the linear layers first.
+    # Eager use: the model's NNX variables get the trained arrays. Managers and transforms
+    # do nothing outside a compiled program, so fold batch norm into the linear layers
+    # first and scale the inputs on the host (the same arithmetic, in NumPy).
     program.update_model(state.variables)
     if not np.array_equal(np.asarray(mlp.linear_layers[0].W[...]),
                           trained["model"]["linear_layers"][0]["W"]):
         raise RuntimeError("program.update_model did not write the trained arrays")
     batch_norm = next(m for m in program.managers if isinstance(m, managers.BatchNorm))
     program.update_model(fold_batch_norm(state.variables, batch_norm.epsilon))
-    eager = np.asarray(mlp(jnp.asarray(x_test)))
+    eager = np.asarray(mlp(jnp.asarray(scaling.apply_host((x_test,))[0])))
     compiled = np.asarray(predict.infer(state.variables, x_test))
     results["eager_agreement"] = float(np.mean(eager.argmax(-1) == compiled.argmax(-1)))
     results["eager_max_abs_diff"] = float(np.max(np.abs(eager - compiled)))
@@ -226,8 +239,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     results["checkpoint"] = str(checkpoint)
     (checkpoint.parent / "metrics.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results))
+    print(result_table(results, checkpoint.parent / "metrics.json"))
     return {**results, "variables": trained}
+
+
+def result_table(results: dict[str, Any], written: Path) -> str:
+    """The results as a short two-column table (all of them are in ``written``)."""
+    rows = [("test accuracy", f"{results['test_accuracy']:.2%}"),
+            ("train accuracy", f"{results['train_accuracy']:.2%}"),
+            ("final loss", f"{results['final_loss']:.4f}"),
+            ("epochs, steps", f"{results['epochs']}, {results['steps']}"),
+            ("train seconds", f"{results['train_seconds']:.1f}"),
+            ("eager model agrees", f"{results['eager_agreement']:.2%} "
+                                   f"(max |diff| {results['eager_max_abs_diff']:.1e})"),
+            ("saved", results["checkpoint"]), ("metrics", str(written))]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
 if __name__ == "__main__":

@@ -11,18 +11,14 @@ Examples:
 
 Importing graphmod is cheap: each public name loads its module (and JAX) on first use, so the
 ``graphmod`` command answers ``--help`` at once. The names are the imports under
-``TYPE_CHECKING`` below, which type checkers and the API docs read as they are.
+``TYPE_CHECKING`` below, which type checkers and the API docs read as they are, and the
+table ``_EXPORTS`` that loads them.
 """
 
 from __future__ import annotations
 
-import ast
 import importlib
-import pathlib
 from typing import TYPE_CHECKING, Any
-
-# Standard library only; imported now because it notes the working directory at import.
-from graphmod._train import _command  # noqa: F401
 
 if TYPE_CHECKING:
     from graphmod import (
@@ -51,6 +47,7 @@ if TYPE_CHECKING:
     from graphmod._train._checkpoint import CheckpointError
     from graphmod._train._evaluate import Evaluation, evaluate
     from graphmod._train._events import Event, On, Template, Time
+    from graphmod._train._export import ExportedProgram, export
     from graphmod._train._loop import Loop, PluginError
     from graphmod._train._optimize import TrainStep, optimize
     from graphmod._train._plugin import Plugin
@@ -61,16 +58,69 @@ if TYPE_CHECKING:
     from graphmod.provenance import Provenance, rebuild
 
 
-def _exports() -> dict[str, str]:
-    """``{public name: the module it comes from}``, read from the imports above."""
-    tree = ast.parse(pathlib.Path(__file__).read_text())
-    block = next(node for node in tree.body if isinstance(node, ast.If)
-                 and getattr(node.test, "id", None) == "TYPE_CHECKING")
-    return {alias.name: f"graphmod.{alias.name}" if node.module == "graphmod" else node.module
-            for node in block.body for alias in node.names}
-
-
-_EXPORTS = _exports()
+# {public name: the module it comes from}: the imports above, as a table read at run time
+# (a test checks that the two agree with each other and with __all__).
+_EXPORTS = {
+    "inspect_run": "graphmod._cli",
+    "application": "graphmod._core._application",
+    "Brick": "graphmod._core._brick",
+    "ApplicationCall": "graphmod._core._call",
+    "OwnedVariable": "graphmod._core._call",
+    "VariableFilter": "graphmod._core._filter",
+    "ComputationGraph": "graphmod._core._graph",
+    "Dynamic": "graphmod._core._manager",
+    "HParam": "graphmod._core._manager",
+    "Manager": "graphmod._core._manager",
+    "dynamic": "graphmod._core._manager",
+    "remat": "graphmod._core._scan",
+    "scan": "graphmod._core._scan",
+    "VariablesTable": "graphmod._core._show",
+    "Bias": "graphmod._core._variables",
+    "Filter": "graphmod._core._variables",
+    "Parameter": "graphmod._core._variables",
+    "State": "graphmod._core._variables",
+    "Weight": "graphmod._core._variables",
+    "FitResult": "graphmod._fit",
+    "fit": "graphmod._fit",
+    "CheckpointError": "graphmod._train._checkpoint",
+    "Evaluation": "graphmod._train._evaluate",
+    "evaluate": "graphmod._train._evaluate",
+    "Event": "graphmod._train._events",
+    "On": "graphmod._train._events",
+    "Template": "graphmod._train._events",
+    "Time": "graphmod._train._events",
+    "ExportedProgram": "graphmod._train._export",
+    "export": "graphmod._train._export",
+    "Loop": "graphmod._train._loop",
+    "PluginError": "graphmod._train._loop",
+    "TrainStep": "graphmod._train._optimize",
+    "optimize": "graphmod._train._optimize",
+    "Plugin": "graphmod._train._plugin",
+    "PopulationStep": "graphmod._train._population",
+    "population": "graphmod._train._population",
+    "Program": "graphmod._train._program",
+    "compile": "graphmod._train._program",
+    "Schedule": "graphmod._train._schedule",
+    "after": "graphmod._train._schedule",
+    "always": "graphmod._train._schedule",
+    "at": "graphmod._train._schedule",
+    "before": "graphmod._train._schedule",
+    "each": "graphmod._train._schedule",
+    "never": "graphmod._train._schedule",
+    "TrainState": "graphmod._train._train_state",
+    "bricks": "graphmod.bricks",
+    "data": "graphmod.data",
+    "distributed": "graphmod.distributed",
+    "errors": "graphmod.errors",
+    "metrics": "graphmod.metrics",
+    "plugins": "graphmod.plugins",
+    "Provenance": "graphmod.provenance",
+    "provenance": "graphmod.provenance",
+    "rebuild": "graphmod.provenance",
+    "roles": "graphmod.roles",
+    "sharding": "graphmod.sharding",
+    "typing": "graphmod.typing",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -100,6 +150,7 @@ __all__ = [
     "Dynamic",
     "Evaluation",
     "Event",
+    "ExportedProgram",
     "Filter",
     "FitResult",
     "HParam",
@@ -135,6 +186,7 @@ __all__ = [
     "each",
     "errors",
     "evaluate",
+    "export",
     "fit",
     "inspect_run",
     "metrics",

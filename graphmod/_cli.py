@@ -449,7 +449,29 @@ def _provenance_lines(meta: dict[str, Any]) -> list[str]:
         return [f"provenance: unreadable ({error})"]
     summary = record.summary()
     width = max(len(k) for k, _ in summary)
-    return ["provenance:"] + [f"  {k.ljust(width)}  {v}" for k, v in summary]
+    return (["provenance:"] + [f"  {k.ljust(width)}  {v}" for k, v in summary]
+            + _data_lines(meta["provenance"].get("inputs") or {}))
+
+
+def _data_lines(inputs: dict[str, Any]) -> list[str]:
+    """The fitted transforms and the training data's metadata a record holds, as tables."""
+    from graphmod.data import FittedTransforms, Metadata  # loads JAX, as the record does
+
+    fitted, described = inputs.get("transforms"), (inputs.get("data") or {}).get("metadata")
+    try:
+        if fitted is not None:
+            transforms = FittedTransforms.from_record(fitted)
+            return (["fitted transforms:", *_indented(repr(transforms)),
+                     "training data:", *_indented(repr(transforms.metadata))])
+        if described is not None:
+            return ["training data:", *_indented(repr(Metadata.from_dict(described)))]
+    except (KeyError, TypeError, ValueError) as error:  # shown, never acted on
+        return [f"transforms: unreadable ({error})"]
+    return []
+
+
+def _indented(text: str) -> list[str]:
+    return [f"  {line}" for line in text.splitlines()]
 
 
 def _count(shape: Sequence[int]) -> int:

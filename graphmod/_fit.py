@@ -79,7 +79,8 @@ from graphmod._train._optimize import TrainStep, optimize
 from graphmod._train._plugin import Plugin
 from graphmod._train._program import Program
 from graphmod._train._train_state import TrainState
-from graphmod.data import ArraySource
+from graphmod.data import ArraySource, FittedTransforms, Transforms
+from graphmod.data._grain import as_source
 from graphmod.metrics import Metric
 from graphmod.metrics import get as metric_named
 from graphmod.plugins import Checkpoint, EarlyStopping, Logger, Print, ProgressBar, Validation
@@ -200,6 +201,7 @@ def fit(
     mesh: jax.sharding.Mesh | None = None,
     rules: Sequence[Any] = (),
     batch_axis: str | Sequence[str] | None = None,
+    transforms: Mapping[str | int, Any] | Transforms | FittedTransforms | None = None,
 ) -> FitResult:
     """Compiles, initialises, optimizes and runs the standard loop; continues a run saved in
     ``directory``. See the module docstring for what it assembles and how it continues.
@@ -233,6 +235,12 @@ def fit(
             validation; False or None: none; or a ``Logger`` of your own.
         steps_per_call, allow_data_change: as :class:`graphmod.Loop` takes them.
         mesh, rules, batch_axis: as :func:`graphmod.compile` takes them (a run on a mesh).
+        transforms: ``{field: transformation}`` (e.g. ``{"x": graphmod.data.Standardize()}``)
+            or a ``graphmod.data.Transforms``, fitted on ``data`` (the training data only)
+            and compiled into the program, so validation and the saved model see inputs
+            transformed alike; a continued run reuses the transforms its checkpoint
+            recorded (refitting would be a data change); or ``FittedTransforms`` as they
+            are.
 
     Returns:
         A :class:`FitResult`.
@@ -254,6 +262,7 @@ def fit(
         >>> again.history == first.history
         True
     """
+    data, validation = as_source(data), as_source(validation)  # Grain: GrainSources
     _check_data(data)
     valid_source = _validation_source(validation)
     _check_choices(metrics, predict, valid_source, validation, early_stopping, seed,
@@ -263,8 +272,10 @@ def fit(
     first = _first_batch(data)
 
     args, kwargs = step_arguments(first)
+    newest = _newest_meta(run_directory, checkpoint)  # a run to continue, if any
+    fitted = _fitted(transforms, data, newest)
     program = _program.compile(cost, model, managers=managers, mesh=mesh, rules=rules,
-                               batch_axis=batch_axis)
+                               batch_axis=batch_axis, transforms=fitted)
     step = optimize(program, _optimizer(optimizer))
     state = step.init(program.init(*args, **kwargs), jax.random.key(seed))
 
@@ -281,7 +292,7 @@ def fit(
     loop = Loop(step, data, epochs=epochs, steps=steps, plugins=chosen,
                 steps_per_call=steps_per_call, allow_data_change=allow_data_change)
 
-    saved = _saved_run(run_directory, checkpoint, step, data, history, allow_data_change)
+    saved = _saved_run(newest, run_directory, step, data, history, allow_data_change)
     resumed_from = None
     if saved is not None:
         state, meta = read_checkpoint(run_directory, state, step, data, None)
@@ -613,18 +624,40 @@ def _settings(seed: int, valid: Validation | None, produced: list[str],
     return json.loads(json.dumps(settings))  # as a checkpoint gives it back
 
 
-def _saved_run(directory: str | None, checkpoint: Any, step: TrainStep, data: Any,
-               history: _History, allow_data_change: bool) -> dict[str, Any] | None:
-    """The newest checkpoint's record in ``directory`` to continue from (None: a new
-    run), having refused another run's before anything is restored."""
+def _newest_meta(directory: str | None, checkpoint: Any) -> dict[str, Any] | None:
+    """The newest checkpoint's record in ``directory`` (None: a new run)."""
     if directory is None or not checkpoint or getattr(checkpoint, "overwrite", False) \
             or not os.path.isdir(directory):
         return None  # no checkpoint, or one told to replace what is there
     reader = CheckpointReader(directory)
     try:
-        meta = newest_meta(reader) if reader.steps() else None
+        return newest_meta(reader) if reader.steps() else None
     finally:
         reader.close()
+
+
+def _fitted(transforms: Any, data: Any, meta: Mapping[str, Any] | None
+            ) -> FittedTransforms | None:
+    """``transforms=`` fitted on the training ``data``; a continued run's recorded ones
+    (in ``meta``) when they are of the same transformations."""
+    if transforms is None or isinstance(transforms, FittedTransforms):
+        return transforms
+    spec = transforms if isinstance(transforms, Transforms) else Transforms(transforms)
+    fitted = spec.fit(data)
+    recorded = (((meta or {}).get("provenance") or {}).get("inputs") or {}).get("transforms")
+    kinds = lambda record: {field: [(link["kind"], link["config"]) for link in links]
+                            for field, links in record["transforms"].items()}
+    if recorded is not None and kinds(recorded) == kinds(
+            json.loads(json.dumps(fitted.record()))):
+        return FittedTransforms.from_record(recorded)  # what the saved variables were fit to
+    return fitted
+
+
+def _saved_run(meta: dict[str, Any] | None, directory: str | None, step: TrainStep,
+               data: Any, history: _History, allow_data_change: bool
+               ) -> dict[str, Any] | None:
+    """The newest checkpoint's record ``meta`` (in ``directory``) to continue from (None:
+    a new run), having refused another run's before anything is restored."""
     if meta is None:
         return None
     differences = [*_setting_lines(meta.get("provenance"), step),

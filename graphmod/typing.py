@@ -39,8 +39,10 @@ from graphmod.roles import Role
 __all__ = [
     "Batch",
     "HookContext",
+    "InputTransforms",
     "KeyLike",
     "LoopLike",
+    "LossScale",
     "ModelLayout",
     "OwnedVariableLike",
     "ProgramContext",
@@ -347,3 +349,78 @@ class ModelLayout(Protocol):
 
     def brick_path(self, brick: Any) -> str | None:
         """The path of ``brick`` in the model (None for a module not in it)."""
+
+
+@runtime_checkable
+class InputTransforms(Protocol):
+    """Transformations fitted on the training data that a program applies to its own
+    arguments before its function runs, in every mode (``compile(..., transforms=)``);
+    :class:`graphmod.data.FittedTransforms` is the one graphmod makes.
+
+    A *field* names one argument of the compiled function after the model: a ``str`` is its
+    parameter name (a dict batch's key), an ``int`` its position (a tuple batch's index).
+    The program binds its ``(args, kwargs)`` to fields with the function's signature and
+    hands over only the fields present in the call.
+
+    Examples:
+        >>> from graphmod.typing import InputTransforms
+        >>> isinstance(object(), InputTransforms)
+        False
+    """
+
+    def fields(self) -> tuple[str | int, ...]:
+        """The fields these transformations check (every field of the training data)."""
+        ...
+
+    def transformed(self) -> tuple[str | int, ...]:
+        """The fields they change (a part of :meth:`fields`): each must name an argument of
+        the compiled function."""
+        ...
+
+    def check(self, arguments: Mapping[str | int, Any], where: str) -> None:
+        """Raises ``ValueError`` naming the field, its shape or dtype and the fix when a value
+        (an array or an abstract ``jax.ShapeDtypeStruct``, without its leading batch axis
+        counted) differs from the training data's metadata; ``where`` names the caller."""
+        ...
+
+    def apply(self, arguments: Mapping[str | int, Any]) -> dict[str | int, Any]:
+        """The transformed values of the fields given (traceable: jax.numpy only)."""
+        ...
+
+    def record(self) -> dict[str, Any]:
+        """A JSON description (kinds, fitted numbers, metadata) for provenance."""
+        ...
+
+
+@runtime_checkable
+class LossScale(Protocol):
+    """Loss scaling for a step that computes in a low dtype (float16), as
+    ``graphmod.optimize(program, tx, loss_scale=...)`` uses it: the step differentiates
+    ``scale(state, cost)``, ``unscale``s the gradients, applies the update only where they
+    are all finite (a step that overflowed changes no variable and no optimizer state) and
+    keeps ``adjust(state, finite)`` in ``TrainState.loss_scale``, so checkpoints hold it and
+    a resumed run scales as the uninterrupted one. ``state`` is a dict of scalar arrays
+    (what ``init`` returns). ``managers.DynamicLossScale`` is the one graphmod ships (jmp's).
+
+    Examples:
+        >>> from graphmod.typing import LossScale
+        >>> isinstance(object(), LossScale)
+        False
+    """
+
+    def init(self) -> dict[str, jax.Array]:
+        """The first state (e.g. ``{"scale": 2.0 ** 15, "good_steps": 0}`` as arrays)."""
+        ...
+
+    def scale(self, state: Mapping[str, jax.Array], cost: jax.Array) -> jax.Array:
+        """The cost the step differentiates (``cost * scale``)."""
+        ...
+
+    def unscale(self, state: Mapping[str, jax.Array], grads: Any) -> Any:
+        """The gradients of the scaled cost, unscaled (each leaf in its own dtype)."""
+        ...
+
+    def adjust(self, state: Mapping[str, jax.Array], finite: jax.Array
+               ) -> dict[str, jax.Array]:
+        """The next state, from whether this step's gradients were all finite."""
+        ...

@@ -11,15 +11,19 @@ from managers._batch_norm import BatchNorm
 from managers._dropout import Dropout
 from managers._layer_freezing import LayerFreezing
 from managers._lora import LoRA
+from managers._loss_scale import DynamicLossScale
 from managers._measurements import ActivationStats
 from managers._noise import GaussianNoise, WeightNoise
+from managers._precision import MixedPrecision, Precision
+from managers._qlora import QLoRA
 from managers._quantization import FakeQuant
+from managers._quantize import Quantized, quantize
 from managers._regularizers import L2, WeightDecay
 from managers._reparametrizations import MaxNorm, SpectralNorm, WeightNorm, WeightStandardization
 from managers._selective_backprop import SelectiveBackprop
 from managers._sharding import Sharding
 from managers._stochastic_depth import StochasticDepth
-from managers._systems import Precision, Remat, StopGradient
+from managers._systems import Remat, StopGradient
 from managers._targets import LabelSmoothing, Mixup
 
 __all__ = [
@@ -28,14 +32,18 @@ __all__ = [
     "ActivationStats",
     "BatchNorm",
     "Dropout",
+    "DynamicLossScale",
     "FakeQuant",
     "GaussianNoise",
     "LabelSmoothing",
     "LayerFreezing",
     "LoRA",
     "MaxNorm",
+    "MixedPrecision",
     "Mixup",
     "Precision",
+    "QLoRA",
+    "Quantized",
     "Remat",
     "SelectiveBackprop",
     "Sharding",
@@ -46,4 +54,5 @@ __all__ = [
     "WeightNoise",
     "WeightNorm",
     "WeightStandardization",
+    "quantize",
 ]

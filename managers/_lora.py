@@ -81,15 +81,7 @@ class LoRA(gm.Manager):
 
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
-        layout = weight_layout(self, call, name, value)
-        fan_in = layout.fan_in_size
-        seed = zlib.crc32(f"{self.seed}:{call.parameter}".encode()) & 0x7FFFFFFF
-        a = call.variable("a", lambda: jax.random.normal(call.init_key(seed), (
-            fan_in, self.rank)) / math.sqrt(fan_in), role=roles.PARAMETER)
-        b = call.variable("b", lambda: jnp.zeros(_b_shape(layout, self.rank)),
-                          role=roles.PARAMETER)
-        scale = jnp.asarray(self.hp("alpha"), jnp.float32) / self.rank
-        return value + (scale * _product(a.value, b.value, value.shape)).astype(value.dtype)
+        return adapted(self, call, name, value)
 
     def merge(self, variables: dict) -> dict:
         """``variables`` with every adapter folded into its weight and this manager's
@@ -113,6 +105,22 @@ class LoRA(gm.Manager):
             return base + update.astype(base.dtype)
 
         return merged(self, variables, fold, lambda adapter: adapter["a"].ndim - 2)
+
+
+def adapted(manager: gm.Manager, call: gm.ApplicationCall, name: str,
+            value: jax.Array) -> jax.Array:
+    """``value + (alpha / rank) A @ B``, the adapters owned by ``manager`` (``rank``,
+    ``seed`` and the ``alpha`` hyperparameter of a LoRA or QLoRA): ``A`` drawn from the
+    parameter's path, ``B`` zero, so the adapted weight starts as ``value``."""
+    layout = weight_layout(manager, call, name, value)
+    fan_in = layout.fan_in_size
+    seed = zlib.crc32(f"{manager.seed}:{call.parameter}".encode()) & 0x7FFFFFFF
+    a = call.variable("a", lambda: jax.random.normal(call.init_key(seed), (
+        fan_in, manager.rank)) / math.sqrt(fan_in), role=roles.PARAMETER)
+    b = call.variable("b", lambda: jnp.zeros(_b_shape(layout, manager.rank)),
+                      role=roles.PARAMETER)
+    scale = jnp.asarray(manager.hp("alpha"), jnp.float32) / manager.rank
+    return value + (scale * _product(a.value, b.value, value.shape)).astype(value.dtype)
 
 
 def _b_shape(layout: WeightLayout, rank: int) -> tuple[int, ...]:

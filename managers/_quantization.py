@@ -49,7 +49,10 @@ class FakeQuant(gm.Manager):
     tensor) to ``bits``-bit symmetric integers, with a straight-through gradient (see
     the module docstring). Unless its filter chooses variables (``roles=``, ``path=``,
     ``variable_name=``, ``name_regex=``, ``filter=``) it quantizes the weights, inputs and
-    outputs (not the biases) of the applications it selects.
+    outputs (not the biases) of the applications it selects. For serving,
+    ``managers.quantize(program, trained_variables)`` converts the trained variables to
+    stored int8 (or int4) weights with these scales and rounding: the served program gives
+    this program's inference outputs.
 
     Examples:
         >>> import jax.numpy as jnp, graphmod as gm, managers

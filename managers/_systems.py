@@ -1,13 +1,12 @@
-"""Systems managers: ``Remat`` (recompute in the backward pass), ``Precision`` (compute
-in a low dtype) and ``StopGradient``.
+"""Systems managers: ``Remat`` (recompute in the backward pass) and ``StopGradient``
+(the precision policies, ``MixedPrecision`` and ``Precision``, have a module of their own).
 
 Sharp edges
     ``Remat`` wraps the matched application calls in ``graphmod.remat`` (``jax.checkpoint``
     carrying the program's state): what the region writes (Flax's ``BatchNorm`` statistics,
     a ``BatchNorm`` manager's, an RNG stream's count) and monitors comes out of it; give
     ``Remat`` the outermost place (it is, when entered first), so the managers of the call
-    run inside the recomputed region. ``Precision`` casts floating-point inputs and the
-    parameters read inside the call; integer inputs (token ids) are left alone.
+    run inside the recomputed region.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import graphmod as gm
@@ -122,61 +120,3 @@ class Remat(gm.Manager):
             return next(*inner_args, **inner_kwargs)
 
         return gm.remat(region, policy=_policy(self.policy))(*arrays)
-
-
-class Precision(gm.Manager):
-    """Mixed precision: matched applications compute in ``compute_dtype`` on their
-    selected floating-point inputs and parameters, cast down; their floating-point outputs
-    are cast back to the widest floating dtype among the call's inputs. Stored parameters,
-    gradients and the optimizer stay in their own dtype (the casts are part of the
-    differentiated function).
-
-    Examples:
-        >>> import jax, jax.numpy as jnp, graphmod as gm, managers
-        >>> from flax import nnx
-        >>> lin = gm.bricks.Linear(2, 2, rngs=nnx.Rngs(0))
-        >>> program = gm.compile(lambda m, x: m(x), lin,
-        ...                      managers=[managers.Precision("bfloat16")])
-        >>> x = jnp.ones((1, 2))
-        >>> variables = program.init(x)
-        >>> program.infer(variables, x).dtype, variables["model"]["W"].dtype
-        (dtype('float32'), dtype('float32'))
-    """
-
-    kinds = ("parameter_rewrite",)  # a cast: EMA and a cost on the stored weight go first
-
-    def __init__(self, compute_dtype: Any = "bfloat16", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        try:
-            dtype = jnp.dtype(compute_dtype)
-        except TypeError:
-            raise TypeError(f"Precision(compute_dtype={compute_dtype!r}): expected a dtype, "
-                            "e.g. jnp.bfloat16") from None
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"Precision(compute_dtype={compute_dtype!r}): must be a "
-                             "floating-point dtype")
-        self.compute_dtype = dtype.name
-
-    def _low(self, value: Any) -> Any:
-        if isinstance(value, jax.Array | np.ndarray) and jnp.issubdtype(value.dtype,
-                                                                        jnp.floating):
-            return value.astype(self.compute_dtype)
-        return value
-
-    def wrap(self, call: gm.ApplicationCall, next: Callable[..., Any], args: tuple,
-             kwargs: dict) -> Any:
-        floats = [leaf.dtype for leaf in jax.tree.leaves((args, kwargs))
-                  if isinstance(leaf, jax.Array | np.ndarray)
-                  and jnp.issubdtype(leaf.dtype, jnp.floating)]
-        out = next(*args, **kwargs)  # the selected inputs are cast by rewrite_input
-        if not floats:
-            return out
-        wide = jnp.result_type(*floats)
-        return jax.tree.map(lambda v: v.astype(wide) if isinstance(v, jax.Array) and
-                            jnp.issubdtype(v.dtype, jnp.floating) else v, out)
-
-    def rewrite_input(self, call: gm.ApplicationCall, name: str, value: Any) -> Any:
-        return self._low(value)
-
-    def rewrite_parameter(self, call: gm.ApplicationCall, name: str, value: Any) -> Any:
-        return self._low(value)

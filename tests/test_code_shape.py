@@ -16,14 +16,22 @@ SOURCES = sorted(PACKAGE.rglob("*.py"))
 LOCAL_IMPORTS = {
     # Optional dependencies, loaded by the plugins that use them.
     ("plugins/_logger.py", "tensorboardX"),
+    ("plugins/_wandb.py", "wandb"),
     ("plugins/_live_plot.py", "matplotlib.figure"),
     ("plugins/_live_plot.py", "IPython.display"),
     ("plugins/_progress.py", "tqdm.auto"),
+    # Grain's dependency, for its worker processes' flag (google/grain#1355).
+    ("data/_grain.py", "absl"),
+    # treescope (Flax's display) renders what it is asked to, where it is installed.
+    ("_core/_show.py", "treescope"),
+    ("_core/_rewrites.py", "treescope"),
+    ("_train/_train_state.py", "treescope"),
     # `import graphmod` loads no orbax: the reader opens it when it is made.
     ("_train/_checkpoint/_reader.py", "orbax.checkpoint"),
     # `graphmod --help` answers without importing JAX or the training layer.
     ("_cli.py", "graphmod._train._checkpoint"),
     ("_cli.py", "graphmod._records._record"),
+    ("_cli.py", "graphmod.data"),  # inspect's tables of transforms and metadata
     ("distributed.py", "jax"),
     # `graphmod run` checks the stop signals' settings before it imports JAX.
     ("_train/_interrupt.py", "jax"),

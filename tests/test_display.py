@@ -99,7 +99,14 @@ def test_a_train_state_shows_sizes_in_a_line_and_tables_in_a_notebook() -> None:
     line = repr(state)
     assert line.startswith("TrainState(step=1, skipped=0, variables: 14 arrays")
     assert_fits(line)
-    assert "opt_state" in state._repr_html_() and "<td>(64, 64)</td>" in state._repr_html_()
+    page = state._repr_html_()
+    assert '<td style="text-align:left">(64, 64)</td>' in page  # text left, not Jupyter's
+    assert '<td style="text-align:right">4096</td>' in page  # numbers right
+    assert '<td style="text-align:left">WEIGHT</td>' in page  # roles: the program's
+    # Adam's moments folded: a row each, inside a closed <details>, not 2 x 10 rows
+    opt = page[page.index("<details>"):]
+    assert opt.startswith("<details><summary>opt_state: 21 arrays") and "open" not in opt
+    assert opt.count("as the variables") == 2 and opt.count("<tr>") == 1 + 3
     shown = []
     jax.jit(lambda s: shown.append(repr(s)) or s.step)(state)  # inside a trace: no read
     assert shown[0].startswith("TrainState(step=traced, skipped=traced")
@@ -132,8 +139,53 @@ def test_a_loop_shows_its_length_data_plugins_step_and_program() -> None:
     text = repr(loop)
     assert text.splitlines()[:3] == [
         "Loop: 3 epochs, at step 0, steps_per_call=2", f"  data: {source!r}",
-        "  plugins: progress_bar at On('step') | On('terminate'), checkpoint at "
-        "On('epoch_end')"]
+        "  plugins: progress_bar at On('step') | On('epoch_end') | On('terminate'), "
+        "checkpoint at On('epoch_end')"]
     assert text.splitlines()[3] == "  TrainStep: trains the parameters of lora, skip_nonfinite"
     assert "\n    Program " in text and "\n      0. lora: LoRA, VariableFilter(roles=(WEIGHT,))" \
         in text and "at 0x" not in text
+
+
+def test_variables_group_under_their_module_and_long_paths_keep_both_ends() -> None:
+    program, _ = regularized_program()
+    variables = program.init(jnp.ones((4, 3)))
+    table = program.variables_table(variables)
+    lines = repr(table).splitlines()
+    assert lines[0].split() == ["path", "role", "shape", "dtype", "size", "bytes"]
+    at = lines.index("model/linear_layers/1/")  # the module once, its arrays under it
+    assert lines[at + 1].split()[:3] == ["W", "WEIGHT", "(64,"]
+    assert lines[at + 2].split()[:2] == ["b", "BIAS"]
+    assert sum("output.scale" in line for line in lines) == 2
+    page = table._repr_html_()
+    assert page.count('<th colspan="6" style="text-align:left">') == 5  # 5 modules
+    assert '<th colspan="6" style="text-align:left">managers/batch_norm/linear_layers/0/apply/' \
+        in page
+    one = gm.VariablesTable({"model": {"W": jnp.ones((2, 3)), "b": jnp.ones(3)}})
+    assert "model/W" in repr(one)  # one module: no grouping
+    text = gm.VariablesTable({"the_positional_embedding_of_the_decoder_" * 3: {
+        "layers": {"0": {"kernel_of_the_query_projection": jnp.ones(2)}}}})
+    assert_fits(repr(text))
+    first = repr(text).splitlines()[2]
+    assert first.startswith("the_positional") and "…" in first  # both ends: cut inside
+    assert first.split()[0].endswith("layers/0/kernel_of_the_query_projection")
+
+
+def test_rewrites_show_one_table_when_modes_agree_and_the_dtype_column_is_a_field() -> None:
+    program, _ = regularized_program()
+    x = jnp.ones((4, 3))
+    variables = program.init(x)
+    program.train(variables, x, rng=jax.random.key(0))
+    text = str(program.rewrites)
+    assert text.startswith("init and train: 5 rewrites\n") and text.count("rewrites") == 1
+    assert program.rewrites._repr_html_().count("<table>") == 1
+    program.infer(variables, x)
+    assert str(program.rewrites).count("\n\n") == 1  # init and train, then infer
+    rewrite = program.rewrites.train[0]
+    assert (rewrite.shape, rewrite.dtype) == ("(4, 3)", "float32")
+    assert rewrite.row(0)[-2:] == (rewrite.shape, rewrite.dtype)
+    cast = gm.compile(lambda m, x: m(x).sum(), gm.bricks.Linear(3, 2, rngs=nnx.Rngs(0)),
+                      managers=[managers.Precision("bfloat16")])
+    cast.init(x)
+    dtypes = {r.name: r.dtype for r in cast.rewrites["init"]}
+    assert dtypes["W"] == "float32->bfloat16"  # the column and the field say the same
+    assert "float32->bfloat16" in str(cast.rewrites)

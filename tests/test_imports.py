@@ -44,3 +44,22 @@ def test_the_command_answers_help_without_loading_jax() -> None:
         "print(sorted({m.split('.')[0] for m in sys.modules} "
         "& {'jax', 'jaxlib', 'flax', 'numpy', 'orbax'}))")
     assert out.strip() == "[]", out
+
+
+def test_the_export_table_is_the_type_checking_imports_and_all() -> None:
+    """graphmod's lazy table, the imports type checkers and the API docs read, and
+    ``__all__`` name the same things, each from the same module."""
+    import ast
+    import pathlib
+
+    import graphmod
+
+    tree = ast.parse(pathlib.Path(graphmod.__file__).read_text())
+    block = next(node for node in tree.body if isinstance(node, ast.If)
+                 and getattr(node.test, "id", None) == "TYPE_CHECKING")
+    imported = {alias.name: f"graphmod.{alias.name}" if node.module == "graphmod"
+                else node.module for node in block.body for alias in node.names}
+    assert imported == graphmod._EXPORTS
+    assert sorted(graphmod.__all__) == sorted(imported)
+    for name in graphmod.__all__:
+        assert getattr(graphmod, name) is not None, name

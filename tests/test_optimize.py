@@ -215,7 +215,8 @@ def test_the_state_passes_its_optimizer_state_first_and_keeps_its_fields() -> No
     tops = [path[0].name for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     assert tops[0] == "opt_state" and tops[-3:] == ["step", "rng", "skipped"]
     assert tops.index("variables") > tops.index("opt_state")
-    assert gm.TrainState._fields == ("variables", "opt_state", "step", "rng", "skipped")
+    assert gm.TrainState._fields == ("variables", "opt_state", "step", "rng", "skipped",
+                                     "loss_scale")  # None without optimize(loss_scale=)
     assert state[0] is state.variables and int(state.step) == 1
     again = jax.tree.map(lambda v: v, state)
     assert isinstance(again, gm.TrainState)

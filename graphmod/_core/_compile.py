@@ -8,6 +8,7 @@ from typing import Any
 
 from graphmod._core import _context
 from graphmod._core._filter import VariableFilter
+from graphmod._core._input_transforms import check_transform_fields
 from graphmod._core._intercept import interceptor
 from graphmod._core._layout import Layout
 from graphmod._core._manager import Manager
@@ -15,6 +16,7 @@ from graphmod._core._program_checks import check_managers, monitors, warn_outsid
 from graphmod._core._program_record import Shared
 from graphmod._core._sharding import Placement
 from graphmod._core._warn import warn
+from graphmod.typing import InputTransforms
 
 __all__ = ["compile_program"]
 
@@ -31,6 +33,7 @@ def compile_program(
     mesh: Any = None,
     rules: Sequence[Any] = (),
     batch_axis: Any = None,
+    transforms: InputTransforms | None = None,
 ) -> Any:
     """``graphmod.compile`` as the core does it, making a ``program_type``."""
     if not callable(fn):
@@ -38,6 +41,8 @@ def compile_program(
     if mesh is None and (rules or batch_axis is not None):
         raise ValueError("compile(rules=..., batch_axis=...) place arrays on a device mesh: "
                          "pass mesh= too (e.g. jax.make_mesh((8,), ('data',)))")
+    if transforms is not None:  # before anything else is built: names the field
+        check_transform_fields(transforms, fn)
     layout = Layout(model, interceptor(applications))
     warn_outside_modules(fn, layout)
     placement = None if mesh is None else Placement(mesh, rules, batch_axis, layout=layout)
@@ -54,5 +59,5 @@ def compile_program(
     labelled = monitors(monitor)
     for label, monitor_filter in labelled.items():
         layout.resolve(monitor_filter.brick_instances(), f"monitor[{label!r}]")
-    return program_type(fn, Shared(layout, placement), check_managers(chosen, layout), labelled,
-                        axis_name, strict=True)
+    return program_type(fn, Shared(layout, placement, transforms),
+                        check_managers(chosen, layout), labelled, axis_name, strict=True)

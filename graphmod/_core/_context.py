@@ -66,6 +66,12 @@ _FRAME: contextvars.ContextVar[Frame | None] = contextvars.ContextVar(
     "graphmod_frame", default=None
 )
 
+# The regions managers' wraps have open, innermost last: (manager name, value) pairs (a
+# precision policy's calls, which every application called inside them belongs to).
+_REGIONS: contextvars.ContextVar[tuple[tuple[str, Any], ...]] = contextvars.ContextVar(
+    "graphmod_regions", default=()
+)
+
 # In a shared-token trace: the outer trace, where the frame may be read (else None).
 _SHARED_IN: contextvars.ContextVar[Any] = contextvars.ContextVar("graphmod_shared_in",
                                                                  default=None)
@@ -141,6 +147,21 @@ class NeedsIsolation(BaseException):
         >>> issubclass(NeedsIsolation, Exception)
         False
     """
+
+
+@contextlib.contextmanager
+def region(owner: str, value: Any) -> Iterator[None]:
+    """Opens manager ``owner``'s region holding ``value`` for what runs inside."""
+    token = _REGIONS.set((*_REGIONS.get(), (owner, value)))
+    try:
+        yield
+    finally:
+        _REGIONS.reset(token)
+
+
+def regions() -> tuple[tuple[str, Any], ...]:
+    """The open regions, ``(manager name, value)``, innermost last."""
+    return _REGIONS.get()
 
 
 def current_frame() -> Frame | None:

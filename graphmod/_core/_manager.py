@@ -25,6 +25,7 @@ What is undefined
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -458,6 +459,35 @@ class Manager:
             {}
         """
         return {}
+
+    def region(self, value: Any) -> contextlib.AbstractContextManager[None]:
+        """A ``with`` block, entered in :meth:`wrap` around ``next``, inside which every
+        application called belongs to this manager's *region* holding ``value`` (what a
+        precision policy casts to): :meth:`regions` lists the open ones. The stack lives
+        with graphmod's other trace-time stacks, so a manager keeps no state of its own.
+
+        Examples:
+            >>> import graphmod as gm
+            >>> manager = gm.Manager()
+            >>> with manager.region("bfloat16"):
+            ...     gm.Manager.regions()
+            (('manager', 'bfloat16'),)
+            >>> gm.Manager.regions()
+            ()
+        """
+        return _context.region(self.name, value)
+
+    @staticmethod
+    def regions() -> tuple[tuple[str, Any], ...]:
+        """The regions open where this is called, ``(manager name, value)``, innermost
+        last: see :meth:`region`.
+
+        Examples:
+            >>> import graphmod as gm
+            >>> gm.Manager.regions()
+            ()
+        """
+        return _context.regions()
 
     # -- matching (used by the chain) -----------------------------------------------------
     def has_hook(self, hook: str) -> bool:

@@ -49,6 +49,7 @@ from graphmod._core._construction import key_record
 from graphmod._core._filter import VariableFilter
 from graphmod._core._frame import Frame, OwnedKey
 from graphmod._core._graph import ComputationGraph
+from graphmod._core._input_transforms import apply_transforms, check_transformed
 from graphmod._core._layout import Layout
 from graphmod._core._loop_resolution import resolving
 from graphmod._core._manager import Manager
@@ -59,6 +60,7 @@ from graphmod._core._program_variables import VariablesByRole
 from graphmod._core._rewrites import Rewrites, RewriteTrace
 from graphmod._core._rng_arguments import with_random_streams
 from graphmod._core._sharding import Placement, batch_on_mesh, init_mesh, on_mesh, put
+from graphmod.typing import InputTransforms
 
 __all__ = ["ProgramCore", "ProgramRecord"]
 
@@ -132,6 +134,20 @@ class ProgramCore(VariablesByRole):
         return self._shared.placement
 
     @property
+    def transforms(self) -> InputTransforms | None:
+        """The transformations fitted on the training data that this program applies to
+        its arguments (``compile(..., transforms=)``; None without).
+
+        Examples:
+            >>> import jax.numpy as jnp, graphmod as gm
+            >>> from flax import nnx
+            >>> gm.compile(lambda m, x: m(x), gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0))
+            ...            ).transforms is None
+            True
+        """
+        return self._shared.transforms
+
+    @property
     def record(self) -> ProgramRecord:
         """What this program knows of how it came to be, for provenance records.
 
@@ -154,7 +170,8 @@ class ProgramCore(VariablesByRole):
         return ProgramRecord(self.fn, self._shared.layout, self._managers, self._monitor,
                              self._axis_name, self._created, examples, positional,
                              self._abstract_variables, self._init_rng, self._inits,
-                             self._training_jaxpr, self._shared.placement)
+                             self._training_jaxpr, self._shared.placement,
+                             self._shared.transforms)
 
     @property
     def origin(self) -> ProgramCore | None:
@@ -302,13 +319,17 @@ class ProgramCore(VariablesByRole):
         if mode != "init" and not record:  # nnx.Rngs arguments left out, made from the key
             args, kwargs = with_random_streams(self.fn, self._shared.examples, args, kwargs,
                                                key, f"program.{mode}", self._axis_name)
-        check_binds(self.fn, args, kwargs, "the train step" if costs else f"program.{mode}")
-        placement = self._shared.placement
+        where = "the train step" if costs else "program.graph" if record else f"program.{mode}"
+        check_binds(self.fn, args, kwargs, where)
+        placement, transforms = self._shared.placement, self._shared.transforms
+        # The training data's metadata first: its error names the field and the data.
+        check_transformed(transforms, self._argument_names, args, kwargs, where)
         if mode != "init" and not record:
             own = self._example is not None  # else a derived fn's: its names may mean else
             check_arguments(self._bind(*self._example, lambda x: x) if own else
                             self._shared.examples, self._bind(args, kwargs, lambda x: x), own)
         args, kwargs = batch_on_mesh((args, kwargs), placement, split=mode != "init" and not record)
+        args, kwargs = apply_transforms(transforms, self._argument_names, args, kwargs)
 
         def fresh() -> Frame:
             return Frame(layout=self._shared.layout, mode=mode, values=values, owned=owned,

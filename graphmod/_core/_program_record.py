@@ -15,6 +15,7 @@ from graphmod._core._layout import Layout
 from graphmod._core._manager import Manager
 from graphmod._core._owned import OwnedKey
 from graphmod._core._sharding import Placement
+from graphmod.typing import InputTransforms
 
 __all__ = ["ProgramRecord", "Shared", "abstract"]
 
@@ -51,14 +52,17 @@ class ProgramRecord:
     inits: int
     training_jaxpr: Callable[[], Any] = dataclasses.field(repr=False, compare=False)
     placement: Placement | None = None  # compile(mesh=, rules=, batch_axis=)
+    transforms: InputTransforms | None = None  # compile(transforms=)
 
 
 class Shared:
     """What programs derived from one another share: layout, owned variables, examples."""
 
-    def __init__(self, layout: Layout, placement: Placement | None = None) -> None:
+    def __init__(self, layout: Layout, placement: Placement | None = None,
+                 transforms: InputTransforms | None = None) -> None:
         self.layout = layout
         self.placement = placement  # where arrays live on a mesh (None: one device)
+        self.transforms = transforms  # applied to the arguments before the function runs
         self.owned_roles: dict[OwnedKey, _roles.Role] | None = None
         self.examples: dict[str, Any] = {}
         # Whether an inner trace of this layout's programs reads the frame (see _context).

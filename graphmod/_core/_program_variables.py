@@ -15,6 +15,7 @@ from graphmod import roles as _roles
 from graphmod._core import _owned_layout as owned_layout
 from graphmod._core._program_record import Shared
 from graphmod._core._role_tree import is_one_of, merge, role_tree, select
+from graphmod._core._show import remember_roles
 from graphmod._core._warn import warn
 
 __all__ = ["VariablesByRole"]
@@ -70,7 +71,8 @@ class VariablesByRole:
                 "this program has not been initialised: call program.init(*example_args) "
                 "(or init a program it was derived from) first"
             )
-        return role_tree(variables, self._shared.layout, owned or {})
+        # Remembered for displays of a tree like it (a TrainState's carries no roles).
+        return remember_roles(variables, role_tree(variables, self._shared.layout, owned or {}))
 
     def split(self, variables: dict, *roles: _roles.Role) -> tuple[dict, dict]:
         """``(selected, rest)``: leaves whose role is one of ``roles`` (or a sub-role), and

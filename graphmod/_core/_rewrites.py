@@ -51,16 +51,27 @@ class Rewrite:
         """``by``'s wrap around call ``call_id`` of ``application`` at ``path``."""
         return cls(by, path, application, call_id, "CALL", "", (), "", (), "")
 
+    @property
+    def shape(self) -> str:
+        """The ``shape`` column: ``shape_in``, or ``shape_in->shape_out`` where they differ."""
+        return _change(self.shape_in, self.shape_out)
+
+    @property
+    def dtype(self) -> str:
+        """The ``dtype`` column: ``dtype_in``, or ``dtype_in->dtype_out`` where they differ
+        (a cast: ``float32->bfloat16``)."""
+        return _change(self.dtype_in, self.dtype_out)
+
     def row(self, index: int) -> tuple[Any, ...]:
         if self.role == "CALL":
             return (index, self.manager, self.path, self.application, self.call_id,
                     self.role, "-", "-", "-")
-        shape = (str(self.shape_in) if self.shape_in == self.shape_out
-                 else f"{self.shape_in}->{self.shape_out}")
-        dtype = (self.dtype_in if self.dtype_in == self.dtype_out
-                 else f"{self.dtype_in}->{self.dtype_out}")
         return (index, self.manager, self.path, self.application, self.call_id, self.role,
-                self.name, shape, dtype)
+                self.name, self.shape, self.dtype)
+
+
+def _change(before: object, after: object) -> str:
+    return str(before) if before == after else f"{before}->{after}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,21 +117,57 @@ class RewriteTrace:
     def __getitem__(self, index: int) -> Rewrite:
         return self.rewrites[index]
 
-    def _caption(self) -> str:
+    def same_as(self, other: RewriteTrace) -> bool:
+        """Whether ``other`` (another mode's) rewrote, left and ordered the same."""
+        return (self.rewrites, self.unchanged, self.order) == (
+            other.rewrites, other.unchanged, other.order)
+
+    def _caption(self, modes: Sequence[str] = ()) -> str:
         n = len(self.rewrites)
         left = ", ".join(f"{by} {count}" for by, count in self.unchanged)
-        return (f"{self.mode}: {n} rewrite{'' if n == 1 else 's'}"
+        return (f"{' and '.join(modes or (self.mode,))}: {n} rewrite{'' if n == 1 else 's'}"
                 + (f"; variables matched and left as they were: {left}" if left else ""))
 
-    def __str__(self) -> str:
+    def _text(self, modes: Sequence[str] = ()) -> str:
+        """The table under a caption naming ``modes`` (default: this trace's)."""
         rows = [r.row(i) for i, r in enumerate(self.rewrites)]
         order = "".join(f"{line}\n" for line in self.order)
-        return self._caption() + "\n" + order + text_table(_HEADERS, rows)
+        return self._caption(modes) + "\n" + order + text_table(_HEADERS, rows)
 
-    def _repr_html_(self) -> str:
+    def __str__(self) -> str:
+        return self._text()
+
+    def _html(self, modes: Sequence[str] = ()) -> str:
         order = "".join(f"<div>{html.escape(line)}</div>" for line in self.order)
         return order + html_table(_HEADERS, [r.row(i) for i, r in enumerate(self.rewrites)],
-                                  self._caption())
+                                  self._caption(modes))
+
+    def _repr_html_(self) -> str:
+        return self._html()
+
+    def _treescope(self, modes: Sequence[str] = ()) -> Any:
+        """Treescope's rendering: the caption, then a foldable node per brick path whose
+        lines are its rewrites (manager, application and call, role, variable, shape,
+        dtype)."""
+        from treescope import rendering_parts as parts  # Flax's display: where it renders
+
+        by_path: dict[str, list[Rewrite]] = {}
+        for rewrite in self.rewrites:
+            by_path.setdefault(rewrite.path, []).append(rewrite)
+        line = lambda r: parts.siblings(" ".join(str(c) for c in (
+            r.manager, f"{r.application}[{r.call_id}]", *r.row(0)[5:]) if c != "-"),
+            parts.fold_condition(collapsed=parts.text("; ")))
+        nodes = [parts.build_foldable_tree_node_from_children(
+            prefix=f"{path}: ", children=[line(r) for r in rewrites], suffix="",
+            first_line_annotation=parts.comment_color(parts.text(
+                f"  # {len(rewrites)} rewrite{'' if len(rewrites) == 1 else 's'}")))
+            for path, rewrites in by_path.items()]
+        return parts.build_foldable_tree_node_from_children(
+            prefix=f"{self._caption(modes)}", children=nodes, suffix="",
+            expand_state=parts.ExpandState.EXPANDED)
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        return self._treescope()
 
 
 _MODES = ("init", "train", "infer")
@@ -170,14 +217,34 @@ class Rewrites:
         """The modes traced so far, of ``init``, ``train`` and ``infer``."""
         return [m for m in _MODES if m in self._by_mode]
 
-    def _shown(self) -> list[RewriteTrace]:
-        return [self._by_mode[m] for m in self.modes]
+    def _shown(self) -> list[tuple[RewriteTrace, list[str]]]:
+        """Each trace shown once, with the modes that traced the same (``init`` and
+        ``train`` mostly do: one table for both)."""
+        shown: list[tuple[RewriteTrace, list[str]]] = []
+        for mode in self.modes:
+            trace = self._by_mode[mode]
+            same = next((modes for first, modes in shown if first.same_as(trace)), None)
+            if same is None:
+                shown.append((trace, [mode]))
+            else:
+                same.append(mode)
+        return shown
 
     def __str__(self) -> str:
-        shown = self._shown()
-        return "\n\n".join(map(str, shown)) if shown else "no trace yet"
+        shown = [trace._text(modes) for trace, modes in self._shown()]
+        return "\n\n".join(shown) if shown else "no trace yet"
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        return "".join(t._repr_html_() for t in self._shown()) or "<p>no trace yet</p>"
+        return "".join(trace._html(modes) for trace, modes in self._shown()
+                       ) or "<p>no trace yet</p>"
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        """Treescope's rendering: each mode's trace (once for modes that agree)."""
+        from treescope import rendering_parts as parts  # Flax's display: where it renders
+
+        return parts.build_foldable_tree_node_from_children(
+            prefix="program.rewrites(", suffix=")", expand_state=parts.ExpandState.EXPANDED,
+            children=[trace._treescope(modes) for trace, modes in self._shown()]
+            or [parts.text("no trace yet")])

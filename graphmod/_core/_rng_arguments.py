@@ -50,8 +50,8 @@ def with_random_streams(fn: Callable[..., Any], examples: Mapping[str, Any], arg
         ('Rngs', 0)
     """
     streams = {name: _stream_names(example) for name, example in examples.items()
-               if isinstance(example, nnx.Rngs)}
-    if not streams:
+               if isinstance(example, nnx.Rngs) and _takes(fn, name)}
+    if not streams:  # none, or a derived function that takes none of them
         return args, kwargs
     args, kwargs = _rebuilt((args, kwargs))
     try:
@@ -68,6 +68,17 @@ def with_random_streams(fn: Callable[..., Any], examples: Mapping[str, Any], arg
     return args, {**kwargs, **{name: nnx.Rngs(**{
         stream: jax.random.fold_in(key, crc32(f"argument|{name}|{stream}"))
         for stream in names}) for name, names in missing.items()}}
+
+
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` has an argument ``name`` (or ``**kwargs``): a function derived from
+    the compiled one may drop the compiled function's ``rngs``."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: passed as the example was
+        return True
+    return name in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def _stream_names(rngs: nnx.Rngs) -> tuple[str, ...]:

@@ -185,6 +185,8 @@ def program_provenance(program: Any) -> Provenance:
         "axis_name": None if record.axis_name is None else str(record.axis_name),
         "example_shapes": examples_record(record),
         "seeds": {"init": record.init_key},
+        # Fitted on the training data: kinds, numbers, metadata, the source's description.
+        "transforms": None if record.transforms is None else record.transforms.record(),
         "versions": versions(),
         "platform": platform_record(),
     }
@@ -214,13 +216,22 @@ def _spec(spec: Any) -> list[Any] | dict[str, list[Any]]:
     return [list(e) if isinstance(e, tuple) else e for e in spec]
 
 
-def data_record(data: Any) -> dict[str, Any]:
+def data_record(data: Any, *, metadata: bool = False) -> dict[str, Any]:
     """A data source's own description (name, size, shapes, dtypes, content hash), or its
-    type when it cannot describe itself."""
+    type when it cannot describe itself; with ``metadata`` (a run's training data) also
+    the JSON of its metadata when it has one (``ArraySource.metadata``)."""
     describe = getattr(data, "describe", None)
-    if callable(describe):
-        return dict(describe())
-    return {"name": class_path(type(data)), "described": False}
+    if not callable(describe):
+        return {"name": class_path(type(data)), "described": False}
+    described = dict(describe())
+    if metadata and "metadata" not in described:
+        try:
+            found = getattr(data, "metadata", None)
+        except (TypeError, ValueError):  # fields metadata cannot hold (nested dicts): none
+            found = None
+        if found is not None:
+            described["metadata"] = found.to_dict()
+    return described
 
 
 _NO_STATE = object()
@@ -256,7 +267,7 @@ def training_inputs(step: Any, loop: Any = None, *, state: Any = _NO_STATE) -> d
 
 def _loop_inputs(loop: Any) -> dict[str, Any]:
     """A run's data and loop settings, and the changes its resumes made."""
-    inputs = {"data": data_record(loop.data),
+    inputs = {"data": data_record(loop.data, metadata=True),
               "loop": {"epochs": loop.epochs, "steps": loop.max_steps,
                        "steps_per_call": loop.steps_per_call,
                        "plugins": [{"name": getattr(p, "name", None),

@@ -49,17 +49,13 @@ from typing import Any, NamedTuple, NoReturn
 from graphmod import distributed
 
 
-def _cwd() -> str | None:
+def working_directory() -> str | None:
     """The working directory, or None where it was deleted."""
     try:
         return os.getcwd()
     except OSError:
         return None
 
-
-# The working directory when graphmod was imported: a script's relative arguments are
-# relative to it, even if the script changes directory before its run is saved.
-_START_CWD = _cwd()
 
 # Set by `graphmod resume DIR` for the script it runs: its Checkpoint(DIR) plugins resume.
 RESUME_VARIABLE = "GRAPHMOD_RESUME"
@@ -92,8 +88,11 @@ class ResumeRefusedError(ValueError):
     """
 
 
-def recorded_command() -> dict[str, Any]:
-    """How the current process was started, as JSON data for a checkpoint.
+def recorded_command(cwd: str | None = None) -> dict[str, Any]:
+    """How the current process was started, as JSON data for a checkpoint; ``cwd``: the
+    working directory the run started in (a ``Loop`` notes it when it is made, so a script's
+    relative arguments stay relative to it even if the script changes directory later;
+    default: the current one).
 
     ``kind`` is one of ``script`` (with ``script``, the resolved absolute path, ``args`` and
     ``script_sha256``, the script's content hash when the process first records itself),
@@ -113,7 +112,8 @@ def recorded_command() -> dict[str, Any]:
         (True, ['argv', 'cwd', 'kind'])
     """
     argv = [str(arg) for arg in getattr(sys, "argv", [])]
-    record: dict[str, Any] = {"kind": "unknown", "argv": argv, "cwd": _START_CWD}
+    cwd = working_directory() if cwd is None else cwd
+    record: dict[str, Any] = {"kind": "unknown", "argv": argv, "cwd": cwd}
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     if _in_kernel(argv):
@@ -125,7 +125,7 @@ def recorded_command() -> dict[str, Any]:
     elif spec is not None and spec.name != "__main__":  # a directory or zip app is unknown
         record.update(kind="module", module=spec.name.removesuffix(".__main__"))
     elif spec is None:
-        script = _main_script(getattr(main, "__file__", None), argv[0])
+        script = _main_script(getattr(main, "__file__", None), argv[0], cwd)
         if script is not None:
             record.update(kind="script", script=script, args=argv[1:],
                           script_sha256=_first_sha256(script))
@@ -188,12 +188,13 @@ def _processes() -> dict[str, Any]:
     return {**record, **({"job": facts} if facts else {})}
 
 
-def _main_script(file: Any, argv0: str) -> str | None:
-    """The resolved path of ``__main__``'s file when it is the file ``sys.argv[0]`` names."""
+def _main_script(file: Any, argv0: str, cwd: str | None) -> str | None:
+    """The resolved path of ``__main__``'s file when it is the file ``sys.argv[0]`` names
+    (relative to ``cwd``)."""
     if not isinstance(file, str) or not os.path.isfile(file):
         return None
     script = os.path.realpath(file)
-    same = os.path.realpath(os.path.join(_START_CWD or "", argv0)) == script
+    same = os.path.realpath(os.path.join(cwd or "", argv0)) == script
     return script if same else None
 
 
@@ -359,7 +360,7 @@ def resume_command(record: Any, directory: str | os.PathLike, *,
         _refuse(f"{directory} recorded the script {recorded!r}, which is not an absolute path",
                 directory)
     if script is None:
-        anchor = _cwd() if trusted is None else os.fspath(trusted)
+        anchor = working_directory() if trusted is None else os.fspath(trusted)
         if anchor is None:
             _refuse("the directory graphmod resume runs from was deleted", directory,
                     "change to the directory that holds your script and run it again")
@@ -413,7 +414,7 @@ def _submit_command(launcher: str, count: int, facts: dict[str, str],
                     resume: list[str]) -> str | None:
     """The command that starts ``count`` processes of ``launcher`` again, each running
     ``resume`` (None where no command can be written: Kubernetes, your own launcher)."""
-    cwd = _cwd() or "."
+    cwd = working_directory() or "."
     if launcher == "slurm":
         options = [f"--{field.replace('_', '-')}={facts[field]}" for field in
                    ("job_name", "partition", "account", "qos", "nodes") if field in facts]

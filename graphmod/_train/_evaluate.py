@@ -35,9 +35,11 @@ from graphmod._records._collect import data_record, function_record
 from graphmod._records._environment import platform_record, versions
 from graphmod._records._record import Provenance
 from graphmod._train._batch import pick
+from graphmod._train._data_checks import check_evaluation_data, transformed_targets
 from graphmod._train._engine import Engine, Totals, metric_list, output_shapes, prepare
 from graphmod._train._program import Program
 from graphmod.data import ArraySource
+from graphmod.data._grain import as_source
 from graphmod.metrics import Metric
 
 
@@ -123,6 +125,7 @@ class Evaluation:
 
 
 def _as_source(source: Any, batch_size: int) -> Any:
+    source = as_source(source)  # a Grain pipeline of batches: a GrainSource
     if hasattr(source, "iter_padded"):
         return source
     if isinstance(source, Mapping | tuple | list | np.ndarray | jax.Array):
@@ -241,6 +244,9 @@ def evaluate(program: Program, variables: Any, source: Any, *, metrics: Sequence
     source_name = str(description.get("name", type(data).__name__))
     predictor = program.derive(predict) if predict is not None else program
     first, batches = _first_batch(data, source_name)
+    check_evaluation_data(predictor, data, first, "evaluate")  # the training data's metadata
+    first = transformed_targets(predictor, first)  # targets as the cost saw them
+    batches = ((transformed_targets(predictor, batch), mask) for batch, mask in batches)
     engine = prepare(predictor, variables, first, chosen, who="evaluate", source=source_name,
                      inputs=inputs, targets=targets, keep=predictions, spare=1,
                      hint=", or pass inputs=[field, ...]")

@@ -29,7 +29,9 @@ another handler, that signal is left as it is.
 
 A script a stop ends exits promptly: its at-exit handlers run, but the interpreter's last
 garbage collections, which walk the whole heap JAX builds (seconds on a loaded machine,
-during which the saved run was already safe), are skipped (``gc.freeze``).
+during which the saved run was already safe), are skipped (``gc.freeze``). It ends with the
+stop's one line (``KeyboardInterrupt: interrupted at step 12``) under the notices that said
+what was saved and how to continue, not with a traceback through the loop.
 
 In a run of several processes (:mod:`graphmod.distributed`) the processes must stop at the
 same step, since every one takes part in a save. There SIGTERM belongs to JAX's
@@ -54,6 +56,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from traceback import format_exception_only
 from types import FrameType, TracebackType
 
 STOP_SIGNALS_VARIABLE = "GRAPHMOD_STOP_SIGNALS"
@@ -222,11 +225,20 @@ def _guard_of(handler: object) -> SignalGuard | None:
 def _report_uncaught(kind: type[BaseException], error: BaseException,
                      traceback: TracebackType | None, *,
                      previous: Callable[..., object]) -> None:
-    """``sys.excepthook`` of a script a stop ended: the usual report, then, for a
-    :class:`SignalInterrupt`, the exit with its status (Python would exit with 1)."""
-    previous(kind, error, traceback)
+    """``sys.excepthook`` of a script a stop ended: for the stop, its last line only, then,
+    for a :class:`SignalInterrupt`, the exit with its status (Python would exit with 1; a
+    ``KeyboardInterrupt`` still ends by SIGINT, 130 in a shell); anything else as
+    ``previous`` reports it."""
+    if not getattr(error, _STOPPED_RUN, False):
+        previous(kind, error, traceback)
+        return
+    sys.stderr.write("".join(format_exception_only(kind, error)))
+    sys.stderr.flush()
     if isinstance(error, SignalInterrupt):
         raise SystemExit(error.status)  # Python exits with it, at-exit handlers run
+
+
+_STOPPED_RUN = "_graphmod_stopped_run"  # set on the stop a loop raised: reported in a line
 
 
 def _exit_promptly(stop: KeyboardInterrupt) -> None:
@@ -234,9 +246,9 @@ def _exit_promptly(stop: KeyboardInterrupt) -> None:
     walk of JAX's heap (see the module docstring); harmless if the script goes on."""
     atexit.unregister(gc.freeze)  # registered once, however many runs stop
     atexit.register(gc.freeze)  # the newest runs first: later handlers still collect
+    setattr(stop, _STOPPED_RUN, True)  # a mark, not a reference: the hook keeps no frames
     hook = sys.excepthook
-    if isinstance(stop, SignalInterrupt) and not (
-            isinstance(hook, functools.partial) and hook.func is _report_uncaught):
+    if not (isinstance(hook, functools.partial) and hook.func is _report_uncaught):
         sys.excepthook = functools.partial(_report_uncaught, previous=hook)
 
 

@@ -28,6 +28,7 @@ from graphmod._train._optimizer_placement import OptimizerPlacement
 from graphmod._train._program import Program
 from graphmod._train._train_state import TrainState
 from graphmod._train._trainable import check_own_managers, parameter_owners, warn_frozen_managers
+from graphmod.typing import LossScale
 
 
 def _split_output(out: Any, fn: Any) -> tuple[jax.Array, dict]:
@@ -74,7 +75,8 @@ class TrainStep:
     def __init__(self, program: Program, tx: optax.GradientTransformation,
                  skip_nonfinite: bool, config: Mapping[str, Any] | None = None,
                  trainable: Any = None, grad_norms: bool = False,
-                 optimizer_rules: Sequence[Any] = ()) -> None:
+                 optimizer_rules: Sequence[Any] = (), loss_scale: LossScale | None = None
+                 ) -> None:
         if not isinstance(program, Program):
             raise TypeError(f"optimize(program, tx): expected a graphmod Program, got "
                             f"{type(program).__name__}")
@@ -84,9 +86,14 @@ class TrainStep:
             raise TypeError(f"optimize(program, tx): tx must be an optax "
                             f"GradientTransformation (e.g. optax.adam(1e-3)), got "
                             f"{type(tx).__name__}")
+        if loss_scale is not None and not isinstance(loss_scale, LossScale):
+            raise TypeError(f"optimize(loss_scale=...): expected a loss scale with init, scale, "
+                            f"unscale and adjust (e.g. managers.DynamicLossScale()), got "
+                            f"{type(loss_scale).__name__}")
         self.program = program
         self.tx = tx
         self.skip_nonfinite = skip_nonfinite
+        self.loss_scale = loss_scale
         self.trainable = None if trainable is None else as_selectors(
             trainable, "optimize(trainable=...)")
         check_own_managers(self.trainable or (), program)
@@ -102,7 +109,8 @@ class TrainStep:
         chosen = "every parameter" if self.trainable is None else "the parameters of " + \
             ", ".join(s.name if isinstance(s, Manager) else repr(s) for s in self.trainable)
         flags = "".join(f", {name}" for name, on in (("skip_nonfinite", self.skip_nonfinite),
-                                                     ("grad_norms", self.grad_norms)) if on)
+                                                     ("grad_norms", self.grad_norms),
+                                                     ("loss_scale", self.loss_scale)) if on)
         return (f"TrainStep: trains {chosen}{flags}\n  optimizer: "
                 f"{optimizer_text(self.optimizer_record)}\n  "
                 + "".join(f"{line}\n  " for line in self.optimizer_placement.lines())
@@ -155,7 +163,9 @@ class TrainStep:
         # Copied too: an optimizer may keep the parameters themselves in its state
         # (optax.lbfgs), and a step donates every buffer of the state once.
         opt_state = _copied(self.tx.init(params))
-        return self.place(TrainState(variables, opt_state, jnp.int32(0), data, jnp.int32(0)))
+        scale = None if self.loss_scale is None else _copied(self.loss_scale.init())
+        return self.place(TrainState(variables, opt_state, jnp.int32(0), data, jnp.int32(0),
+                                     scale))
 
     def place(self, state: TrainState) -> TrainState:
         """``state`` put on the program's mesh as :meth:`init` places it (``state`` itself
@@ -176,7 +186,8 @@ class TrainStep:
             self._parameters(state.variables)[0], self._parameters(variables)[0], layout)
         opt = optax.tree_map_params(self.tx, lambda _, sharding: sharding, state.opt_state,
                                     copies, transform_non_params=lambda _: whole)
-        return TrainState(variables, opt, whole, whole, whole)
+        scale = jax.tree.map(lambda _: whole, state.loss_scale)
+        return TrainState(variables, opt, whole, whole, whole, scale)
 
     def abstract_state(self, *example_args: Any, **example_kwargs: Any) -> TrainState:
         """The shapes and dtypes of this step's train state (no array is computed)."""
@@ -251,7 +262,20 @@ class TrainStep:
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         params, rest = self._parameters(state.variables)
         loss = functools.partial(self._loss, key, batch, kwargs, rest)
-        (cost, (metrics, new_variables)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        finite = None  # with a loss scale: whether the gradients are all finite
+        if self.loss_scale is None:
+            (cost, (metrics, new_variables)), grads = jax.value_and_grad(
+                loss, has_aux=True)(params)
+        else:
+            if state.loss_scale is None:
+                raise ValueError(
+                    "optimize(loss_scale=...): this train state has no loss scale (a step "
+                    "without loss_scale= made it, or it was restored from such a "
+                    "checkpoint); make the first state with this step's init")
+            (_, (cost, (metrics, new_variables))), grads = jax.value_and_grad(
+                _scaled(loss, self.loss_scale, state.loss_scale), has_aux=True)(params)
+            grads = self.loss_scale.unscale(state.loss_scale, grads)
+            finite = _all_finite(grads)
         if self.grad_norms:
             metrics = {**metrics, **_norms(grads)}
         updates, opt_state = self.tx.update(grads, state.opt_state, params,
@@ -260,19 +284,41 @@ class TrainStep:
         new_params, opt_state = _keep_frozen(self, state, params, new_params, opt_state)
         _, new_rest = self._parameters(new_variables)
         variables = program.merge(new_params, new_rest)
-        skipped = state.skipped
+        skipped, applied, scale = state.skipped, finite, state.loss_scale
         if self.skip_nonfinite:
-            finite = jnp.isfinite(cost) & jnp.all(jnp.asarray(
-                [jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
-            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+            good = jnp.isfinite(cost) & _all_finite(updates)
+            # A step whose scaled gradients overflowed is the loss scale's to count.
+            bad = ~good if finite is None else ~good & finite
+            applied = good if finite is None else good & finite
+            skipped = skipped + bad.astype(skipped.dtype)
+            metrics = {**metrics, "skipped_steps": skipped}
+        if applied is not None:
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(applied, a, b), new, old)
             variables = keep(variables, state.variables)
             opt_state = keep(opt_state, state.opt_state)
-            skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
-            metrics = {**metrics, "skipped_steps": skipped}
-        new_state = TrainState(variables, opt_state, state.step + 1, state.rng, skipped)
+        if self.loss_scale is not None:
+            scale = self.loss_scale.adjust(state.loss_scale, finite)
+            metrics = {**metrics, **{f"loss_scale/{k}": v for k, v in scale.items()}}
+        new_state = TrainState(variables, opt_state, state.step + 1, state.rng, skipped, scale)
         if program.placement is not None:  # outputs placed as inputs: nothing moves
             new_state = jax.lax.with_sharding_constraint(new_state, self._shardings(new_state))
         return new_state, {"loss": cost, **metrics}
+
+
+def _scaled(loss: Callable[[dict], tuple[jax.Array, Any]], loss_scale: LossScale,
+            state: Mapping[str, jax.Array]) -> Callable[[dict], tuple[jax.Array, Any]]:
+    """``loss`` as a loss-scaled step differentiates it: the scaled cost, with the cost
+    itself beside the auxiliary outputs."""
+    def scaled(params: dict) -> tuple[jax.Array, Any]:
+        cost, aux = loss(params)
+        return loss_scale.scale(state, cost), (cost, aux)
+
+    return scaled
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every leaf of ``tree`` is finite (a bool scalar)."""
+    return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
 def _keep_frozen(step: TrainStep, state: TrainState, params: dict, new_params: dict,
@@ -345,7 +391,8 @@ def _check_differentiable(params: dict) -> None:
 def optimize(program: Program, tx: optax.GradientTransformation, *,
              skip_nonfinite: bool = False, config: Mapping[str, Any] | None = None,
              trainable: Any = None, grad_norms: bool = False,
-             optimizer_rules: Sequence[Any] = ()) -> TrainStep:
+             optimizer_rules: Sequence[Any] = (), loss_scale: LossScale | None = None
+             ) -> TrainStep:
     """A jitted, buffer-donating train step for ``program`` with optax optimizer ``tx``.
 
     Args:
@@ -376,6 +423,12 @@ def optimize(program: Program, tx: optax.GradientTransformation, *,
             parameters are replicated (ZeRO's first stage). A Flax variable's own
             ``optimizer_sharding`` metadata is read as a rule for it; the copies of a
             parameter neither selects are placed as the parameter.
+        loss_scale: a :class:`graphmod.typing.LossScale` (``managers.DynamicLossScale()``)
+            for a step computing in float16: the cost is scaled before differentiation and
+            the gradients unscaled; a step whose gradients are not all finite changes no
+            variable or optimizer state (and is not counted in ``skipped_steps``); the scale's
+            state is ``train_state.loss_scale`` (checkpointed with the rest) and its new
+            values are reported as ``metrics["loss_scale/<name>"]``.
 
     Auxiliary costs (``call.add_auxiliary_variable(value, roles=[COST])``, e.g. from
     ``managers.L2``) are added to the cost that is differentiated: ``metrics["loss"]`` is
@@ -394,4 +447,4 @@ def optimize(program: Program, tx: optax.GradientTransformation, *,
         (1, ['loss'])
     """
     return TrainStep(program, tx, skip_nonfinite, config, trainable, grad_norms,
-                     optimizer_rules)
+                     optimizer_rules, loss_scale)

@@ -8,6 +8,8 @@ training layer's checkpointer (which opens orbax on first use).
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -20,6 +22,7 @@ from graphmod._core._show import VariablesTable, program_html, program_lines
 from graphmod._records._collect import program_provenance
 from graphmod._records._record import Provenance
 from graphmod._train._checkpoint import Checkpointer, CheckpointReader
+from graphmod.typing import InputTransforms
 
 
 def compile(
@@ -33,6 +36,7 @@ def compile(
     mesh: Any = None,
     rules: Sequence[Any] = (),
     batch_axis: Any = None,
+    transforms: InputTransforms | None = None,
 ) -> Program:
     """Traces ``fn(model, *args)`` with managers into a :class:`Program`.
 
@@ -57,6 +61,12 @@ def compile(
             follow it; presets in :mod:`graphmod.sharding`.
         batch_axis: the mesh axis (or axes) the arguments of ``train``/``infer`` and the
             train step's batches are split along (their leading dimension).
+        transforms: transformations fitted on the training data
+            (``graphmod.data.Transforms(spec).fit(train)``), applied to the function's
+            arguments (by name, or by position after the model) before it runs in every
+            mode, so training, evaluation and inference see the same inputs; each new
+            signature is checked against the training data's metadata first. Recorded in
+            the provenance (``inputs["transforms"]``).
 
     Returns:
         The program: ``init``, ``train``, ``infer``, ``derive``, ``graph``, ...
@@ -75,7 +85,7 @@ def compile(
     """
     return compile_program(Program, fn, model, managers=managers, monitor=monitor,
                            axis_name=axis_name, applications=applications, mesh=mesh,
-                           rules=rules, batch_axis=batch_axis)
+                           rules=rules, batch_axis=batch_axis, transforms=transforms)
 
 
 class Program(ProgramCore):
@@ -199,16 +209,54 @@ class Program(ProgramCore):
     def load(self, directory: Any, *, step: int | None = None) -> dict:
         """The variables :meth:`save` wrote to ``directory`` (checked against this program's
         layout; ``init`` must have run, to know the shapes), placed as ``init`` places them
-        (on the program's mesh, by its rules)."""
+        (on the program's mesh, by its rules).
+
+        A model saved with fitted transforms (``compile(..., transforms=)``) is refused by a
+        program with other transforms, or none: it would predict on inputs transformed
+        otherwise than in training. Compile with the saved ones,
+        ``transforms=graphmod.provenance.transforms(directory)``."""
         shapes = self.record.variables
         if shapes is None:
             raise RuntimeError("program.load: call program.init(*example_args) first, so the "
                                "program knows its variables' shapes")
         reader = CheckpointReader(directory)  # reads only: creates and prunes nothing
         try:
-            variables, _ = reader.restore(shapes, step)
+            variables, meta = reader.restore(shapes, step)
         finally:
             reader.close()
+        _check_transforms(meta, self.transforms, directory)
         placement = self.placement
         return variables if placement is None else put(
             variables, placement.variables(variables, self.layout))
+
+
+def _check_transforms(meta: Mapping[str, Any], transforms: InputTransforms | None,
+                      directory: Any) -> None:
+    """Refuses saved variables whose recorded transforms differ from ``transforms``, naming
+    the differing parts (a record without the field, e.g. a run of several models, is not
+    compared)."""
+    inputs = (meta.get("provenance") or {}).get("inputs") or {}
+    if "transforms" not in inputs:
+        return
+    saved = inputs["transforms"]
+    mine = None if transforms is None else json.loads(json.dumps(transforms.record()))
+    if saved == mine:
+        return
+    if saved is None or mine is None:
+        what = ("were trained on raw inputs (no transforms)" if saved is None else
+                "were trained with transforms of the fields "
+                f"{sorted(saved.get('transforms', {}))}")
+        parts = f"this program has {'none' if mine is None else 'some'}"
+    else:
+        what = "were trained with other transforms"
+        parts = ", ".join(
+            [f"transforms of {k!r}" for k in sorted({*saved.get("transforms", {}),
+                                                    *mine.get("transforms", {})})
+             if saved.get("transforms", {}).get(k) != mine.get("transforms", {}).get(k)]
+            + [k for k in ("metadata", "source") if saved.get(k) != mine.get(k)]) + " differ"
+    raise ValueError(
+        f"program.load({os.fspath(directory)!r}): the saved variables {what}; {parts}. "
+        "Compile with the saved transforms: compile(fn, model, transforms=graphmod."
+        f"provenance.transforms({os.fspath(directory)!r})) (graphmod.data.FittedTransforms."
+        "from_record(record['inputs']['transforms']) from a record), so inputs are "
+        "transformed as in training")

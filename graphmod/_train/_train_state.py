@@ -3,6 +3,7 @@ leaves XLA takes in the order that runs fastest."""
 
 from __future__ import annotations
 
+import html
 import operator
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -11,16 +12,18 @@ import jax
 import numpy as np
 import optax
 
-from graphmod._core._show import VariablesTable, size_text
+from graphmod._core._show import VariablesTable, known_roles, size_text, treescope_tree
 
 __all__ = ["TrainState"]
 
 
 class TrainState(NamedTuple):
     """What a train step carries: variables, optimizer state, step count, the base key's
-    data (``jax.random.key_data``: raw uint32 words dispatch faster than a typed key), and
-    the number of steps skipped for a non-finite loss or update. As a pytree (what ``jax.jit``
-    and ``jax.tree.leaves`` see) it lists the optimizer state before the variables.
+    data (``jax.random.key_data``: raw uint32 words dispatch faster than a typed key), the
+    number of steps skipped for a non-finite loss or update, and the loss scale's state
+    (``optimize(..., loss_scale=)``; None without, so a state without one has the leaves it
+    always had). As a pytree (what ``jax.jit`` and ``jax.tree.leaves`` see) it lists the
+    optimizer state before the variables.
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, graphmod as gm
@@ -38,6 +41,7 @@ class TrainState(NamedTuple):
     step: jax.Array
     rng: jax.Array
     skipped: jax.Array
+    loss_scale: dict | None = None
 
     @property
     def evaluation_variables(self) -> dict:
@@ -66,15 +70,47 @@ class TrainState(NamedTuple):
         return variables
 
     def __repr__(self) -> str:  # sizes, never the arrays' values (a 100-column line)
-        variables, opt = VariablesTable(self.variables), VariablesTable(self.opt_state)
+        variables, opt = self._tables()
         return (f"TrainState(step={_count(self.step)}, skipped={_count(self.skipped)}, "
-                f"variables: {len(variables.rows)} arrays, {size_text(variables.nbytes, 'B')}"
-                f"; opt_state: {len(opt.rows)} arrays, {size_text(opt.nbytes, 'B')})")
+                f"variables: {variables.arrays} arrays, {size_text(variables.nbytes, 'B')}"
+                f"; opt_state: {opt.arrays} arrays, {size_text(opt.nbytes, 'B')})")
 
-    def _repr_html_(self) -> str:
+    def _tables(self) -> tuple[VariablesTable, VariablesTable]:
+        """The variables, with the roles a program gave a tree like them, and the optimizer
+        state with its copies of the variables (Adam's ``mu``, ``nu``) folded."""
         head = f"TrainState: step {_count(self.step)}, skipped {_count(self.skipped)}"
-        return (VariablesTable(self.variables, title=head)._repr_html_()
-                + VariablesTable(self.opt_state, title="opt_state")._repr_html_())
+        return (VariablesTable(self.variables, known_roles(self.variables), title=head),
+                VariablesTable(self.opt_state, title="opt_state", like=self.variables))
+
+    def _repr_html_(self) -> str:  # the optimizer state folded away, one click to open
+        variables, opt = self._tables()
+        return (variables._repr_html_() + f"<details><summary>opt_state: "
+                f"{html.escape(opt.totals)}</summary>{opt._repr_html_()}</details>")
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        """Treescope's rendering (Flax's display): the counters, the variables folded by
+        module with their roles, the optimizer state folded."""
+        from treescope import rendering_parts as parts  # Flax's display: where it renders
+
+        variables, opt = self._tables()
+        at = lambda name: None if path is None else f"{path}.{name}"
+        fields = {
+            "step": subtree_renderer(self.step, path=at("step")),
+            "skipped": subtree_renderer(self.skipped, path=at("skipped")),
+            "variables": treescope_tree(self.variables, variables.roles, at("variables"),
+                                        subtree_renderer, variables.totals),
+            "opt_state": treescope_tree(self.opt_state, None, at("opt_state"),
+                                        subtree_renderer, opt.totals, like=self.variables),
+            "rng": subtree_renderer(self.rng, path=at("rng")),
+        }
+        if self.loss_scale is not None:
+            fields["loss_scale"] = subtree_renderer(self.loss_scale, path=at("loss_scale"))
+        return parts.build_foldable_tree_node_from_children(
+            prefix="TrainState(", suffix=")", path=path,
+            children=[parts.build_full_line_with_annotations(
+                parts.siblings_with_annotations(f"{name}=", shown), ",")
+                for name, shown in fields.items()],
+            expand_state=parts.ExpandState.EXPANDED)
 
 
 # The step's XLA parameters in this order: XLA:CPU schedules a small step by its parameters'
@@ -84,7 +120,7 @@ class TrainState(NamedTuple):
 # construction); checkpoints find each stored leaf by its path, so either order restores.
 # Flattened by C functions (itemgetter, tuple.__new__) behind two small lambdas: 0.14 µs a
 # call more than a plain NamedTuple, against 0.33 µs for register_dataclass's keywords.
-_FLAT_FIELDS = ("opt_state", "variables", "step", "rng", "skipped")
+_FLAT_FIELDS = ("opt_state", "variables", "step", "rng", "skipped", "loss_scale")
 _FLAT = operator.itemgetter(*map(TrainState._fields.index, _FLAT_FIELDS))
 _UNFLAT = operator.itemgetter(*map(_FLAT_FIELDS.index, TrainState._fields))
 _KEYS = tuple(map(jax.tree_util.GetAttrKey, _FLAT_FIELDS))

@@ -8,5 +8,32 @@ Examples:
 """
 
 from graphmod.data._array_source import ArraySource
+from graphmod.data._grain import GrainSource
+from graphmod.data._metadata import FieldInfo, Metadata
+from graphmod.data._transforms import (
+    Bin,
+    Clip,
+    FittedTransforms,
+    MinMax,
+    OneHot,
+    Standardize,
+    Transformation,
+    Transforms,
+    Vocabulary,
+)
 
-__all__ = ["ArraySource"]
+__all__ = [
+    "ArraySource",
+    "Bin",
+    "Clip",
+    "FieldInfo",
+    "FittedTransforms",
+    "GrainSource",
+    "Metadata",
+    "MinMax",
+    "OneHot",
+    "Standardize",
+    "Transformation",
+    "Transforms",
+    "Vocabulary",
+]

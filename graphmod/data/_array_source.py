@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterator
 from typing import Any
@@ -12,6 +13,7 @@ import numpy as np
 from graphmod._core._codec import hash_array
 from graphmod._core._numbers import is_whole_number
 from graphmod._records._summary import data_text
+from graphmod.data._metadata import Metadata
 
 
 class ArraySource:
@@ -107,6 +109,22 @@ class ArraySource:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self._epoch = int(state["epoch"])
+
+    def metadata_arrays(self) -> Any:
+        """The whole arrays, in their structure, for ``Metadata.gather`` to reduce."""
+        return jax.tree.unflatten(self._treedef, self._leaves)
+
+    @functools.cached_property
+    def metadata(self) -> Metadata:
+        """The arrays' :class:`~graphmod.data.Metadata` (gathered once, exactly).
+
+        Examples:
+            >>> import numpy as np
+            >>> from graphmod.data import ArraySource
+            >>> ArraySource({"y": np.array([0, 1, 1])}, batch_size=1).metadata["y"].labels
+            ((0, 1), (1, 2))
+        """
+        return Metadata.gather(self)
 
     def describe(self) -> dict[str, Any]:
         """Name, size, shapes, dtypes and a content hash (for provenance)."""

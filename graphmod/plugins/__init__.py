@@ -1,5 +1,6 @@
-"""Built-in loop plugins: progress, printing, logging, timing, plots, annealing, early
-stopping, validation, NaN guarding, checkpoints and population-based training.
+"""Built-in loop plugins: progress, printing, logging (CSV, JSON lines, TensorBoard, Weights &
+Biases), profiling, timing, plots, annealing, early stopping, validation, NaN guarding,
+checkpoints and population-based training.
 
 Examples:
     >>> from graphmod import plugins
@@ -17,6 +18,7 @@ from graphmod.plugins._logger import Logger
 from graphmod.plugins._nan_guard import NaNGuard
 from graphmod.plugins._pbt import PBT, PopulationValidation
 from graphmod.plugins._print import Print
+from graphmod.plugins._profile import Profile
 from graphmod.plugins._progress import ProgressBar
 from graphmod.plugins._timing import Tally, Timing
 from graphmod.plugins._validation import Validation
@@ -33,6 +35,7 @@ __all__ = [
     "NaNGuard",
     "PopulationValidation",
     "Print",
+    "Profile",
     "ProgressBar",
     "Tally",
     "Timing",

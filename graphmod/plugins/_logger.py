@@ -7,7 +7,8 @@ run that resumes appends to its own file, first cut back to the rows it had when
 A due event never waits on the device: its metrics start copying to the host and the row is
 written once they are there (at a later due event, or when the run ends or saves a
 checkpoint). With ``tensorboard=True`` TensorBoard scalars are written too, one run per log
-file (``log.tensorboard/`` beside ``log.csv``).
+file (``log.tensorboard/`` beside ``log.csv``); with ``wandb=True`` every row goes to a
+Weights & Biases run as well, whose config holds the run's provenance.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import importlib.util
 import io
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
 from graphmod._core._warn import warn
@@ -26,6 +27,7 @@ from graphmod._train._host_metrics import copying, on_host, scalar_metrics
 from graphmod._train._plugin import Plugin
 from graphmod._train._schedule import each
 from graphmod.plugins._common import event_metrics, metric_names, template_or
+from graphmod.plugins._wandb import WandbRun
 from graphmod.typing import LoopLike
 
 _FORMATS = {".csv": "csv", ".jsonl": "jsonl"}
@@ -52,6 +54,14 @@ class Logger(Plugin):
         every: the events to log (default: every 100 steps).
         tensorboard: also write TensorBoard scalars, in ``<log file>.tensorboard/`` beside
             the log (needs ``tensorboardX``).
+        wandb: also log to Weights & Biases (needs ``wandb``): True, or the keyword
+            arguments of ``wandb.init`` (``{"project": "digits", "mode": "offline"}``;
+            ``dir`` defaults to the log's directory). The run's provenance is its config
+            (``config["provenance"]``, the final record at the end); a run resumed from a
+            checkpoint continues its W&B run.
+        log_checkpoints: with ``wandb``, give the checkpoints a ``Checkpoint`` of the loop
+            kept of this run to W&B at the end, as versions of a ``model`` artifact
+            (aliased ``step-N``).
         name: the plugin's name.
 
     Examples:
@@ -75,7 +85,8 @@ class Logger(Plugin):
 
     def __init__(self, directory_or_path: str | os.PathLike, *, format: str | None = None,
                  metrics: Iterable[str] | None = None, every: Template | str | None = None,
-                 tensorboard: bool = False, name: str = "logger") -> None:
+                 tensorboard: bool = False, wandb: bool | Mapping[str, Any] = False,
+                 log_checkpoints: bool = False, name: str = "logger") -> None:
         super().__init__(name=name,
                          every=template_or(every, On("step", step=each(100)), "Logger"))
         if format is not None and format not in ("csv", "jsonl"):
@@ -102,6 +113,14 @@ class Logger(Plugin):
             raise ImportError("Logger(tensorboard=True) needs tensorboardX: "
                               "pip install tensorboardX (or pass tensorboard=False)")
         self.tensorboard = bool(tensorboard)
+        if not isinstance(wandb, bool | Mapping):
+            raise TypeError(f"Logger(wandb={wandb!r}): pass True, or a dict of wandb.init "
+                            "arguments such as {'project': 'digits'}")
+        if log_checkpoints and not wandb:
+            raise ValueError("Logger(log_checkpoints=True) gives checkpoints to Weights & "
+                             "Biases: pass wandb=True (or wandb={...}) as well")
+        self.wandb = (WandbRun({} if wandb is True else wandb, log_checkpoints) if wandb
+                      else None)
         self.rows = 0  # rows in the file, earlier runs included
         self._keep: int | None = None  # rows to keep when resuming from a checkpoint
         self._opened = False  # whether this logger wrote its file already (then it appends)
@@ -116,15 +135,28 @@ class Logger(Plugin):
         while self._pending and on_host(self._pending[0][1]):
             self.write(_finish(*self._pending.pop(0)))
 
+    def setup(self, loop: LoopLike) -> None:
+        if self.wandb is not None:
+            self.wandb.start(os.path.dirname(self.path), loop)
+
     def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            if self.wandb is not None:
+                self.wandb.close(loop)
 
     def state_dict(self) -> dict[str, Any]:
         self.flush()  # the row count a resumed run cuts back to includes every due event
-        return {"rows": self.rows, "file": os.path.basename(self.path)}
+        state: dict[str, Any] = {"rows": self.rows, "file": os.path.basename(self.path)}
+        if self.wandb is not None and self.wandb.id is not None:
+            state["wandb_id"] = self.wandb.id
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._keep = int(state["rows"])
+        if self.wandb is not None and "wandb_id" in state:
+            self.wandb.id = str(state["wandb_id"])  # the resumed run continues it
         if "file" in state:  # the run's own file, in this logger's directory
             file = str(state["file"])
             if os.path.basename(file) != file or not file.endswith(f".{self.format}"):
@@ -163,6 +195,8 @@ class Logger(Plugin):
         self.rows += 1
         if self.tensorboard:
             self._tensorboard(row)
+        if self.wandb is not None:
+            self.wandb.log(row)
 
     def close(self) -> None:
         """Writes every pending row and closes the log (the next row reopens it)."""

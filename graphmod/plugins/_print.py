@@ -25,7 +25,11 @@ class Print(Plugin):
     ``loop.on(On("step", examples=each(10_000)), Print("loss"))``, or
     ``Print("valid/accuracy", every=On("validated"))`` for the metrics a ``validated``
     event carries. A named metric the event lacks is left out of that line; one that no
-    event had by the end of the run gets a warning (a misspelt name prints nothing).
+    event had by the end of the run gets a warning (a misspelt name prints nothing). A line
+    is printed once: the same event at the same step saying the same (a validation at the
+    last ``epoch_end`` and again at ``end``) is not printed again. The epoch is the loop's
+    count (epochs done), as the progress bar, ``graphmod inspect`` and ``graphmod resume``
+    say it.
 
     Args:
         *metric_names: metrics to print, in order (none: every scalar metric).
@@ -58,17 +62,23 @@ class Print(Plugin):
         self.file = file
         self._seen: set[str] = set()
         self._printed = 0
+        self._last: tuple[str, int, str] | None = None  # the latest line's event and step
 
     def setup(self, loop: LoopLike) -> None:
         self._seen = set()
         self._printed = 0
+        self._last = None
 
     def __call__(self, event: Event) -> None:
+        line = self.format(event)
+        if (event.type, event.time.step, line) == self._last:
+            return
+        self._last = (event.type, event.time.step, line)
         self._printed += 1
         # Through tqdm: a progress bar on the terminal is cleared, the line written above
         # it, and the bar drawn again (no line glued onto the bar).
         out = self.file or sys.stdout
-        tqdm.write(self.format(event), file=out)
+        tqdm.write(line, file=out)
         out.flush()
 
     def format(self, event: Event) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -22,14 +24,19 @@ class ProgressBar(Plugin):
     """A ``tqdm.auto`` progress bar (a widget in Jupyter) over the steps of a run.
 
     The bar advances on every ``step`` event by the steps the event covers (a fused
-    ``steps_per_call`` dispatch moves it by k at once) and shows the epoch counted from 1.
-    It never waits on the device: on the step events matching ``every`` (by default at
-    most every 0.1 s of wall time, as tqdm redraws) the ``metrics`` start copying to the
-    host, and they are shown at the first step event that finds them there (and when the
-    run ends). The
-    bar closes at the end of the run, also on an error or an interrupt, saying why a run
-    stopped early (``loop.terminate(reason)``, e.g. early stopping; an interrupt; an
-    error). :class:`graphmod.plugins.Print` writes its lines above the bar.
+    ``steps_per_call`` dispatch moves it by k at once) and shows the epoch as the loop's
+    time counts it, as :class:`graphmod.plugins.Print`, ``graphmod inspect`` and
+    ``graphmod resume`` do: ``3/40 epochs`` once three epochs are done, through the fourth
+    (``epoch 3`` where the loop has no number of epochs).
+    On a terminal or in a notebook, until the first step has run it says
+    ``compiling the train step… 12 s`` (the first call traces and compiles; nothing else
+    would show for that long). It never waits on the device: on the step events matching
+    ``every`` (by default at most every 0.1 s of wall time, as tqdm redraws) the
+    ``metrics`` start copying to the host, and they are shown at the first step event that
+    finds them there (and when the run ends). The bar closes at the end of the run, also
+    on an error or an interrupt, saying why a run stopped early (``loop.terminate(reason)``,
+    e.g. early stopping; an interrupt; an error). :class:`graphmod.plugins.Print` writes
+    its lines above the bar.
 
     Args:
         total: the bar's length in steps (default: the loop's ``steps``, or ``epochs``
@@ -66,7 +73,7 @@ class ProgressBar(Plugin):
                  **tqdm_kwargs: Any) -> None:
         # The bar sees every step event (a catch-all step template never blocks fusing
         # steps); ``every`` only decides when the metrics are read.
-        super().__init__(name=name, every=On("step") | On("terminate"))
+        super().__init__(name=name, every=On("step") | On("epoch_end") | On("terminate"))
         if total is not None and not is_whole_number(total, least=1):
             raise ValueError(f"ProgressBar(total={total!r}): must be a positive int or None")
         if isinstance(metrics, str):
@@ -85,14 +92,49 @@ class ProgressBar(Plugin):
         self._shown_at = -math.inf
         self._copying: dict[str, Any] | None = None  # metrics on their way to the host
         self._shown = self.metrics  # the names shown: per model in a loop of several
+        self._epochs: int | None = None
+        self._compiled = threading.Event()  # set by the first step: the status line ends
+        self._status: threading.Thread | None = None
 
     def setup(self, loop: LoopLike) -> None:
         self.total = self._requested_total or planned_steps(loop)
         self._shown = per_model(loop, self.metrics)
+        self._epochs = getattr(loop, "epochs", None)
         self._bar = None
         self._shown_at = -math.inf
         self._copying = None
         self.stopped = None
+        if self._interactive():  # the bar at once, saying what the first call waits for
+            self._bar = self._open(loop.time.step)
+            self._compiled.clear()
+            self._status = threading.Thread(target=self._compiling, daemon=True,
+                                            name=f"{self.name}: compiling")
+            self._status.start()
+
+    def _interactive(self) -> bool:
+        """Whether the bar is drawn on a terminal or as a notebook's widget."""
+        if self.tqdm_kwargs.get("disable"):
+            return False
+        from tqdm.auto import tqdm
+
+        file = self.tqdm_kwargs.get("file", sys.stderr)
+        return tqdm.__module__ == "tqdm.notebook" or bool(
+            getattr(file, "isatty", lambda: False)())
+
+    def _compiling(self) -> None:
+        """The status line, with the seconds since it began, until the first step."""
+        began = time.monotonic()
+        while True:
+            text = f"compiling the train step… {time.monotonic() - began:.0f} s"
+            self._bar.set_description_str(text, refresh=True)
+            if self._compiled.wait(STATUS_EVERY_S):
+                return
+
+    def _end_status(self) -> None:
+        if self._status is not None:
+            self._compiled.set()
+            self._status.join()
+            self._status = None
 
     def __call__(self, event: Event) -> None:
         if event.type == "terminate":
@@ -101,7 +143,10 @@ class ProgressBar(Plugin):
             return
         if self._bar is None:
             self._bar = self._open(event.loop.start_time.step)
+        self._end_status()
         self._advance(event.time.step, event.time.epoch)
+        if event.type != "step":  # epoch_end: the epoch's count only
+            return
         if self._copying is not None and on_host(self._copying):
             self._show(self._copying)
             self._copying = None
@@ -129,7 +174,9 @@ class ProgressBar(Plugin):
             self._bar.update(step - self.position)
             self.position = step
         if epoch is not None and "desc" not in self.tqdm_kwargs:
-            desc = f"epoch {epoch + 1}"  # counted from 1, as the bar's steps
+            # The loop's count (epochs done: 0 through the first), as Print, a checkpoint,
+            # ``graphmod inspect`` and ``graphmod resume`` say it.
+            desc = f"{epoch}/{self._epochs} epochs" if self._epochs else f"epoch {epoch}"
             if self._bar.desc != desc:
                 self._bar.set_description_str(desc, refresh=False)
 
@@ -142,16 +189,19 @@ class ProgressBar(Plugin):
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()})
 
     def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
+        self._end_status()
         if self._bar is None:
             return
         try:
             if error is None:  # not when stopping on an error: reading could raise again
-                self._advance(loop.time.step, None)  # the description keeps the last epoch
+                self._advance(loop.time.step, loop.time.epoch)
                 if self._shown and loop.metrics:
                     self._show(loop.metrics)  # the run is over: this read waits for nothing
+            elif isinstance(error, KeyboardInterrupt):
+                signal = getattr(error, "signal", None)  # a SignalInterrupt's: SIGTERM
+                self.stopped = "interrupted" if signal is None else f"stopped by {signal.name}"
             else:
-                self.stopped = ("interrupted" if isinstance(error, KeyboardInterrupt)
-                                else f"stopped by {type(error).__name__}")
+                self.stopped = f"stopped by {type(error).__name__}"
             if self.stopped is not None:
                 self.stopped = f"{self.stopped} (at step {loop.time.step})"
                 self._bar.set_description_str(f"{self._bar.desc}: {self.stopped}",
@@ -159,6 +209,9 @@ class ProgressBar(Plugin):
         finally:
             self._bar.close()
             self._bar = None
+
+
+STATUS_EVERY_S = 1.0  # how often the compile status line counts its seconds
 
 
 def _spread(metrics: Any, names: tuple[str, ...]) -> dict[str, float]:

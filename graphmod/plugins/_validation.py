@@ -30,11 +30,13 @@ from typing import Any
 import numpy as np
 
 from graphmod import metrics as _metrics
+from graphmod._train._data_checks import check_evaluation_data, transformed_targets
 from graphmod._train._engine import Engine, metric_list, output_shapes, prepare
 from graphmod._train._events import Event, On, Template
 from graphmod._train._loop._models import model_state
 from graphmod._train._plugin import Plugin
 from graphmod._train._program import Program
+from graphmod.data._grain import as_source
 from graphmod.metrics._per_example import Output, named_outputs
 from graphmod.plugins._common import template_or
 from graphmod.typing import LoopLike
@@ -105,6 +107,7 @@ class Validation(Plugin):
         if not isinstance(program, Program):
             raise TypeError(f"Validation(program): expected a graphmod Program (e.g. "
                             f"program.derive(lambda m, x: m(x))), got {type(program).__name__}")
+        source = as_source(source)  # a Grain pipeline of batches: a GrainSource
         if not hasattr(source, "iter_padded"):
             raise TypeError(f"Validation(source): expected a graphmod.data.ArraySource (it "
                             f"pads and masks the final batch), got {type(source).__name__}")
@@ -149,7 +152,8 @@ class Validation(Plugin):
         """``{prefix + name: value}`` over every row of the source, for ``variables``."""
         if self._engine is None:
             self._engine = self._prepare(dict(variables))
-        totals = self._engine.run(variables, self.source.iter_padded())
+        totals = self._engine.run(variables, ((transformed_targets(self.program, batch), mask)
+                                              for batch, mask in self.source.iter_padded()))
         return {self.prefix + key: value for key, value in totals.values.items()}
 
     def _variables(self, loop: LoopLike, state: Any) -> dict:
@@ -163,6 +167,8 @@ class Validation(Plugin):
         if first is None:
             raise ValueError(f"{self.name}: the source {source!r} is empty (it yielded no "
                              "batch); nothing to validate")
+        check_evaluation_data(self.program, self.source, first[0], self.name)
+        first = (transformed_targets(self.program, first[0]), first[1])  # as the cost saw them
         chosen = self.metrics
         if chosen is None:
             bare = prepare(self.program, variables, first[0], [], who=self.name,

@@ -18,6 +18,7 @@ from graphmod.provenance._names import (
     default_names,
 )
 from graphmod.provenance._rebuild import Rebuilt, rebuild, rebuild_models
+from graphmod.provenance._transforms import transforms
 
 __all__ = [
     "DEFAULT_ALLOWED",
@@ -35,4 +36,5 @@ __all__ = [
     "read",
     "rebuild",
     "rebuild_models",
+    "transforms",
 ]

@@ -44,6 +44,7 @@ from graphmod._records._record import Provenance, several_models
 from graphmod._train._program import compile
 from graphmod.provenance._decoder import RecordDecoder
 from graphmod.provenance._names import RebuildError, Rules
+from graphmod.provenance._transforms import transforms as read_transforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +101,17 @@ class Rebuilt:
                 + ("" if self.trainable is None else f"; trainable: {len(self.trainable)}")
                 + (f"; allowed: {', '.join(self.allowed)}" if self.allowed else "") + ")")
 
+    @property
+    def transforms(self) -> Any:
+        """The fitted transforms the record holds (a ``graphmod.data.FittedTransforms``;
+        None without), which :meth:`compile` passes on."""
+        return read_transforms(self.provenance)
+
     def compile(self, fn: Any, **kwargs: Any) -> Any:
-        """``graphmod.compile(fn, model, managers=managers, monitor=...)``."""
+        """``graphmod.compile(fn, model, managers=managers, monitor=..., transforms=...)``."""
         kwargs.setdefault("managers", self.managers)
+        if "transforms" not in kwargs and (fitted := self.transforms) is not None:
+            kwargs["transforms"] = fitted
         if self.monitor:
             kwargs.setdefault("monitor", self.monitor.get("", self.monitor)
                               if set(self.monitor) == {""} else dict(self.monitor))

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+import graphmod as gm
 from graphmod._cli import inspect_run
 from graphmod._train._command import RESUME_VARIABLE
 
@@ -31,8 +32,9 @@ def digits() -> Iterator[ModuleType]:
 
 
 def _load(digits: ModuleType, checkpoint: str) -> dict:
-    """The variables ``program.save`` wrote, read back by a program built as the script's."""
-    _, program = digits.build(0, 0.2)
+    """The variables ``program.save`` wrote, read back by a program built as the script's
+    (with the scaling they were trained with, which ``program.load`` checks)."""
+    _, program = digits.build(0, 0.2, gm.provenance.transforms(checkpoint))
     program.init(np.zeros((1, 64), np.float32), np.zeros(1, np.int32))  # the shapes
     return program.load(checkpoint)
 

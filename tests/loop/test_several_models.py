@@ -361,7 +361,9 @@ def test_the_provenance_of_two_models_rebuilds_both_bitwise(pair, tmp_path):
         ("training", ("disc", "gen"), (), 5)
     assert record["schedules"] == {"disc": None, "gen": "each(3)"}
     assert record["reads"] == {"disc": ("gen",), "gen": ("disc",)}
-    assert record.to_dict()["inputs"]["data"] == pair.source().describe()
+    data = record.to_dict()["inputs"]["data"]  # the description, and the data's metadata
+    assert {k: v for k, v in data.items() if k != "metadata"} == pair.source().describe()
+    assert data["metadata"] == pair.source().metadata.to_dict()
     for name, key, step in (("disc", 0, pair.d_step), ("gen", 1, pair.g_step)):
         own = record.models[name]  # the model's own training record, as its step makes it
         assert own.kind == "training" and own.fingerprint.startswith("sha256:")

@@ -39,6 +39,7 @@ MAKERS: dict[str, Callable[..., gm.Manager]] = {
     "stop_gradient": lambda **kw: managers.StopGradient(roles=[roles.INPUT], **kw),
     "remat": lambda **kw: managers.Remat(policy="dots_saveable", **kw),
     "precision": lambda **kw: managers.Precision("bfloat16", **kw),
+    "mixed_precision": lambda **kw: managers.MixedPrecision(output=None, **kw),
     "activation_stats": lambda **kw: managers.ActivationStats(roles=[roles.OUTPUT], **kw),
     "stochastic_depth": lambda **kw: managers.StochasticDepth(
         0.5, **({"roles": [roles.OUTPUT]} | kw)),  # any output: whole examples dropped
@@ -60,7 +61,8 @@ UNTRACED = {"l2", "weight_decay", "activation_stats", "ema"}
 # estimator, and power-iteration vectors held constant (as flax.nnx.SpectralNorm does).
 NOT_DERIVATIVES = {"fake_quant", "spectral_norm"}
 TOLERANCE = {"precision": {"rtol": 2e-2, "atol": 2e-3}}  # bf16 rounds eager and jit apart
-ANY_DTYPE = {"remat", "precision", "stop_gradient"}  # integer variables pass unchanged
+# Integer variables pass unchanged.
+ANY_DTYPE = {"remat", "precision", "mixed_precision", "stop_gradient"}
 LABELS = {"label_smoothing"}  # integers are labels: one-hot rows, given num_classes
 
 

@@ -280,8 +280,15 @@ class CheckpointReader:
         path = self._path(step)
         abstract = [np.zeros(shape, dtype) for shape, dtype in stored_specs(template)]
         tree = jax.tree.unflatten(jax.tree.structure(template), abstract)
-        got = self._orbax_restore(path, "arrays",
-                                  state=self._ocp.args.StandardRestore(tree))["state"]
+        fields = getattr(tree, "_fields", None)  # a TrainState: orbax stored it by field name
+        if fields is not None:  # fields added since (None, e.g. loss_scale) are not on disk
+            stored = {f: getattr(tree, f) for f in fields if getattr(tree, f) is not None}
+            got = self._orbax_restore(path, "arrays",
+                                      state=self._ocp.args.StandardRestore(stored))["state"]
+            got = type(tree)(**{f: got.get(f) for f in fields})
+        else:
+            got = self._orbax_restore(path, "arrays",
+                                      state=self._ocp.args.StandardRestore(tree))["state"]
         warn(f"{path}: written by graphmod 0.1 (format 1), which stored no checksums: "
              "restored unverified. Checkpoints written from now on are verified")
         return [np.asarray(leaf) for leaf in jax.tree.leaves(got)]

@@ -17,6 +17,7 @@ import jax
 
 from graphmod._core._clock import utc_now
 from graphmod._records._record import Provenance
+from graphmod._train._command import working_directory
 from graphmod._train._events import Event, Template, Time, check_event_types
 from graphmod._train._interrupt import SignalGuard, StopAgreement, report_unsaved
 from graphmod._train._loop._dispatch import DispatchTrace, PluginTable
@@ -36,6 +37,7 @@ from graphmod._train._loop._steps import (
     check_first_batch,
     check_loop_settings,
     check_start_state,
+    check_transforms_source,
     donated,
     epoch_batches,
     fused_steps,
@@ -45,6 +47,7 @@ from graphmod._train._loop._steps import (
 )
 from graphmod._train._optimize import TrainStep
 from graphmod._train._schedule import Schedule
+from graphmod.data._grain import as_source
 
 
 class Loop:
@@ -64,7 +67,8 @@ class Loop:
         steps_per_call: fuse up to this many steps into one dispatch when no plugin is due.
         allow_data_change: continue from a checkpoint (``Loop.resume``,
             ``Checkpoint(resume=True)``) although the data differ from the checkpoint's
-            description; the change is recorded in the checkpoints written afterwards.
+            description, or train a program whose transforms were fitted on other data;
+            the change is recorded in the checkpoints written afterwards.
         schedules: for a dict of steps, the iterations at which a model steps (the step
             timeline, from 1), e.g. ``{"gen": gm.each(5)}``; default every iteration.
         reads: for a dict of steps, the models whose current variables a step gets as
@@ -110,14 +114,19 @@ class Loop:
         reads: Mapping[str, Sequence[str] | str] | None = None,
     ) -> None:
         step = loop_step(step, schedules, reads, steps_per_call)
+        data = as_source(data)  # a Grain pipeline: a GrainSource, resuming on its state
         check_loop_settings(step, data, epochs=epochs, steps=steps,
                             steps_per_call=steps_per_call)
+        check_transforms_source(step.steps.values() if isinstance(step, Models) else [step],
+                                data, allow_data_change)
         self.step = step
         self.data = data
         self.epochs = epochs if epochs is not None or steps is not None else 1
         self.max_steps = steps
         self.steps_per_call = steps_per_call
         self.allow_data_change = allow_data_change
+        # Where the run started: a script's relative arguments are relative to it (resume).
+        self.started_in = working_directory()
         # Data changes allowed on resumes: [{"step": ..., "fields": [...]}] (in checkpoints).
         self.data_changes: list[dict[str, Any]] = []
         self.setting_changes: list[dict[str, Any]] = []  # resumed with other settings
@@ -273,6 +282,7 @@ class Loop:
         model names than the checkpoint's are refused before anything is restored, and a
         changed schedule, reads or frozen model is warned of (``setting_changes``).
         """
+        data = as_source(data)  # one GrainSource for the checks and the run
         restored, meta = read_checkpoint(directory, state, step, data, checkpoint)
         loop = cls(step, data, plugins=plugins, allow_data_change=allow_data_change,
                    **{**meta["loop"], **recorded_models(meta, step, settings), **settings})

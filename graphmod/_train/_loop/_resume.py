@@ -166,7 +166,7 @@ def model_changes(saved: Any, step: Any) -> dict[str, Any]:
 # The parts of a training record that make the program and its training: a resumed run
 # with others goes on as another run (the data are checked on their own, data_changes).
 _SETTINGS = ("bricks", "parameters", "managers", "function", "monitor", "axis_name",
-             "optimizer", "skip_nonfinite", "trainable")
+             "optimizer", "skip_nonfinite", "trainable", "transforms")
 
 
 # Fields a later graphmod added to a setting's record: compared only where both records
@@ -214,7 +214,6 @@ def _compared(setting: str, record: Any, other: Any) -> Any:
 def loop_record(loop: Any, plugins: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint keeps of ``loop`` besides the train state (``plugins``: its plugins'
     states): counters, timelines, data position and settings, as JSON."""
-    data = getattr(loop.data, "state_dict", None)
     return {
         "time": loop.time.to_dict(),
         "started_at": loop.started_at,
@@ -225,11 +224,22 @@ def loop_record(loop: Any, plugins: dict[str, Any]) -> dict[str, Any]:
         "plugins": plugins,
         "metrics": {str(name): value for name, value in scalar_metrics(loop.metrics).items()}
         if isinstance(loop.metrics, Mapping) else {},  # JSON: names as strings
-        "data": data() if callable(data) else None,
+        "data": data_position(loop.data, loop.time.epoch, loop.position),
         "data_changes": list(loop.data_changes),
         "setting_changes": list(loop.setting_changes),
-        "command": recorded_command(),  # what `graphmod resume DIR` runs again
+        "command": recorded_command(loop.started_in),  # what `graphmod resume DIR` runs
     }
+
+
+def data_position(data: Iterable[Any], epoch: int, position: int) -> Any:
+    """What a checkpoint keeps of the data's own position: a source that reads ahead of
+    the loop (``state_at``, e.g. a :class:`graphmod.data.GrainSource`) gives its state at
+    the loop's consumed ``(epoch, position)``, another its ``state_dict()`` (None: none)."""
+    state_at = getattr(data, "state_at", None)
+    if callable(state_at):
+        return state_at(epoch, position)
+    state_dict = getattr(data, "state_dict", None)
+    return state_dict() if callable(state_dict) else None
 
 
 def data_changes(meta: dict[str, Any], data: Iterable[Any],
@@ -241,8 +251,9 @@ def data_changes(meta: dict[str, Any], data: Iterable[Any],
     if saved is None:  # no provenance (a step not from graphmod.optimize): not checkable
         return changes
     now = data_record(data)
+    # A name is a label; the metadata follows from the content, which sha256 compares.
     fields = sorted(k for k in set(saved) | set(now)
-                    if k != "name" and saved.get(k) != now.get(k))  # a name is a label
+                    if k not in ("name", "metadata") and saved.get(k) != now.get(k))
     if not fields:
         return changes
     if not allowed:

@@ -251,6 +251,38 @@ def check_loop_settings(step: Any, data: Any, **counts: int | None) -> None:
                              f"{label}=10")
 
 
+def _identity(description: Mapping[str, Any]) -> Any:
+    """What tells a data source from another: its content hash (``ArraySource``), else its
+    whole description but the name (a Grain pipeline's lineage, seeds, first batch hash)."""
+    if description.get("sha256") is not None:
+        return description["sha256"]
+    return {k: v for k, v in description.items() if k != "name"}
+
+
+def check_transforms_source(steps: Iterable[Any], data: Any, allowed: bool) -> None:
+    """Refuses a step whose program's transforms were fitted on other data than ``data``
+    (by the sources' descriptions: content hashes where they have one), unless the caller
+    ``allowed`` it; sources that do not describe themselves are not compared."""
+    describe = getattr(data, "describe", None)
+    fitted = [getattr(getattr(step, "program", None), "transforms", None) for step in steps]
+    sources = [t.record().get("source") for t in fitted if t is not None]
+    sources = [source for source in sources if source]
+    if allowed or not sources or not callable(describe):
+        return
+    now = dict(describe())  # hashes the data: only when there is something to compare
+    for source in sources:
+        if _identity(source) == _identity(now):
+            continue
+        differ = sorted(k for k in set(source) | set(now)
+                        if k != "name" and source.get(k) != now.get(k))
+        raise ValueError(
+            f"Loop(step, data): the program's transforms were fitted on other data "
+            f"({source.get('name')!r}) than the loop trains on ({now.get('name')!r}): their "
+            f"descriptions differ in {', '.join(differ)}. Fit them on the training data: "
+            "compile(..., transforms=graphmod.data.Transforms(spec).fit(train)), or pass "
+            "allow_data_change=True to train on these data anyway")
+
+
 def check_first_batch(step: Any, data: Iterable[Any], epoch: int, position: int) -> None:
     """Refuses data whose batches the step's function cannot take (a dict batch's keys
     that are not its arguments; arrays whose rank, feature size or dtype differ from

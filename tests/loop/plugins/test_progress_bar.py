@@ -82,7 +82,7 @@ def test_metrics_show_once_they_reached_the_host(problem: Problem, monkeypatch) 
     assert shown[0] is False and shown[-1] is True  # copied at step 1, shown after
 
 
-def test_the_bar_says_why_a_run_stopped_early_and_counts_epochs_from_one(
+def test_the_bar_says_why_a_run_stopped_early_and_counts_epochs_as_the_loop(
         problem: Problem) -> None:
     out = io.StringIO()
     bar = ProgressBar(file=out, mininterval=0)
@@ -93,7 +93,7 @@ def test_the_bar_says_why_a_run_stopped_early_and_counts_epochs_from_one(
     assert bar.stopped == ("early stopping: no better valid/loss in 2 evaluations (best 2 at "
                            "step 6) (at step 12)")
     text = out.getvalue()
-    assert "epoch 4: early stopping" in text and "12/27" in text  # 4th epoch of 9
+    assert "4/9 epochs: early stopping" in text and "12/27" in text  # after 4 epochs of 9
     finished = ProgressBar(file=io.StringIO())
     gm.Loop(problem.step, problem.source(32), epochs=2, plugins=[finished]).run(problem.state())
     assert finished.stopped is None
