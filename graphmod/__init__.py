@@ -11,8 +11,8 @@ Examples:
 
 Importing graphmod is cheap: each public name loads its module (and JAX) on first use, so the
 ``graphmod`` command answers ``--help`` at once. The names are the imports under
-``TYPE_CHECKING`` below, which type checkers and the API docs read as they are, and the
-table ``_EXPORTS`` that loads them.
+``TYPE_CHECKING`` below, which type checkers and the API docs read as they are (a literal
+table beside them loads each at run time).
 """
 
 from __future__ import annotations
