@@ -34,15 +34,15 @@ if TYPE_CHECKING:
         typing,
     )
     from graphmod._cli import inspect_run
-    from graphmod._core._application import application
-    from graphmod._core._brick import Brick
-    from graphmod._core._call import ApplicationCall, OwnedVariable
-    from graphmod._core._filter import VariableFilter
-    from graphmod._core._graph import ComputationGraph
-    from graphmod._core._manager import Dynamic, HParam, Manager, dynamic
-    from graphmod._core._scan import remat, scan
-    from graphmod._core._show import VariablesTable
-    from graphmod._core._variables import Bias, Filter, Parameter, State, Weight
+    from graphmod._core._bricks._application import application
+    from graphmod._core._bricks._brick import Brick
+    from graphmod._core._display._show import VariablesTable
+    from graphmod._core._loops._scan import remat, scan
+    from graphmod._core._managers._manager import Dynamic, HParam, Manager, dynamic
+    from graphmod._core._program._graph import ComputationGraph
+    from graphmod._core._selection._filter import VariableFilter
+    from graphmod._core._tracing._call import ApplicationCall, OwnedVariable
+    from graphmod._core._tracing._variables import Bias, Filter, Parameter, State, Weight
     from graphmod._fit import FitResult, fit
     from graphmod._train._checkpoint import CheckpointError
     from graphmod._train._evaluate import Evaluation, evaluate
@@ -62,24 +62,24 @@ if TYPE_CHECKING:
 # (a test checks that the two agree with each other and with __all__).
 _EXPORTS = {
     "inspect_run": "graphmod._cli",
-    "application": "graphmod._core._application",
-    "Brick": "graphmod._core._brick",
-    "ApplicationCall": "graphmod._core._call",
-    "OwnedVariable": "graphmod._core._call",
-    "VariableFilter": "graphmod._core._filter",
-    "ComputationGraph": "graphmod._core._graph",
-    "Dynamic": "graphmod._core._manager",
-    "HParam": "graphmod._core._manager",
-    "Manager": "graphmod._core._manager",
-    "dynamic": "graphmod._core._manager",
-    "remat": "graphmod._core._scan",
-    "scan": "graphmod._core._scan",
-    "VariablesTable": "graphmod._core._show",
-    "Bias": "graphmod._core._variables",
-    "Filter": "graphmod._core._variables",
-    "Parameter": "graphmod._core._variables",
-    "State": "graphmod._core._variables",
-    "Weight": "graphmod._core._variables",
+    "application": "graphmod._core._bricks._application",
+    "Brick": "graphmod._core._bricks._brick",
+    "ApplicationCall": "graphmod._core._tracing._call",
+    "OwnedVariable": "graphmod._core._tracing._call",
+    "VariableFilter": "graphmod._core._selection._filter",
+    "ComputationGraph": "graphmod._core._program._graph",
+    "Dynamic": "graphmod._core._managers._manager",
+    "HParam": "graphmod._core._managers._manager",
+    "Manager": "graphmod._core._managers._manager",
+    "dynamic": "graphmod._core._managers._manager",
+    "remat": "graphmod._core._loops._scan",
+    "scan": "graphmod._core._loops._scan",
+    "VariablesTable": "graphmod._core._display._show",
+    "Bias": "graphmod._core._tracing._variables",
+    "Filter": "graphmod._core._tracing._variables",
+    "Parameter": "graphmod._core._tracing._variables",
+    "State": "graphmod._core._tracing._variables",
+    "Weight": "graphmod._core._tracing._variables",
     "FitResult": "graphmod._fit",
     "fit": "graphmod._fit",
     "CheckpointError": "graphmod._train._checkpoint",

@@ -57,7 +57,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from graphmod._core._manager import Manager
+from graphmod._core._managers._manager import Manager
 from graphmod._core._naming import did_you_mean
 from graphmod._core._numbers import is_whole_number
 from graphmod._records._collect import data_record

@@ -32,9 +32,9 @@ from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec
 
 from graphmod import roles
-from graphmod._core._filter import VariableFilter
-from graphmod._core._layout import Layout
-from graphmod._core._rules import PerLayer, PresetRule, misfit
+from graphmod._core._model._layout import Layout
+from graphmod._core._selection._filter import VariableFilter
+from graphmod._core._selection._rules import PerLayer, PresetRule, misfit
 
 __all__ = ["annotated", "data_parallel", "fsdp", "misfit", "per_layer", "tensor_parallel"]
 

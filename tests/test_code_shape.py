@@ -23,8 +23,8 @@ LOCAL_IMPORTS = {
     # Grain's dependency, for its worker processes' flag (google/grain#1355).
     ("data/_grain.py", "absl"),
     # treescope (Flax's display) renders what it is asked to, where it is installed.
-    ("_core/_show.py", "treescope"),
-    ("_core/_rewrites.py", "treescope"),
+    ("_core/_display/_show.py", "treescope"),
+    ("_core/_tracing/_rewrites.py", "treescope"),
     ("_train/_train_state.py", "treescope"),
     # `import graphmod` loads no orbax: the reader opens it when it is made.
     ("_train/_checkpoint/_reader.py", "orbax.checkpoint"),

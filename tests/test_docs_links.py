@@ -42,7 +42,7 @@ def test_private_names_on_api_and_tutorial_pages_are_found(tmp_path: Path) -> No
     for folder, text in [("api", "Bases: _AdditiveNoise. Program(fn, shared: Shared)"),
                          ("tutorials/04", "from graphmod._cli import describe_run"),
                          ("tutorials/06", 'rebuild refuses {"function": "graphmod._cli.main"}'),
-                         ("concepts", "graphmod/_core/_frame.py holds the frame")]:
+                         ("concepts", "graphmod/_core/_tracing/_frame.py holds the frame")]:
         (tmp_path / folder).mkdir(parents=True)
         (tmp_path / folder / "index.html").write_text(
             f"<p>{text}</p><script>var _Private = 1;</script>")

@@ -19,7 +19,7 @@ from flax import nnx
 import graphmod as gm
 import managers
 from graphmod import roles
-from graphmod._core import _loop_keys, _loop_resolution
+from graphmod._core._loops import _loop_keys, _loop_resolution
 
 MEMBERS = 3
 KEY = jax.random.key(5)

@@ -15,7 +15,7 @@ from flax import nnx
 import graphmod as gm
 import managers
 from graphmod import roles
-from graphmod._core._context import active_managers
+from graphmod._core._tracing._context import active_managers
 
 
 def _mlp() -> gm.bricks.MLP:

@@ -13,8 +13,8 @@ from flax import nnx
 import graphmod as gm
 import managers
 from graphmod import roles
-from graphmod._core import _context
-from graphmod._core._trace import TraceScope
+from graphmod._core._tracing import _context
+from graphmod._core._tracing._trace import TraceScope
 from graphmod.errors import ManagerConflict, StateEscapesTransform
 
 X, Y = jnp.ones((8, 4)), jnp.zeros(8, jnp.int32)

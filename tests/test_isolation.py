@@ -65,7 +65,7 @@ def test_inference_never_reuses_a_training_trace(how: str, first: str) -> None:
 
 
 def test_a_program_whose_inner_traces_read_no_frame_shares_one_token() -> None:
-    from graphmod._core import _context
+    from graphmod._core._tracing import _context
 
     seen = []
 
@@ -85,7 +85,7 @@ def test_a_program_whose_inner_traces_read_no_frame_shares_one_token() -> None:
 
 
 def test_an_inner_trace_reading_the_frame_isolates_every_later_trace() -> None:
-    from graphmod._core import _context
+    from graphmod._core._tracing import _context
 
     seen = []
 

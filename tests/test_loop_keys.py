@@ -15,9 +15,9 @@ from flax import nnx
 import graphmod as gm
 import managers
 from graphmod import roles
-from graphmod._core import _loop_resolution
-from graphmod._core._loop_keys import mark
-from graphmod._core._loop_resolution import resolving
+from graphmod._core._loops import _loop_resolution
+from graphmod._core._loops._loop_keys import mark
+from graphmod._core._loops._loop_resolution import resolving
 
 KEY = jax.random.key(5)
 X = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)

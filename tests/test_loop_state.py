@@ -17,9 +17,9 @@ import graphmod as gm
 import managers
 from examples.flax_nnx.scan_over_layers import ScanMLP
 from graphmod import roles
-from graphmod._core import _loop_keys, _loop_resolution
-from graphmod._core._owned import OwnedStore
-from graphmod._core._trace import TraceScope
+from graphmod._core._loops import _loop_keys, _loop_resolution
+from graphmod._core._model._owned import OwnedStore
+from graphmod._core._tracing._trace import TraceScope
 from tests.test_loop_keys import Stack
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}

@@ -17,8 +17,8 @@ from flax import nnx
 import graphmod as gm
 import managers
 from graphmod import roles
-from graphmod._core import _owned_layout
-from graphmod._core._abstract_init import evaluate_needed
+from graphmod._core._model import _owned_layout
+from graphmod._core._program._abstract_init import evaluate_needed
 
 X = jnp.ones((4, 6))
 # An XLA compile, or one the persistent compilation cache (tests/conftest.py) answered.

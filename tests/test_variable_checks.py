@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import graphmod as gm
-import graphmod._core._program_checks
+import graphmod._core._program._program_checks
 import managers
 from graphmod import roles
 from graphmod.data import ArraySource
@@ -154,13 +154,13 @@ def test_a_train_step_and_the_loop_refuse_a_foreign_state() -> None:
 def test_variables_are_checked_when_a_signature_is_traced_not_on_every_call(
         monkeypatch: pytest.MonkeyPatch) -> None:
     checks: list[int] = []
-    original = graphmod._core._program_checks.spec_differences
+    original = graphmod._core._program._program_checks.spec_differences
 
     def counting(*args: Any) -> list[str]:
         checks.append(1)
         return original(*args)
 
-    monkeypatch.setattr(graphmod._core._program_checks, "spec_differences", counting)
+    monkeypatch.setattr(graphmod._core._program._program_checks, "spec_differences", counting)
     program = _program()
     variables = program.init(X, Y)
     for _ in range(5):

@@ -89,7 +89,7 @@ def broken_links(site: Path) -> list[str]:
     return broken
 
 
-# The API reference shows no private module of graphmod or managers (graphmod._core._frame)
+# The API reference shows no private module of graphmod or managers (graphmod._core._tracing._frame)
 # and no private class (_AdditiveNoise) in signatures and bases; the tutorials import none
 # (they may name one as data: a crafted record that rebuild refuses).
 _PRIVATE = {

@@ -51,9 +51,14 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from graphmod._core._layout import Layout
-from graphmod._core._owned_layout import map_leaves
-from graphmod._core._rules import axis_names, check_rules_select, checked_rules, first_rule
+from graphmod._core._model._layout import Layout
+from graphmod._core._model._owned_layout import map_leaves
+from graphmod._core._selection._rules import (
+    axis_names,
+    check_rules_select,
+    checked_rules,
+    first_rule,
+)
 from graphmod._core._warn import warn
 
 __all__ = ["Placement", "batch_on_mesh", "init_mesh", "mesh_context", "on_mesh", "put"]

@@ -10,18 +10,18 @@ import jax
 import numpy as np
 from flax import nnx
 
-from graphmod._core._clock import utc_now
-from graphmod._core._codec import filter_fields, plain_filter
-from graphmod._core._construction import (
+from graphmod._core._bricks._construction import (
     BRICK_REFS,
     Encoder,
     class_path,
     config_of,
     key_record,
 )
-from graphmod._core._layout import Layout, brick_path_string, walk_nodes
-from graphmod._core._rules import PerLayer
-from graphmod._core._selection import trained_record
+from graphmod._core._clock import utc_now
+from graphmod._core._codec import filter_fields, plain_filter
+from graphmod._core._model._layout import Layout, brick_path_string, walk_nodes
+from graphmod._core._selection._rules import PerLayer
+from graphmod._core._selection._selection import trained_record
 from graphmod._records._environment import host, platform_record, versions
 from graphmod._records._fingerprint import fingerprint
 from graphmod._records._frozen import sha256

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import optax
 
-from graphmod._core._construction import CONFIG, Encoder, encode_arguments
+from graphmod._core._bricks._construction import CONFIG, Encoder, encode_arguments
 
 
 class _Recorded:

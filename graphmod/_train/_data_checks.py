@@ -23,8 +23,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from graphmod._core._arguments import argument_names
-from graphmod._core._input_transforms import abstract_value
+from graphmod._core._program._arguments import argument_names
+from graphmod._core._program._input_transforms import abstract_value
 from graphmod.typing import Batch
 
 __all__ = ["check_evaluation_data", "transformed_targets"]

@@ -27,10 +27,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from graphmod._core._bricks._construction import class_path
 from graphmod._core._clock import utc_now
 from graphmod._core._codec import hash_array, host_array
-from graphmod._core._construction import class_path
-from graphmod._core._table import html_table, text_table
+from graphmod._core._display._table import html_table, text_table
 from graphmod._records._collect import data_record, function_record
 from graphmod._records._environment import platform_record, versions
 from graphmod._records._record import Provenance

@@ -14,11 +14,11 @@ import numpy as np
 import optax
 
 from graphmod import roles as _roles
-from graphmod._core._arguments import as_key
-from graphmod._core._construction import key_record
-from graphmod._core._manager import Manager
-from graphmod._core._role_tree import select
-from graphmod._core._selection import as_selectors, selected
+from graphmod._core._bricks._construction import key_record
+from graphmod._core._managers._manager import Manager
+from graphmod._core._model._role_tree import select
+from graphmod._core._program._arguments import as_key
+from graphmod._core._selection._selection import as_selectors, selected
 from graphmod._core._sharding import on_mesh, put
 from graphmod._records._collect import training_provenance
 from graphmod._records._optimizer import optimizer_record

@@ -26,8 +26,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from graphmod._core._layout import Layout
-from graphmod._core._rules import Rule, checked_rules, first_rule, fitting
+from graphmod._core._model._layout import Layout
+from graphmod._core._selection._rules import Rule, checked_rules, first_rule, fitting
 from graphmod._core._sharding import Placement
 
 __all__ = ["OptimizerPlacement"]

@@ -41,10 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from graphmod._core._arguments import as_key
-from graphmod._core._construction import key_record
-from graphmod._core._manager import HParam
+from graphmod._core._bricks._construction import key_record
+from graphmod._core._managers._manager import HParam
 from graphmod._core._naming import did_you_mean
+from graphmod._core._program._arguments import as_key
 from graphmod._train._batch import step_arguments
 from graphmod._train._optimize import TrainStep
 from graphmod._train._train_state import TrainState

@@ -13,12 +13,12 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from graphmod._core._compile import compile_program
-from graphmod._core._filter import VariableFilter
-from graphmod._core._manager import Manager
-from graphmod._core._program import ProgramCore
+from graphmod._core._display._show import VariablesTable, program_html, program_lines
+from graphmod._core._managers._manager import Manager
+from graphmod._core._program._compile import compile_program
+from graphmod._core._program._program import ProgramCore
+from graphmod._core._selection._filter import VariableFilter
 from graphmod._core._sharding import put
-from graphmod._core._show import VariablesTable, program_html, program_lines
 from graphmod._records._collect import program_provenance
 from graphmod._records._record import Provenance
 from graphmod._train._checkpoint import Checkpointer, CheckpointReader

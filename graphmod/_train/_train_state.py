@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import optax
 
-from graphmod._core._show import VariablesTable, known_roles, size_text, treescope_tree
+from graphmod._core._display._show import VariablesTable, known_roles, size_text, treescope_tree
 
 __all__ = ["TrainState"]
 

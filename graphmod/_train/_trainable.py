@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from graphmod import roles as _roles
-from graphmod._core._manager import Manager
+from graphmod._core._managers._manager import Manager
 from graphmod._core._warn import warn
 from graphmod._train._program import Program
 

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from graphmod._core._application import application
-from graphmod._core._brick import Brick
+from graphmod._core._bricks._application import application
+from graphmod._core._bricks._brick import Brick
 from graphmod.bricks._checks import check_sizes
 from graphmod.bricks._linear import Linear
 

@@ -8,9 +8,9 @@ from collections.abc import Callable, Sequence
 import jax
 from flax import nnx
 
-from graphmod._core._application import application
-from graphmod._core._brick import Brick
-from graphmod._core._variables import Bias, Weight
+from graphmod._core._bricks._application import application
+from graphmod._core._bricks._brick import Brick
+from graphmod._core._tracing._variables import Bias, Weight
 from graphmod.bricks._checks import check_sizes
 
 

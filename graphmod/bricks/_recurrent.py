@@ -21,11 +21,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from graphmod import roles
-from graphmod._core._application import application
-from graphmod._core._brick import Brick
-from graphmod._core._call import ApplicationCall
-from graphmod._core._scan import scan
-from graphmod._core._variables import Bias, Weight
+from graphmod._core._bricks._application import application
+from graphmod._core._bricks._brick import Brick
+from graphmod._core._loops._scan import scan
+from graphmod._core._tracing._call import ApplicationCall
+from graphmod._core._tracing._variables import Bias, Weight
 from graphmod.bricks._checks import check_sizes
 
 

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
-from graphmod._core._application import application
-from graphmod._core._brick import Brick
+from graphmod._core._bricks._application import application
+from graphmod._core._bricks._brick import Brick
 from graphmod.bricks._attention import MultiHeadAttention
 from graphmod.bricks._checks import check_sizes
 from graphmod.bricks._linear import MLP

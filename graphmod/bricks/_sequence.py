@@ -9,8 +9,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from graphmod._core._application import application
-from graphmod._core._brick import Brick
+from graphmod._core._bricks._application import application
+from graphmod._core._bricks._brick import Brick
 
 
 class Sequence(Brick):

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from graphmod._core._table import html_table, text_table
+from graphmod._core._display._table import html_table, text_table
 
 LabelValue = int | float | bool | str
 

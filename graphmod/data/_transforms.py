@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from graphmod._core._display._table import html_table, text_table
 from graphmod._core._numbers import is_real_number, is_whole_number
-from graphmod._core._table import html_table, text_table
 from graphmod.data._metadata import (
     FieldInfo,
     Metadata,

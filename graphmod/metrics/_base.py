@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from graphmod._core._construction import class_path
+from graphmod._core._bricks._construction import class_path
 
 
 class Metric:

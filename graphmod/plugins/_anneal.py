@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from graphmod._core._manager import HParam
+from graphmod._core._managers._manager import HParam
 from graphmod._train._events import Event, On, Template, Time
 from graphmod._train._loop._models import model_state, with_model_state
 from graphmod._train._plugin import Plugin

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import optax
 
 from graphmod._core._clock import utc_now
-from graphmod._core._manager import HParam
+from graphmod._core._managers._manager import HParam
 from graphmod._train._control import (
     ControlServer,
     Refused,

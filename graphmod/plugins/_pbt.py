@@ -37,7 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from graphmod._core._manager import HParam
+from graphmod._core._managers._manager import HParam
 from graphmod._core._naming import did_you_mean
 from graphmod._core._numbers import is_real_number
 from graphmod._train._engine import Engine, _stacked

@@ -6,7 +6,7 @@ import dataclasses
 import time as _time
 from typing import Any
 
-from graphmod._core._table import html_table, text_table
+from graphmod._core._display._table import html_table, text_table
 from graphmod._train._events import Event
 from graphmod._train._plugin import Plugin
 from graphmod.typing import LoopLike

@@ -16,7 +16,7 @@ from typing import Any
 from flax import nnx
 
 from graphmod._core._codec import Decoding, Kind
-from graphmod._core._manager import Manager, dynamic
+from graphmod._core._managers._manager import Manager, dynamic
 from graphmod._records._optimizer import optax_factory, optimizer
 from graphmod.provenance._names import RebuildError, Rules
 

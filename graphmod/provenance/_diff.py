@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from graphmod._core._table import WIDTH, html_table, shorten, text_table
+from graphmod._core._display._table import WIDTH, html_table, shorten, text_table
 from graphmod._records._record import Provenance, is_record
 from graphmod._records._summary import readable
 

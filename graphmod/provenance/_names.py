@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from graphmod._core._manager import Manager
+from graphmod._core._managers._manager import Manager
 from graphmod._core._public_path import public_path
 from graphmod._records._record import ProvenanceError
 

@@ -37,8 +37,8 @@ import numpy as np
 from flax import nnx
 
 from graphmod._core._codec import construct
-from graphmod._core._filter import VariableFilter
-from graphmod._core._layout import Layout
+from graphmod._core._model._layout import Layout
+from graphmod._core._selection._filter import VariableFilter
 from graphmod._records._collect import brick_records, modules, parameter_records
 from graphmod._records._record import Provenance, several_models
 from graphmod._train._program import compile

@@ -14,7 +14,7 @@ from flax import nnx
 import graphmod as gm
 import managers
 from graphmod import roles
-from graphmod._core._order import resolve_order
+from graphmod._core._managers._order import resolve_order
 
 
 def _linear() -> gm.bricks.Linear:

@@ -17,7 +17,7 @@ from flax import nnx
 import graphmod as gm
 import managers
 from graphmod import roles
-from graphmod._core._construction import CONFIG, config_of
+from graphmod._core._bricks._construction import CONFIG, config_of
 
 
 class Scaled(gm.Brick):

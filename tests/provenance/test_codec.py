@@ -24,10 +24,10 @@ from hypothesis.extra import numpy as hnp
 import graphmod as gm
 import managers
 from graphmod import roles
+from graphmod._core._bricks._construction import Encoder, config_of
 from graphmod._core._codec import TAGS, import_paths
-from graphmod._core._construction import Encoder, config_of
-from graphmod._core._filter import BoundApplication, ClassApplication
-from graphmod._core._layout import Layout
+from graphmod._core._model._layout import Layout
+from graphmod._core._selection._filter import BoundApplication, ClassApplication
 from graphmod._records._collect import filter_record, modules
 from graphmod._records._summary import readable
 from graphmod._train._evaluate import _variables_record

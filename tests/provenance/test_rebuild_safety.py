@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import graphmod as gm
 import managers
 from graphmod import roles
-from graphmod._core._construction import config_of
+from graphmod._core._bricks._construction import config_of
 from graphmod.plugins import Checkpoint
 from graphmod.provenance import DEFAULT_FACTORIES, ProvenanceError, RebuildError
 from graphmod.provenance._decoder import RecordDecoder

@@ -14,8 +14,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from graphmod._core._arguments import is_key
 from graphmod._core._codec._tag import SKIP, Decoding, Encoding, Tag, opaque
+from graphmod._core._program._arguments import is_key
 
 MAX_ARRAY = 4096  # larger arrays are recorded by shape, dtype and hash only
 _KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")

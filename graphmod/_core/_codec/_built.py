@@ -14,7 +14,7 @@ from flax import nnx
 
 from graphmod import roles
 from graphmod._core._codec._tag import SKIP, Decoding, Encoding, Tag, call_text, join, opaque
-from graphmod._core._filter import VariableFilter
+from graphmod._core._selection._filter import VariableFilter
 
 _FILTER_FIELDS = tuple(f.name for f in dataclasses.fields(VariableFilter))
 

@@ -24,13 +24,13 @@ from graphmod._core._codec._tag import (
     class_path,
     opaque,
 )
-from graphmod._core._filter import (
+from graphmod._core._public_path import public_path
+from graphmod._core._selection._filter import (
     BoundApplication,
     ClassApplication,
     bound_application,
     class_application,
 )
-from graphmod._core._public_path import public_path
 
 
 class Role(Tag):

@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from graphmod._core._arguments import is_key
 from graphmod._core._numbers import is_real_number, is_whole_number
+from graphmod._core._program._arguments import is_key
 from graphmod._train._checkpoint._errors import CheckpointError
 
 FORMAT = 2

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from graphmod._core._arguments import is_key
 from graphmod._core._numbers import is_whole_number
+from graphmod._core._program._arguments import is_key
 from graphmod._core._warn import warn
 from graphmod._records._record import Provenance
 from graphmod._train._checkpoint._chunks import PartFiles, chunk_members, local_array

@@ -16,7 +16,7 @@ import time as _time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from graphmod._core._table import html_table, text_table
+from graphmod._core._display._table import html_table, text_table
 from graphmod._train._events import AnyOf, Event, Template, Time, as_template, plugin_name
 from graphmod._train._plugin import Plugin
 

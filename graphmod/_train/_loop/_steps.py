@@ -19,15 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from graphmod._core._arguments import (
+from graphmod._core._numbers import is_whole_number
+from graphmod._core._program._arguments import (
     argument_names,
     bind_arguments,
     check_arguments,
     check_binds,
     is_key,
 )
-from graphmod._core._numbers import is_whole_number
-from graphmod._core._rng_arguments import with_random_streams
+from graphmod._core._program._rng_arguments import with_random_streams
 from graphmod._core._sharding import Placement, mesh_context
 from graphmod._train._batch import step_arguments
 from graphmod._train._events import On, Template, Time

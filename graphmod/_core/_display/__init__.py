@@ -1,0 +1,2 @@
+"""What programs and variables look like: tables in terminals and notebooks.
+"""

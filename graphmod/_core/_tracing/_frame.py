@@ -1,0 +1,431 @@
+"""The frame: what one outer trace of a program knows and collects.
+
+A frame is created by a program for each outer trace (``init``, ``train``, ``infer``,
+``graph``) and is current while the model function runs. It maps variable identities to the
+program's values, holds the stack of application calls in progress, the manager-owned
+variables (:class:`~graphmod._core._model._owned.OwnedStore`) and hyperparameters, and collects the
+rewrite trace, tagged variables (for the computation graph) and monitored values.
+
+The frame owns its state: other modules read it through read-only properties and change it
+through its verbs only (reading and writing variables, noting matches, rewrites and
+exclusive claims, and the snapshot, carry and restore of a ``graphmod.scan`` step).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+from graphmod import roles as _roles
+from graphmod._core._loops._loop_keys import Layer, mark
+from graphmod._core._managers._manager import Manager
+from graphmod._core._managers._order import resolve_order
+from graphmod._core._model._owned import OwnedKey, OwnedStore
+from graphmod._core._selection._filter import Tag, VariableFilter
+from graphmod._core._tracing._collected import Collected, LoopSnapshot, Recorded, crc32
+from graphmod._core._tracing._rewrites import Rewrite, shape_and_dtype
+from graphmod._core._tracing._trace import TraceScope, current_trace
+from graphmod._core._tracing._variables import identity_of
+from graphmod.errors import ManagerConflict, StateEscapesTransform
+
+if TYPE_CHECKING:
+    from graphmod._core._model._layout import Layout
+
+__all__ = ["Frame", "OwnedKey"]
+
+
+class Frame:
+    """Per-trace state of a program (see the module docstring)."""
+
+    def __init__(
+        self, *, layout: Layout, mode: str, values: dict[str, Any], owned: dict[OwnedKey, Any],
+        hparams: dict[tuple[str, str], Any], managers: tuple[Manager, ...], key: Any = None,
+        axis_name: Any = None, mesh: Any = None,
+        monitor: dict[str, VariableFilter] | None = None, record: bool = False,
+        costs: bool = False,
+    ) -> None:
+        self.layout = layout
+        self.mode = mode
+        self.training = mode != "infer"
+        self.managers = managers  # as the program holds them (a ManagerOrder: listed)
+        # The chain of application calls, outermost first: the managers with a hook of
+        # theirs, constraints resolved and then priority (see graphmod._core._managers._order).
+        self._call_managers = [m for m in resolve_order(managers) if m.applies_to_calls]
+        self.key = key
+        self.axis_name = axis_name
+        self.mesh = mesh  # the program's device mesh (compile(mesh=...)), else None
+        self.monitor = monitor or {}
+        self.collects_costs = costs  # optimize's trace: auxiliary costs are kept
+        self._out: Any = None  # what the traced function returned (see returned)
+        self._scope = TraceScope()
+        self._values = dict(values)
+        self._updated: set[str] = set()
+        self._owned = OwnedStore(owned, mode, self._scope, self.check_base_trace)
+        self._hparams = dict(hparams)
+        self._seen = Collected([] if record else None)
+        self._seen_managers: dict[int, Manager] = {id(m): m for m in managers}
+        # The application calls in progress (their chain runners, innermost last).
+        self._calls: list[Any] = []
+        self._local_managers: list[Manager] = []
+        self._call_counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._parameter_cache: dict[tuple[Any, ...], list[tuple[Any, Any]]] = {}
+        self._scan_indices: list[Any] = []
+        self._held_off: dict[str, str] = {}  # path -> the module flag keeping it in eval mode
+
+    # -- read-only views ------------------------------------------------------------------
+    values = property(lambda self: self._values, doc="Model variables by identity.")
+    hparams = property(lambda self: self._hparams, doc="Hyperparameters by (manager, name).")
+    monitored = property(lambda self: self._seen.monitored, doc="Monitored values by key.")
+    costs = property(lambda self: self._seen.costs_out(), doc="Auxiliary costs by owner.")
+    measured = property(lambda self: self._seen.measured_out(), doc="Measurements by key.")
+    records = property(lambda self: self._seen.records, doc="Tagged variables (graph traces).")
+    rewrites = property(lambda self: self._seen.rewrites, doc="The rewrites the trace made.")
+    matches = property(lambda self: self._seen.matches, doc="Matches per id(manager).")
+    unchanged = property(lambda self: self._seen.unchanged, doc="Variables left, by manager.")
+    seen_managers = property(lambda self: self._seen_managers, doc="Managers met, by id.")
+    calls = property(lambda self: self._calls, doc="Chain runners in progress.")
+    base_trace = property(lambda self: self._scope.base, doc="Where side outputs leave.")
+    owned_roles = property(lambda self: self._owned.roles, doc="Owned variables' roles.")
+    owned_updated = property(lambda self: self._owned.updated, doc="Owned keys written.")
+    out = property(lambda self: self._out, doc="What the traced function returned.")
+    held_off = property(lambda self: self._held_off, doc="Layers a module flag held in eval.")
+
+    def returned(self, out: Any) -> None:
+        """Keeps what the traced function returned (``frame.out``)."""
+        self._out = out
+
+    def inner(self) -> bool:
+        """Whether the trace in progress is inside a transform of the frame's base trace."""
+        return self._scope.inner()
+
+    # -- model variables -----------------------------------------------------------------
+    def holds(self, variable: Any) -> bool:
+        """Whether ``variable`` is one of the program's model variables (the model's own
+        object, not a copy made by an NNX lifted transform)."""
+        identity = identity_of(variable)
+        return identity in self._values and self.layout.objects.get(identity) is variable
+
+    def carries(self, variable: Any) -> bool:
+        """Whether the program threads ``variable``'s writes through (every one but the
+        parameters, which a forward pass never writes: NNX transforms only echo them)."""
+        return not self.layout.by_identity[identity_of(variable)].role.is_a(_roles.PARAMETER)
+
+    def stored(self, variable: Any) -> Any:
+        """The program's current value of ``variable``, without rewrites."""
+        return self._values[identity_of(variable)]
+
+    def read(self, variable: Any) -> tuple[bool, Any]:
+        """``(True, value)`` as the innermost application call sees it, else ``(False, None)``.
+
+        A copy of a model variable made by an NNX lifted transform reads its own value (the
+        transform's: a layer's slice inside ``nnx.scan``), rewritten like the original's.
+        """
+        identity = identity_of(variable)
+        if identity not in self._values:
+            return False, None
+        base = self._values[identity] if self.holds(variable) else variable.get_raw_value()
+        if self._calls and self._calls[-1].path is not None:
+            return True, self._calls[-1].read_parameter(self.layout.by_identity[identity], base)
+        return True, base
+
+    def rewritten_once(self, key: tuple[Any, ...], rewrite: Callable[[], Any]) -> Any:
+        """``rewrite()`` once per ``key`` (a call and a variable) and JAX trace: a value
+        rewritten inside an inner trace (a scan body) must not leak out of it."""
+        trace = current_trace()
+        cached = self._parameter_cache.setdefault(key, [])
+        for cached_trace, cached_value in cached:  # trace states are not hashable
+            if cached_trace == trace:
+                return cached_value
+        value = rewrite()
+        cached.append((trace, value))
+        return value
+
+    def write(self, variable: Any, value: Any) -> None:
+        identity = identity_of(variable)
+        self.check_base_trace(f"writing {self.layout.by_identity[identity].path}")
+        self._values[identity] = value
+        self._updated.add(identity)
+
+    def check_base_trace(self, what: str, where: str | None = None) -> None:
+        """Raises :class:`~graphmod.errors.StateEscapesTransform` if a side output would be
+        created under a raw JAX transform."""
+        if where is None and self._calls and self._scope.inner():
+            where = f"application {self._calls[-1].application!r} of {self._calls[-1].path}"
+        self._scope.check(what, f" in {where}" if where else "")
+
+    # -- application calls ----------------------------------------------------------------
+    def next_call_id(self, path: str, application: str) -> int:
+        key = (path, application)
+        call_id = self._call_counts[key]
+        self._call_counts[key] += 1
+        return call_id
+
+    @contextmanager
+    def calling(self, call: Any) -> Iterator[None]:
+        self._calls.append(call)
+        try:
+            yield
+        finally:
+            popped = self._calls.pop()
+            assert popped is call, "application stack corrupted"
+
+    @contextmanager
+    def using(self, managers: tuple[Manager, ...]) -> Iterator[None]:
+        """Managers given with ``use_manager=`` for one call and its children."""
+        active = {m.name: m for m in (*self.managers, *self._local_managers)}
+        for m in managers:
+            if not isinstance(m, Manager):
+                raise TypeError(f"use_manager: {m!r} is not a graphmod.Manager")
+            if m.name in active and active[m.name] is not m:
+                raise ManagerConflict(f"use_manager: a manager named {m.name!r} is already "
+                                      "active; pass manager_name=... to one of them")
+            self.layout.resolve(m.filter.brick_instances(), f"use_manager {m.name!r}")
+            self._seen_managers.setdefault(id(m), m)
+        self._local_managers.extend(managers)
+        try:
+            yield
+        finally:
+            del self._local_managers[len(self._local_managers) - len(managers):]
+
+    def chain(self) -> list[Manager]:
+        """Every manager of application calls active now, outermost first: the program's
+        in their resolved order, with those of ``use_manager=`` resolved among them
+        (stable by priority, declared constraints satisfied)."""
+        if not self._local_managers:
+            return self._call_managers
+        order = resolve_order((*self.managers, *self._local_managers))
+        return [m for m in order if m.applies_to_calls]
+
+    def note_match(self, manager: Manager, left: Tag | None = None) -> None:
+        """Counts a match of ``manager`` (a strict manager must match something); ``left``:
+        the variable it matched and left as it was, for the rewrite trace."""
+        self._seen.note_match(id(manager), manager.name, left)
+
+    def claim_exclusive(self, tag: Tag, manager: Manager) -> None:
+        """Claims ``tag`` of its call for ``manager``'s exclusive rewrite; raises
+        :class:`~graphmod.errors.ManagerConflict` if another manager holds it."""
+        claim = (tag.brick_path, tag.application, tag.call_id, tag.path)
+        other = self._seen.exclusive.setdefault(claim, manager.name)
+        if other != manager.name:
+            raise ManagerConflict(
+                f"managers {other!r} and {manager.name!r} both make exclusive rewrites of "
+                f"{tag.role} {tag.name!r} in application {tag.application!r} of "
+                f"{tag.brick_path}: narrow one of their filters"
+            )
+
+    @contextmanager
+    def inference_pass(self) -> Iterator[None]:
+        """Runs the block as inference sees the program, inside this training trace (the
+        ranking pass of ``managers.SelectiveBackprop``): its application calls are in
+        inference mode (no draws, no state written: the model's writes are dropped), their
+        call ids and parameter rewrites their own; what it rewrites, records, monitors,
+        costs and measures is dropped, so the rest of the trace sees none of it."""
+        if not self.training:
+            yield
+            return
+        seen = self._seen
+        saved = (self.mode, self.monitor, self.collects_costs, self._parameter_cache,
+                 collections.Counter(self._call_counts), dict(self._values), set(self._updated),
+                 len(seen.rewrites), None if seen.records is None else len(seen.records),
+                 {by: set(left) for by, left in seen.unchanged.items()},
+                 {by: set(calls) for by, calls in seen.rewritten_calls.items()})
+        self.mode, self.training, self.monitor, self.collects_costs = "infer", False, {}, False
+        self._parameter_cache = {}
+        try:
+            yield
+        finally:
+            (self.mode, self.monitor, self.collects_costs, self._parameter_cache,
+             self._call_counts, self._values, self._updated, rewrites, records,
+             seen.unchanged, seen.rewritten_calls) = saved
+            self.training = True
+            del seen.rewrites[rewrites:]
+            if seen.records is not None:
+                del seen.records[records:]
+
+    # -- randomness -----------------------------------------------------------------------
+    def rng(self, parts: tuple[str, ...], call_id: int, *, per_step: bool = True,
+            witnesses: Callable[[], Sequence[Any]] = tuple) -> Any:
+        """The key of a draw: the step key folded with CRC32 of ``parts`` and the call id,
+        then (``per_step``) with ``graphmod.scan``'s step indices, with the device index
+        under ``axis_name``; inside a loop body JAX traces once (``nnx.scan``, ``lax.scan``,
+        ...; ``per_step``) with the position of every loop around it, outermost first, and
+        under ``vmap`` (``per_step`` or not) with the mapped index if a ``witnesses()``
+        array is mapped (see ``graphmod._core._loops._loop_keys``)."""
+        if self.mode == "init":
+            return jax.random.key(0)  # placeholder: init only needs shapes
+        if not self.training:
+            raise RuntimeError(
+                f"call.rng() in inference mode (manager {parts[0]!r}, application "
+                f"{parts[2]!r} of {parts[1]}, {parts[3]} {parts[4]!r}): stochastic rewrites "
+                "belong to training; check call.training before drawing randomness"
+            )
+        if self.key is None:
+            raise RuntimeError("this program was traced without a key: pass rng= to train")
+        # One fold for everything known at trace time (call ids are Python ints).
+        key = jax.random.fold_in(self.key, crc32("|".join(parts) + f"#{call_id}"))
+        for index in self._scan_indices if per_step else ():
+            key = jax.random.fold_in(key, index)
+        if self.axis_name is not None:
+            key = jax.random.fold_in(key, jax.lax.axis_index(self.axis_name))
+        if self._scope.inner():  # maybe a loop body or a vmap: resolved by the program's trace
+            key = mark(key, witnesses(), loops=per_step)
+        return key
+
+    # -- manager-owned variables and hyperparameters -----------------------------------------
+    def owned_value(self, key: OwnedKey, init: Any, role: _roles.Role, parameter: Any = None,
+                    stacked: int = 1, layer: Layer = tuple) -> None:
+        """Makes sure owned variable ``key`` exists (see :meth:`OwnedStore.ensure`)."""
+        self._owned.ensure(key, init, role, parameter, stacked, layer)
+
+    def read_owned(self, key: OwnedKey, stored: bool = False, layer: Layer = tuple) -> Any:
+        """Owned variable ``key`` as the current trace sees it, or found it (``stored``)."""
+        return self._owned.stored(key, layer) if stored else self._owned.read(key, layer)
+
+    def set_owned(self, key: OwnedKey, value: Any, layer: Layer = tuple) -> None:
+        """Sets owned variable ``key`` (see :meth:`OwnedStore.write`)."""
+        self._owned.write(key, value, layer)
+
+    def owned_out(self) -> dict[OwnedKey, Any]:
+        """The owned variables at the end of the trace (see :meth:`OwnedStore.out`)."""
+        return self._owned.out()
+
+    def hparam(self, manager: Manager, name: str) -> Any:
+        key = (manager.name, name)
+        if key not in self._hparams:
+            if self.mode != "init":
+                raise KeyError(
+                    f"variables hold no hyperparameter {manager.name}.{name}: make them "
+                    "with this program's init"
+                )
+            self._hparams[key] = jnp.float32(getattr(manager, name).value)
+        return self._hparams[key]
+
+    # -- what the trace saw ---------------------------------------------------------------
+    def record(self, tag: Tag, value: Any, manager: str | None) -> None:
+        """Notes a tagged variable for the computation graph (when one is being built)."""
+        if self._seen.records is not None:
+            self._seen.records.append(Recorded(tag, *shape_and_dtype(value), manager))
+
+    def note_rewrite(self, by: str, tag: Tag, before: Any, after: Any) -> None:
+        """Notes ``by``'s rewrite of ``tag`` (``by``: a manager, or ``nnx.Dropout``)."""
+        self._seen.rewrites.append(Rewrite.of(by, tag, before, after))
+        self.record(tag, after, by)
+        self._seen.note_rewritten_call(by, tag)
+
+    def note_wrap(self, by: str, path: str, application: str, call_id: int) -> None:
+        """Notes in the rewrite trace that ``by``'s ``wrap`` ran around an application call."""
+        self._seen.rewrites.append(Rewrite.wrap(by, path, application, call_id))
+
+    def rewrote_around(self, by: str) -> bool:
+        """Whether ``by`` rewrote a value of an application call in progress around this."""
+        return self._seen.rewrote_in(by, self._calls)
+
+    def note_held_off(self, path: str, flag: str) -> None:
+        """Notes that the Flax layer at ``path`` stays in eval mode in a training trace by a
+        flag on the module (``deterministic=True``: ``model.eval()``); the program warns."""
+        self._held_off[path] = flag
+
+    def add_cost(self, owner: str, key: str, value: Any, *, layers: tuple = (),
+                 layer: Layer = tuple) -> None:
+        """Notes an auxiliary cost of ``owner`` (a manager, or an application's variable),
+        once per ``key`` in a trace (a parameter's cost, read by several calls, counts once;
+        a layer's in loops over ``layers`` stacked layers: summed). Only optimize keeps costs."""
+        if self._keeps(f"the auxiliary cost {key}", layers):
+            self._seen.add_cost(owner, key, value, layers, layer)
+
+    def add_measurement(self, key: str, value: Any, *, layers: tuple = (),
+                        layer: Layer = tuple) -> None:
+        """Notes a measurement (``call.report``): optimize's metric ``key`` (a layer's: stacked)."""
+        if self._keeps(f"the measurement {key}", layers):
+            self._seen.add_measurement(key, value, layers, layer)
+
+    def _keeps(self, what: str, layers: tuple) -> bool:
+        """Whether optimize keeps this trace's values; raises if ``what`` cannot leave it."""
+        if not self.collects_costs:
+            return False
+        if self._scan_indices:
+            raise StateEscapesTransform(
+                f"{what} is made inside a loop body (graphmod.scan, nnx.scan, ...), which "
+                "cannot return it to optimize. Select what is computed outside loops, or "
+                "compute it in the model's function instead")
+        if not layers:
+            self.check_base_trace(what)
+        return True
+
+    def collect(self, tag: Tag, value: Any, key: str) -> None:
+        """Stores ``value`` as a monitored output if a monitor selects ``tag``."""
+        for label, monitor_filter in self.monitor.items():
+            if monitor_filter.matches(tag, self.layout.instance_paths):
+                self.check_base_trace(f"monitoring {tag.path}",
+                                      f"application {tag.application!r} of {tag.brick_path}")
+                self._seen.monitored[key if label == "" else f"{label}:{key}"] = value
+
+    # -- graphmod.scan: snapshot, carry, restore ---------------------------------------------
+    def snapshot(self) -> LoopSnapshot:
+        """What each trace of a loop body starts from (see :meth:`loop_body`)."""
+        return LoopSnapshot(dict(self._call_counts), len(self._seen.rewrites),
+                            len(self._seen.records) if self._seen.records is not None else 0)
+
+    def carry(self) -> tuple[dict[str, Any], dict[OwnedKey, Any]]:
+        """The state a loop step may change: the model's variables but the parameters,
+        and the owned variables."""
+        model = {identity: value for identity, value in self._values.items()
+                 if not self.layout.by_identity[identity].role.is_a(_roles.PARAMETER)}
+        return model, dict(self._owned.values)
+
+    @contextmanager
+    def loop_body(self, snapshot: LoopSnapshot, carry: tuple[dict, dict]) -> Iterator[None]:
+        """Traces one step of a loop: from ``snapshot``'s calls, with ``carry``'s values,
+        the step's trace as the base (its side outputs leave through the carry) and its
+        own monitored values."""
+        self._call_counts.clear()
+        self._call_counts.update(snapshot.call_counts)
+        del self._seen.rewrites[snapshot.rewrites:]
+        if self._seen.records is not None:
+            del self._seen.records[snapshot.records:]
+        model, owned = carry
+        self._values.update(model)
+        self._owned.values.update(owned)
+        saved, self._seen.monitored = self._seen.monitored, {}
+        try:
+            with self._scope.moved_here():
+                yield
+        finally:
+            self._seen.monitored = saved
+
+    def carried(self, carry: tuple[dict, dict]) -> tuple[tuple[dict, dict], dict[str, Any]]:
+        """The new values of ``carry``'s entries after a step, and the step's monitored
+        values (inside :meth:`loop_body`)."""
+        model, owned = carry
+        new = ({i: self._values[i] for i in model}, {k: self._owned.values[k] for k in owned})
+        return new, self._seen.monitored
+
+    def after_loop(self, carry: tuple[dict, dict], monitored: dict[str, Any], *,
+                   owned_written: bool) -> None:
+        """Takes a loop's final carry and its stacked monitored values; the owned variables
+        count as written if ``owned_written`` (at ``init`` they are the values from before
+        the loop)."""
+        model, owned = carry
+        self._values.update(model)
+        self._updated.update(model)
+        self._owned.carried(owned, updated=owned_written)
+        self._seen.monitored.update(monitored)
+
+    @contextmanager
+    def loop_step(self, index: Any) -> Iterator[None]:
+        """Folds a loop's step ``index`` into every draw of the block (see :meth:`rng`).
+
+        Each step rewrites parameters anew: without ``jit`` (``jax.disable_jit``) every
+        step runs in one trace, and a cached rewrite would repeat step 0's draw."""
+        self._scan_indices.append(index)
+        saved, self._parameter_cache = self._parameter_cache, {}
+        try:
+            yield
+        finally:
+            self._scan_indices.pop()
+            self._parameter_cache = saved
