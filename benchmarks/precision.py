@@ -88,7 +88,8 @@ def report(env: dict[str, Any], dims: Sequence[int], batch: int, repeats: int, b
              f"{env['cpu_count']} CPUs" + (" · **--quick: not meaningful**" if quick else ""),
              "", f"MLP {'-'.join(map(str, dims))}, ReLU, batch {batch}, Adam; medians of "
              f"{repeats} interleaved blocks of {block} steps; load average {load:.1f} at the "
-             "start (above the CPU count, other processes share the cores).", "",
+             "start" + (" (above the CPU count: other processes share the cores)."
+                        if load > (env["cpu_count"] or 1) else " (a quiet machine)."), "",
              "| variant | median step (µs) | over float32 (same writer) | graphmod / hand "
              "(same policy) |", "|---|--:|--:|--:|"]
     lines += [f"| {r['variant']} | {r['median_us']:.0f} | {r['over_float32']:.2f} "

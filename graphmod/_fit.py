@@ -59,7 +59,7 @@ from flax import nnx
 
 from graphmod._core._managers._manager import Manager
 from graphmod._core._naming import did_you_mean
-from graphmod._core._numbers import is_whole_number
+from graphmod._core._number_checks import is_whole_number
 from graphmod._records._collect import data_record
 from graphmod._records._optimizer import optimizer as recorded_optimizer
 from graphmod._records._record import Provenance

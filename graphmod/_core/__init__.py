@@ -23,5 +23,5 @@ A folder per concept, each saying in its own docstring what it owns:
 * ``_display``: tables in terminals and notebooks;
 * ``_codec``: recorded values as tagged JSON;
 * beside them, what every folder uses: ``_sharding`` (placement on a mesh), ``_warn``,
-  ``_numbers``, ``_naming``, ``_clock``, ``_public_path``.
+  ``_number_checks``, ``_naming``, ``_clock``, ``_public_path``.
 """

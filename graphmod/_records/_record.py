@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from graphmod._core._naming import did_you_mean
-from graphmod._core._numbers import is_whole_number
+from graphmod._core._number_checks import is_whole_number
 from graphmod._records._frozen import (
     FrozenDict,
     canonical_json,

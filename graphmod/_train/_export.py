@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from graphmod._core._program._program import ProgramCore
+from graphmod._core._program._program_core import ProgramCore
 from graphmod._records._record import Provenance
 from graphmod._train import _export_loader
 from graphmod.typing import Variables

@@ -16,7 +16,7 @@ from typing import Any
 from graphmod._core._display._show import VariablesTable, program_html, program_lines
 from graphmod._core._managers._manager import Manager
 from graphmod._core._program._compile import compile_program
-from graphmod._core._program._program import ProgramCore
+from graphmod._core._program._program_core import ProgramCore
 from graphmod._core._selection._filter import VariableFilter
 from graphmod._core._sharding import put
 from graphmod._records._collect import program_provenance

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphmod._core._numbers import is_whole_number
+from graphmod._core._number_checks import is_whole_number
 
 
 def check_sizes(owner: str, **sizes: Any) -> None:

@@ -11,7 +11,7 @@ from flax import nnx
 
 from graphmod._core._bricks._application import application
 from graphmod._core._bricks._brick import Brick
-from graphmod._core._numbers import is_whole_number
+from graphmod._core._number_checks import is_whole_number
 from graphmod._core._tracing._variables import Bias, Filter
 from graphmod.bricks._checks import check_sizes
 

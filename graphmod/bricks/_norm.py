@@ -10,7 +10,7 @@ from flax import nnx
 
 from graphmod._core._bricks._application import application
 from graphmod._core._bricks._brick import Brick
-from graphmod._core._numbers import is_real_number
+from graphmod._core._number_checks import is_real_number
 from graphmod._core._tracing._variables import Bias, Parameter
 from graphmod.bricks._checks import check_sizes
 

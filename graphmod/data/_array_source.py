@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from graphmod._core._codec import hash_array
-from graphmod._core._numbers import is_whole_number
+from graphmod._core._number_checks import is_whole_number
 from graphmod._records._summary import data_text
 from graphmod.data._metadata import Metadata
 

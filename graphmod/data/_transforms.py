@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from graphmod._core._display._table import html_table, text_table
-from graphmod._core._numbers import is_real_number, is_whole_number
+from graphmod._core._number_checks import is_real_number, is_whole_number
 from graphmod.data._metadata import (
     FieldInfo,
     Metadata,

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from graphmod._core._numbers import is_whole_number
+from graphmod._core._number_checks import is_whole_number
 from graphmod._train._checkpoint import Checkpointer, CheckpointError
 from graphmod._train._checkpoint._lock import RunLock, run_lock
 from graphmod._train._command import RESUME_VARIABLE

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from graphmod._core._naming import did_you_mean
-from graphmod._core._numbers import is_real_number, is_whole_number
+from graphmod._core._number_checks import is_real_number, is_whole_number
 from graphmod._core._warn import warn
 from graphmod._train._events import AnyOf, Event, On, Template
 from graphmod._train._host_metrics import host_value

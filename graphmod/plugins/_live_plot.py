@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from graphmod._core._numbers import is_real_number
+from graphmod._core._number_checks import is_real_number
 from graphmod._train._events import Event, On, Template
 from graphmod._train._host_metrics import metric_of, scalar_metrics
 from graphmod._train._plugin import Plugin

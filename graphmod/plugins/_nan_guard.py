@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from graphmod._core._numbers import is_whole_number
+from graphmod._core._number_checks import is_whole_number
 from graphmod._core._warn import warn
 from graphmod._train._events import Event, On, Template
 from graphmod._train._loop._models import Models

@@ -39,7 +39,7 @@ import numpy as np
 
 from graphmod._core._managers._manager import HParam
 from graphmod._core._naming import did_you_mean
-from graphmod._core._numbers import is_real_number
+from graphmod._core._number_checks import is_real_number
 from graphmod._train._engine import Engine, _stacked
 from graphmod._train._events import Event, On, Template
 from graphmod._train._plugin import Plugin

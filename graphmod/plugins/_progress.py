@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from graphmod._core._numbers import is_whole_number
+from graphmod._core._number_checks import is_whole_number
 from graphmod._train._events import Event, On, Template
 from graphmod._train._host_metrics import copying, on_host, scalar_metrics, scalars
 from graphmod._train._plugin import Plugin

@@ -18,7 +18,7 @@ from flax import nnx
 
 import graphmod as gm
 import managers
-from graphmod._core._tracing._collected import crc32
+from graphmod._core._tracing._frame import crc32
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 X = np.linspace(0, 1, 16, dtype=np.float32)[:, None]

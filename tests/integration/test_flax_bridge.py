@@ -20,7 +20,7 @@ from flax import nnx
 import graphmod as gm
 import managers
 from graphmod import roles
-from graphmod._core._tracing._collected import crc32
+from graphmod._core._tracing._frame import crc32
 from tests.integration.test_flax_transforms import assert_trees_close
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}

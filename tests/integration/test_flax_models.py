@@ -21,7 +21,7 @@ from flax import nnx
 import graphmod as gm
 import managers
 from graphmod import roles
-from graphmod._core._tracing._collected import crc32
+from graphmod._core._tracing._frame import crc32
 from tests.conftest import has_random
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}

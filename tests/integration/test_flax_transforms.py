@@ -24,8 +24,7 @@ import graphmod as gm
 import managers
 from examples.flax_nnx.scan_over_layers import ScanMLP
 from graphmod import roles
-from graphmod._core._tracing._collected import crc32
-from graphmod._core._tracing._frame import Frame
+from graphmod._core._tracing._frame import Frame, crc32
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 X = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)

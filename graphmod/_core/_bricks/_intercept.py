@@ -47,7 +47,7 @@ from graphmod._core._bricks._array_leaves import ArrayLeaf
 from graphmod._core._bricks._spec import MethodSpec, is_array
 from graphmod._core._tracing import _context
 from graphmod._core._tracing._chain import Chain
-from graphmod._core._tracing._rebound import write_rebound
+from graphmod._core._tracing._container_rebinding import write_rebound
 
 # Methods besides ``__call__`` that are applications of every program's Flax modules.
 _DEFAULT_APPLICATIONS: dict[type, tuple[str, ...]] = {nnx.Embed: ("attend",)}
@@ -140,8 +140,8 @@ def assign_in_program(module: nnx.Module, assign: Callable[[Any, str, Any], None
     array leaves, ``self.count += 1``) writes the program's value
     (``graphmod._core._bricks._array_leaves``),
     as rebinding a container of model variables to one with variables at the same places
-    does (Flax's ``ToNNX``: ``graphmod._core._tracing._rebound``); rebinding another stays Flax's to
-    refuse: the module's new value could not outlive the trace."""
+    does (Flax's ``ToNNX``: ``graphmod._core._tracing._container_rebinding``); rebinding
+    another stays Flax's to refuse: the module's new value could not outlive the trace."""
     frame = _context.current_frame()
     held = vars(module).get(name)
     if frame is not None and isinstance(held, ArrayLeaf):  # also a transform's copy of one

@@ -17,7 +17,7 @@ import jax.extend
 import jax.numpy as jnp
 from jax._src import source_info_util
 
-from graphmod._core._loops._interpret import bind, interpret
+from graphmod._core._loops._jaxpr_interpreter import bind, interpret
 from graphmod._core._loops._loop_keys import (
     MARKERS,
     Marked,

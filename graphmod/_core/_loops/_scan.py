@@ -9,9 +9,9 @@ the step index into every ``call.rng()`` (so masks differ per step unless a mana
 ``per_step=False``). ``graphmod.remat`` returns what the region wrote, monitored and added
 to optimize's costs beside its result; inside a loop body JAX traces once (``nnx.scan``
 over layers) it is ``jax.checkpoint`` through which the loop's marks pass (per-layer keys and
-manager variables, see ``graphmod._core._loops._loop_keys``), and the writes to the loop's copies
-of the layer's variables are lifted out (``graphmod._core._tracing._lifted``). Outside a compiled
-program they are exactly ``lax.scan`` and ``jax.checkpoint``.
+manager variables, see ``graphmod._core._loops._loop_keys``), and the writes to the loop's
+copies of the layer's variables are lifted out (``graphmod._core._tracing._lifted_writes``).
+Outside a compiled program they are exactly ``lax.scan`` and ``jax.checkpoint``.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from graphmod._core._tracing import _context
-from graphmod._core._tracing._collected import LoopSnapshot
 from graphmod._core._tracing._frame import Frame
-from graphmod._core._tracing._lifted import lifting
+from graphmod._core._tracing._lifted_writes import lifting
+from graphmod._core._tracing._side_outputs import LoopSnapshot
 
 
 def scan(
@@ -143,7 +143,7 @@ def _region(frame: Frame, snapshot: LoopSnapshot, state: tuple[dict, dict], copi
     """``f`` as the base trace of the frame, and what it changed of ``state`` (read from
     outside, as closed-over values), monitored, and added to optimize's costs and
     measurements, and the values it wrote to the ``copies`` it appends (an NNX transform's
-    copies of model variables, see ``graphmod._core._tracing._lifted``)."""
+    copies of model variables, see ``graphmod._core._tracing._lifted_writes``)."""
     costs = _costs(frame)
     measured = dict(frame.measured)
     with frame.loop_body(snapshot, state):
@@ -159,7 +159,7 @@ def _region(frame: Frame, snapshot: LoopSnapshot, state: tuple[dict, dict], copi
 def _lifted(copies: list, f: Callable, *args: Any) -> tuple[Any, list]:
     """``f``'s result, and the values it wrote to the ``copies`` it appends: an NNX
     transform's copies of model variables, written at another trace level (see
-    ``graphmod._core._tracing._lifted``)."""
+    ``graphmod._core._tracing._lifted_writes``)."""
     with lifting() as writes:
         out = f(*args)
     copies.extend(variable for variable, _ in writes.values())

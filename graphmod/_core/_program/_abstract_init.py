@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax._src.interpreters import partial_eval as _pe
 
 from graphmod import roles as _roles
-from graphmod._core._loops._interpret import bind, interpret
+from graphmod._core._loops._jaxpr_interpreter import bind, interpret
 from graphmod._core._loops._loop_resolution import resolving
 from graphmod._core._managers._manager import Manager
 from graphmod._core._model._layout import Layout

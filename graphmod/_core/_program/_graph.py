@@ -9,7 +9,7 @@ from graphmod import roles as _roles
 from graphmod._core._display._table import html_table, text_table
 from graphmod._core._model._layout import Layout
 from graphmod._core._selection._filter import VariableFilter
-from graphmod._core._tracing._collected import Recorded
+from graphmod._core._tracing._side_outputs import Recorded
 
 _HEADERS = ("role", "path", "application", "call", "variable", "shape", "dtype", "rewritten by")
 

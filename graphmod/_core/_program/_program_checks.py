@@ -1,7 +1,7 @@
 """What a program refuses, with the named error and the fix: its managers and monitors at
 ``compile``, a strict manager that matched nothing in a trace, and variables that do not
-fit it (checked when a signature is traced, see ``graphmod._core._program._program``); and what it
-warns of: Flax layers a module flag keeps in eval mode in training."""
+fit it (checked when a signature is traced, see ``graphmod._core._program._program_core``);
+and what it warns of: Flax layers a module flag keeps in eval mode in training."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from graphmod._core._tracing._collected import crc32
+from graphmod._core._tracing._frame import crc32
 
 __all__ = ["with_random_streams"]
 

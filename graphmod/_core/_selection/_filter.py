@@ -18,7 +18,7 @@ from typing import Any
 from flax import nnx
 
 from graphmod import roles as _roles
-from graphmod._core._numbers import is_whole_number
+from graphmod._core._number_checks import is_whole_number
 
 _EXAMPLES = {"name": "W", "name_regex": "W|b", "path": "/layers/*"}
 

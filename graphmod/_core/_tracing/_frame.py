@@ -14,6 +14,7 @@ exclusive claims, and the snapshot, carry and restore of a ``graphmod.scan`` ste
 from __future__ import annotations
 
 import collections
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -27,8 +28,8 @@ from graphmod._core._managers._manager import Manager
 from graphmod._core._managers._order import resolve_order
 from graphmod._core._model._owned import OwnedKey, OwnedStore
 from graphmod._core._selection._filter import Tag, VariableFilter
-from graphmod._core._tracing._collected import Collected, LoopSnapshot, Recorded, crc32
 from graphmod._core._tracing._rewrites import Rewrite, shape_and_dtype
+from graphmod._core._tracing._side_outputs import Collected, LoopSnapshot, Recorded
 from graphmod._core._tracing._trace import TraceScope, current_trace
 from graphmod._core._tracing._variables import identity_of
 from graphmod.errors import ManagerConflict, StateEscapesTransform
@@ -36,7 +37,13 @@ from graphmod.errors import ManagerConflict, StateEscapesTransform
 if TYPE_CHECKING:
     from graphmod._core._model._layout import Layout
 
-__all__ = ["Frame", "OwnedKey"]
+__all__ = ["Frame", "OwnedKey", "crc32"]
+
+
+def crc32(text: str) -> int:
+    """A stable 31-bit hash of ``text``: what keys are folded with (Python's ``hash`` is
+    salted per process)."""
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
 class Frame:

@@ -35,7 +35,7 @@ from flax.nnx import graphlib, tracers
 from flax.typing import MISSING
 
 from graphmod import roles
-from graphmod._core._tracing import _lifted
+from graphmod._core._tracing import _lifted_writes
 from graphmod._core._tracing._context import current_frame
 
 __all__ = ["Bias", "Filter", "Parameter", "State", "Weight"]
@@ -71,12 +71,12 @@ class Tracked:
     # the stored array: ``var.value += 1``, ``var[...] = x`` and an ``nnx.Rngs`` stream's
     # count update are then program state like any other write.
     def _check_can_update(self) -> None:
-        if not (_held(self) or _lifted.lifts(self)):
+        if not (_held(self) or _lifted_writes.lifts(self)):
             super()._check_can_update()  # type: ignore[misc]
 
     @property
     def _can_update(self) -> bool:
-        return _held(self) or _lifted.lifts(self) or super()._can_update  # type: ignore[misc]
+        return _held(self) or _lifted_writes.lifts(self) or super()._can_update  # type: ignore[misc]
 
     # NNX lifted transforms (nnx.scan, nnx.vmap, nnx.remat, ...) take the raw values of the
     # variables they are given (as pytree leaves: the ``_raw_value`` slot) and write the
@@ -85,13 +85,13 @@ class Tracked:
     # program, never into the model. The transform's copies hold its values (a layer's
     # slice inside nnx.scan/nnx.vmap): a copy reads its own (``Frame.read``).
     # Inside a graphmod.remat region, a copy's write at another trace level is kept by the
-    # region (graphmod._core._tracing._lifted) and read back from it.
+    # region (graphmod._core._tracing._lifted_writes) and read back from it.
     @property
     def _raw_value(self) -> Any:
         frame = current_frame()
         if frame is not None and frame.holds(self):
             return frame.stored(self)
-        found, value = _lifted.read(self)
+        found, value = _lifted_writes.read(self)
         return value if found else _RAW_VALUE.__get__(self)
 
     @_raw_value.setter
@@ -100,8 +100,8 @@ class Tracked:
         if frame is not None and frame.holds(self):
             if frame.carries(self):
                 frame.write(self, value)
-        elif _lifted.lifts(self):
-            _lifted.write(self, value)
+        elif _lifted_writes.lifts(self):
+            _lifted_writes.write(self, value)
         else:
             _RAW_VALUE.__set__(self, value)
 

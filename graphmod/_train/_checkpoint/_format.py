@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from graphmod._core._numbers import is_real_number, is_whole_number
+from graphmod._core._number_checks import is_real_number, is_whole_number
 from graphmod._core._program._arguments import is_key
 from graphmod._train._checkpoint._errors import CheckpointError
 

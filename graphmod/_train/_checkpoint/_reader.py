@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from graphmod._core._numbers import is_whole_number
+from graphmod._core._number_checks import is_whole_number
 from graphmod._core._program._arguments import is_key
 from graphmod._core._warn import warn
 from graphmod._records._record import Provenance

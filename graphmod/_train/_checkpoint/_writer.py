@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from graphmod._core._numbers import is_whole_number
+from graphmod._core._number_checks import is_whole_number
 from graphmod._train._checkpoint._errors import (
     CheckpointError,
     failure_reason,

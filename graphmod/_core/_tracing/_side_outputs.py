@@ -1,11 +1,11 @@
-"""What one trace collects beside its result (:class:`Collected`), the snapshot a
-``graphmod.scan`` body starts from, and the stable hash randomness is folded with."""
+"""What one trace collects beside its result (:class:`Collected`: updated variables,
+monitored values, costs, new manager variables) and the snapshot a ``graphmod.scan`` body
+starts from."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import zlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,12 +15,7 @@ from graphmod._core._loops._loop_keys import Layer, stacked, write_slice
 from graphmod._core._selection._filter import Tag
 from graphmod._core._tracing._rewrites import Rewrite
 
-__all__ = ["Collected", "LoopSnapshot", "Recorded", "crc32"]
-
-
-def crc32(text: str) -> int:
-    """A stable 31-bit hash of ``text`` (Python's ``hash`` is salted per process)."""
-    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+__all__ = ["Collected", "LoopSnapshot", "Recorded"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,7 +77,7 @@ class ProgramCore(VariablesByRole):
     Examples:
         >>> import jax.numpy as jnp, graphmod as gm
         >>> from flax import nnx
-        >>> from graphmod._core._program._program import ProgramCore
+        >>> from graphmod._core._program._program_core import ProgramCore
         >>> program = gm.compile(lambda m, x: m(x), gm.bricks.Linear(2, 3, rngs=nnx.Rngs(0)))
         >>> isinstance(program, ProgramCore), program.infer(program.init(jnp.ones((1, 2))),
         ...                                                 jnp.ones((4, 2))).shape

@@ -5,7 +5,7 @@ Only Python's own ints and floats count: an argument graphmod keeps may be writt
 ``Anneal`` compare NumPy step counts and values too, and check them themselves.)
 
 Examples:
-    >>> from graphmod._core._numbers import is_real_number, is_whole_number
+    >>> from graphmod._core._number_checks import is_real_number, is_whole_number
     >>> is_whole_number(3, least=1), is_whole_number(True), is_whole_number(0, least=1)
     (True, False, False)
     >>> is_real_number(0.5), is_real_number(False), is_real_number("1")
