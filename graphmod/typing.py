@@ -1,7 +1,8 @@
 """Types for code written against graphmod: the data it passes and the objects hooks receive.
 
 Aliases name the plain data graphmod's functions take and return (:data:`Variables`,
-:data:`Batch`, :data:`KeyLike`); Protocols name what a plugin or a manager may use of the
+:data:`Batch`, :data:`KeyLike`, :data:`ArrayTree`, :data:`Metrics`, :data:`JSON`,
+:data:`ShardingRule`, ...); Protocols name what a plugin or a manager may use of the
 objects handed to it (:class:`LoopLike` in ``Plugin.setup(loop)`` and ``event.loop``,
 :class:`HookContext` in a manager's ``rewrite_input``/``rewrite_output``/
 ``rewrite_parameter``, :class:`WrapContext` in its ``wrap``), as Haiku's ``typing`` and
@@ -28,24 +29,40 @@ Examples:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 import jax
 import numpy as np
+from flax import nnx
 
 from graphmod.roles import Role
 
+if TYPE_CHECKING:  # the core's filter, named in annotations only (it imports this module)
+    from graphmod._core._selection._filter import VariableFilter
+
 __all__ = [
+    "JSON",
+    "Array",
+    "ArrayLike",
+    "ArrayTree",
+    "AxisName",
     "Batch",
     "HookContext",
     "InputTransforms",
     "KeyLike",
     "LoopLike",
     "LossScale",
+    "Metrics",
+    "Model",
     "ModelLayout",
     "OwnedVariableLike",
+    "PathLike",
     "ProgramContext",
+    "PyTree",
+    "Shape",
+    "ShardingRule",
     "TimeLike",
     "Variables",
     "WrapContext",
@@ -87,6 +104,129 @@ Examples:
     >>> key: gm.typing.KeyLike = jax.random.key_data(jax.random.key(1))
     >>> program.init(jnp.ones((1, 2)), rng=key)["model"]["W"].shape
     (2, 1)
+"""
+
+
+Array: TypeAlias = jax.Array
+"""A JAX array (a tracer while a program traces).
+
+Examples:
+    >>> import jax.numpy as jnp, graphmod as gm
+    >>> x: gm.typing.Array = jnp.ones((2, 3))
+    >>> x.shape
+    (2, 3)
+"""
+
+ArrayLike: TypeAlias = jax.Array | np.ndarray | np.generic | bool | int | float
+"""What becomes an array: a JAX or NumPy array, a NumPy scalar or a Python number (what
+``jnp.asarray`` takes; a metric's value, a cost).
+
+Examples:
+    >>> import numpy as np, graphmod as gm
+    >>> values: list[gm.typing.ArrayLike] = [1, 0.5, np.float32(2), np.ones(3)]
+    >>> [np.asarray(v).shape for v in values]
+    [(), (), (), (3,)]
+"""
+
+ArrayTree: TypeAlias = (jax.Array | np.ndarray | np.generic | bool | int | float
+                        | Mapping[str, "ArrayTree"] | Sequence["ArrayTree"] | None)
+"""Plain nested dicts, lists and tuples of arrays (and numbers): the values that cross
+``jax.jit`` in graphmod (variables, batches, outputs, optimizer states of plain data).
+
+Examples:
+    >>> import jax, jax.numpy as jnp, graphmod as gm
+    >>> tree: gm.typing.ArrayTree = {"W": jnp.ones((2, 2)), "b": [jnp.zeros(2), 0.5]}
+    >>> len(jax.tree.leaves(tree))
+    3
+"""
+
+PyTree: TypeAlias = object
+"""Any pytree JAX flattens: an :data:`ArrayTree`, a registered dataclass (a
+:class:`graphmod.TrainState`), an ``nnx.State``, an optax state... Annotates what graphmod
+only hands to ``jax.tree`` functions, never looks into.
+
+Examples:
+    >>> import jax, optax, graphmod as gm
+    >>> state: gm.typing.PyTree = optax.sgd(0.1).init({"w": jax.numpy.ones(2)})
+    >>> len(jax.tree.leaves(state))
+    0
+"""
+
+Model: TypeAlias = nnx.Module
+"""The root brick a program compiles: any ``flax.nnx.Module``, graphmod's bricks included.
+
+Examples:
+    >>> import graphmod as gm
+    >>> from flax import nnx
+    >>> model: gm.typing.Model = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> isinstance(model, nnx.Module)
+    True
+"""
+
+Metrics: TypeAlias = dict[str, ArrayLike]
+"""A step's or an evaluation's metrics by name (``{"loss": ..., "accuracy": ...}``), each a
+scalar (on the device until read).
+
+Examples:
+    >>> import graphmod as gm
+    >>> metrics: gm.typing.Metrics = {"loss": 0.25, "accuracy": 0.9}
+    >>> sorted(metrics)
+    ['accuracy', 'loss']
+"""
+
+JSON: TypeAlias = bool | int | float | str | list["JSON"] | dict[str, "JSON"] | None
+"""A value JSON writes and reads back as it was: what provenance records, checkpoints' meta
+and control requests hold (never pickled objects).
+
+Examples:
+    >>> import json, graphmod as gm
+    >>> record: gm.typing.JSON = {"step": 3, "tags": ["a"], "loss": 0.5, "done": None}
+    >>> json.loads(json.dumps(record)) == record
+    True
+"""
+
+Shape: TypeAlias = tuple[int, ...]
+"""An array's shape.
+
+Examples:
+    >>> import jax.numpy as jnp, graphmod as gm
+    >>> shape: gm.typing.Shape = jnp.ones((2, 3)).shape
+    >>> shape
+    (2, 3)
+"""
+
+PathLike: TypeAlias = str | os.PathLike[str]
+"""A directory or file, as a string or a ``pathlib.Path`` (``program.save(directory)``,
+``Loop(directory=)``).
+
+Examples:
+    >>> import pathlib, graphmod as gm
+    >>> where: gm.typing.PathLike = pathlib.Path("runs") / "digits"
+    >>> str(where)
+    'runs/digits'
+"""
+
+AxisName: TypeAlias = str | tuple[str, ...]
+"""A mesh axis, or several (``compile(batch_axis=)``, ``axis_name=``).
+
+Examples:
+    >>> import graphmod as gm
+    >>> axes: list[gm.typing.AxisName] = ["data", ("data", "model")]
+    >>> [a if isinstance(a, str) else "+".join(a) for a in axes]
+    ['data', 'data+model']
+"""
+
+ShardingRule: TypeAlias = "tuple[VariableFilter, jax.sharding.PartitionSpec]"
+"""One of ``compile(rules=[...])``: the variables a filter selects, placed by a
+``PartitionSpec`` (the first rule that selects a variable places it).
+
+Examples:
+    >>> import graphmod as gm
+    >>> from jax.sharding import PartitionSpec
+    >>> rule: gm.typing.ShardingRule = (gm.VariableFilter(roles=[gm.roles.WEIGHT]),
+    ...                                 PartitionSpec(None, "model"))
+    >>> rule[1]
+    P(None, 'model')
 """
 
 
