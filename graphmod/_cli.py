@@ -39,8 +39,8 @@ import textwrap
 import threading
 import time
 import traceback
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from graphmod import distributed
 from graphmod._train._command import (
@@ -67,6 +67,9 @@ from graphmod._train._interrupt import (
     take_stop_signals,
     write_now,
 )
+
+if TYPE_CHECKING:  # graphmod.typing imports JAX: the command answers --help without it
+    from graphmod.typing import PathLike
 
 _log = logging.getLogger(__name__)
 STOP_GRACE_S = 10  # how long the other processes of a failed run get to end on SIGTERM
@@ -270,7 +273,7 @@ def _status(codes: list[int | None], stops: list[int]) -> int:
     return failed or (128 + stops[0] if stops else 0)
 
 
-def _reader(directory: str) -> Any:
+def _reader(directory: PathLike) -> Any:  # a CheckpointReader: its meta read as JSON
     """A reader of an existing run directory (it creates nothing)."""
     from graphmod._train._checkpoint import CheckpointReader  # loads JAX: see the module docstring
 
@@ -342,7 +345,7 @@ def _resume(args: argparse.Namespace) -> int:
     return 0  # reached only where os.execve is replaced (tests)
 
 
-def _ended(meta: dict[str, Any]) -> str | None:
+def _ended(meta: Mapping[str, object]) -> str | None:
     """Which of its loop's limits a checkpoint's run had reached ("epoch 3 of 3"), if any
     (the meta read from disk: anything not an int reads as no limit)."""
     time, loop = meta.get("time"), meta.get("loop")
@@ -355,7 +358,7 @@ def _ended(meta: dict[str, Any]) -> str | None:
     return None
 
 
-def _stopped(meta: dict[str, Any]) -> str | None:
+def _stopped(meta: Mapping[str, object]) -> str | None:
     """How a checkpoint's run was stopped before its end, if it was ("by SIGTERM at step
     12"): the record a stopped loop's save adds (the meta read from disk: anything else
     reads as not stopped)."""
@@ -536,7 +539,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_control(commands: Any) -> None:
+def _add_control(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Registers ``graphmod control DIR COMMAND [ARG]`` (see :func:`_control`)."""
     sub = commands.add_parser(
         "control", help="send a command to a running loop",

@@ -50,7 +50,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import jax
 import numpy as np
@@ -66,6 +66,7 @@ from graphmod._records._record import Provenance
 from graphmod._train import _program
 from graphmod._train._batch import step_arguments
 from graphmod._train._checkpoint import CheckpointError, CheckpointReader
+from graphmod._train._engine import PaddedSource
 from graphmod._train._events import Event, On
 from graphmod._train._host_metrics import copying, on_host, scalar_metrics
 from graphmod._train._loop import Loop
@@ -79,19 +80,43 @@ from graphmod._train._optimize import TrainStep, optimize
 from graphmod._train._plugin import Plugin
 from graphmod._train._program import Program
 from graphmod._train._train_state import TrainState
-from graphmod.data import ArraySource, FittedTransforms, Transforms
+from graphmod.data import ArraySource, FittedTransforms, Transformation, Transforms
 from graphmod.data._grain import as_source
 from graphmod.metrics import Metric
 from graphmod.metrics import get as metric_named
 from graphmod.plugins import Checkpoint, EarlyStopping, Logger, Print, ProgressBar, Validation
+from graphmod.plugins._common import directory_argument
 from graphmod.plugins._validation import MetricFn
 from graphmod.provenance import diff
-from graphmod.typing import Batch, LoopLike
+from graphmod.typing import (
+    JSON,
+    ArrayLike,
+    AxisName,
+    Batch,
+    LoopLike,
+    Metrics,
+    PathLike,
+    ShardingRule,
+    Variables,
+)
 
 __all__ = ["FitResult", "fit"]
 
-History = dict[str, dict[str, list[Any]]]
+Table: TypeAlias = dict[str, list[float]]
+"""Columns of equal length by name (``step`` and ``epoch`` hold ints; a missing value NaN)."""
+History: TypeAlias = dict[str, Table]
 """``{"steps": {...}, "epochs": {...}, "validation": {...}}``: columns of equal length."""
+Evaluations: TypeAlias = Sequence[tuple[int, Mapping[str, ArrayLike]]]
+"""A Validation's history: ``(step, {"valid/<name>": value})`` per evaluation."""
+
+
+
+@runtime_checkable
+class _Epochs(Protocol):
+    """Training data that order each epoch themselves (an ArraySource, a GrainSource)."""
+
+    def iter_epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]: ...
+
 
 _HISTORY = "history"  # the history plugin's name: keys its record in checkpoints
 _VALIDATION_BATCH = 256  # the batch size of validation data given as arrays
@@ -139,8 +164,8 @@ class FitResult:
 
     state: TrainState
     history: History
-    evaluation: dict[str, Any] | None
-    best: dict[str, Any] | None
+    evaluation: Metrics | None
+    best: Metrics | None
     monitor: tuple[str, str] | None
     provenance: Provenance
     loop: Loop
@@ -150,12 +175,14 @@ class FitResult:
     @property
     def step(self) -> TrainStep:
         """The train step (:func:`graphmod.optimize`'s) the loop ran."""
-        return self.loop.step
+        step = self.loop.step
+        assert isinstance(step, TrainStep)  # fit's loop runs the step it optimized
+        return step
 
     @property
     def program(self) -> Program:
         """The compiled program (``result.program.derive(...)`` predicts with it)."""
-        return self.loop.step.program
+        return self.step.program
 
     @property
     def steps_run(self) -> int:
@@ -189,19 +216,20 @@ def fit(
     validation: ArraySource | Batch | Validation | None = None,
     metrics: Mapping[str, MetricFn] | Sequence[str | Metric] | None = None,
     predict: Callable[..., Any] | Program | None = None,
-    directory: str | os.PathLike | None = None,
+    directory: PathLike | None = None,
     checkpoint: bool | Checkpoint | None = True,
     early_stopping: str | EarlyStopping | None = None,
     seed: int = 0,
-    plugins: Iterable[Plugin | Callable[[Event], Any]] = (),
+    plugins: Iterable[Plugin | Callable[[Event], object]] = (),
     progress: bool | ProgressBar | None = True,
     log: bool | Logger | None = True,
     steps_per_call: int = 1,
     allow_data_change: bool = False,
     mesh: jax.sharding.Mesh | None = None,
-    rules: Sequence[Any] = (),
-    batch_axis: str | Sequence[str] | None = None,
-    transforms: Mapping[str | int, Any] | Transforms | FittedTransforms | None = None,
+    rules: Sequence[ShardingRule] = (),
+    batch_axis: AxisName | None = None,
+    transforms: Mapping[str | int, Transformation | Sequence[Transformation]] | Transforms
+    | FittedTransforms | None = None,
 ) -> FitResult:
     """Compiles, initialises, optimizes and runs the standard loop; continues a run saved in
     ``directory``. See the module docstring for what it assembles and how it continues.
@@ -262,10 +290,10 @@ def fit(
         >>> again.history == first.history
         True
     """
-    data, validation = as_source(data), as_source(validation)  # Grain: GrainSources
+    data, held_out = as_source(data), as_source(validation)  # Grain: GrainSources
     _check_data(data)
-    valid_source = _validation_source(validation)
-    _check_choices(metrics, predict, valid_source, validation, early_stopping, seed,
+    valid_source = _validation_source(held_out)
+    _check_choices(metrics, predict, valid_source, held_out, early_stopping, seed,
                    checkpoint, progress, log, epochs=epochs, steps=steps,
                    steps_per_call=steps_per_call)
     run_directory = _run_directory(directory, checkpoint)
@@ -279,7 +307,7 @@ def fit(
     step = optimize(program, _optimizer(optimizer))
     state = step.init(program.init(*args, **kwargs), jax.random.key(seed))
 
-    valid = validation if isinstance(validation, Validation) else None
+    valid = held_out if isinstance(held_out, Validation) else None
     if valid is None and valid_source is not None:
         valid = _validation(program, valid_source, metrics, predict)
     produced = _produced(valid, state.variables) if valid is not None else []
@@ -294,12 +322,13 @@ def fit(
 
     saved = _saved_run(newest, run_directory, step, data, history, allow_data_change)
     resumed_from = None
-    if saved is not None:
+    if saved is not None and run_directory is not None:  # a saved run has its directory
         state, meta = read_checkpoint(run_directory, state, step, data, None)
         loop.load_state_dict(meta)
         resumed_from = loop.time.step
     if saved is None or not _finished(loop, history.terminated):
         state = loop.run(state)
+    assert isinstance(state, TrainState)  # what fit's step makes, and its loop returns
     monitor = _monitor(stopping, produced)
     evaluations = valid.history if valid is not None else []
     return FitResult(state, history.tables(evaluations), _entry(evaluations[-1:]),
@@ -312,13 +341,13 @@ class _History(Plugin):
     """Records each step event's scalar metrics, their mean per epoch, and a terminate's
     reason, without waiting on the device (see the module docstring)."""
 
-    def __init__(self, settings: dict[str, Any]) -> None:
+    def __init__(self, settings: dict[str, JSON]) -> None:
         super().__init__(name=_HISTORY, every=On("step") | On("epoch_end") | On("terminate"))
         self.settings = settings
-        self.steps: dict[str, list[Any]] = {"step": [], "epoch": []}
-        self.epochs: dict[str, list[Any]] = {"epoch": [], "step": []}
+        self.steps: Table = {"step": [], "epoch": []}
+        self.epochs: Table = {"epoch": [], "step": []}
         self.terminated: str | None = None
-        self._pending: list[tuple[dict[str, int], dict[str, Any]]] = []  # on their way
+        self._pending: list[tuple[dict[str, int], Metrics]] = []  # on their way
 
     def __call__(self, event: Event) -> None:
         if event.type == "step":
@@ -337,7 +366,7 @@ class _History(Plugin):
         else:
             self.terminated = getattr(event, "reason", None) or "terminated"
 
-    def _write(self, head: dict[str, int], metrics: dict[str, Any]) -> None:
+    def _write(self, head: dict[str, int], metrics: Metrics) -> None:
         _append(self.steps, {**head, **scalar_metrics(metrics)})
 
     def flush(self) -> None:
@@ -350,19 +379,19 @@ class _History(Plugin):
             self.flush()
         self._pending = []
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, JSON]:
         self.flush()  # a checkpoint holds every step up to its own
-        return {"steps": self.steps, "epochs": self.epochs, "terminated": self.terminated,
-                "settings": self.settings}
+        return {"steps": _json(self.steps), "epochs": _json(self.epochs),
+                "terminated": self.terminated, "settings": self.settings}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps, self.epochs = _copied(state["steps"]), _copied(state["epochs"])
         self.terminated = state.get("terminated")
         self._pending = []
 
-    def tables(self, evaluations: list[tuple[int, dict[str, Any]]]) -> History:
+    def tables(self, evaluations: Evaluations) -> History:
         """The history: steps, epochs, and the validations ``evaluations`` (Validation's)."""
-        validation: dict[str, list[Any]] = {"step": []}
+        validation: Table = {"step": []}
         for at, results in evaluations:
             _append(validation, {"step": at, **{k: float(v) for k, v in results.items()
                                                 if isinstance(v, float | np.floating)}})
@@ -370,11 +399,16 @@ class _History(Plugin):
                 "validation": validation}
 
 
-def _copied(table: dict[str, list[Any]]) -> dict[str, list[Any]]:
+def _copied(table: Mapping[str, Sequence[float]]) -> Table:
     return {name: list(column) for name, column in table.items()}
 
 
-def _append(table: dict[str, list[Any]], row: Mapping[str, Any]) -> None:
+def _json(table: Table) -> dict[str, JSON]:
+    """``table`` as a checkpoint's JSON holds it (the same columns)."""
+    return {name: list(column) for name, column in table.items()}
+
+
+def _append(table: Table, row: Mapping[str, float]) -> None:
     """Adds ``row`` to the columns of ``table``; a column new or missing gets NaNs."""
     length = len(next(iter(table.values()))) if table else 0
     for name in row:
@@ -384,7 +418,7 @@ def _append(table: dict[str, list[Any]], row: Mapping[str, Any]) -> None:
 
 
 # -- checking the arguments (before anything runs) --------------------------------------------
-def _check_data(data: Any) -> None:
+def _check_data(data: object) -> None:
     if isinstance(data, Mapping | tuple | np.ndarray | jax.Array | str | bytes):
         raise TypeError(
             f"fit(data=...): a {type(data).__name__} is one batch, not a data source; pass "
@@ -402,18 +436,18 @@ def _check_data(data: Any) -> None:
 
 def _first_batch(data: Iterable[Batch]) -> Batch:
     """The first batch of epoch 0 (``init``'s examples), read as the loop will read it."""
-    batches = data.iter_epoch(0) if hasattr(data, "iter_epoch") else iter(data)
+    batches = data.iter_epoch(0) if isinstance(data, _Epochs) else iter(data)
     first = next(iter(batches), None)
     if first is None:
         raise ValueError("fit(data=...): the data yield no batch; pass at least one batch")
     return first
 
 
-def _validation_source(validation: Any) -> Any:
+def _validation_source(validation: object) -> PaddedSource | None:
     """The held-out source ``validation=`` names (arrays become an ArraySource)."""
     if validation is None or isinstance(validation, Validation):
         return None if validation is None else validation.source
-    if hasattr(validation, "iter_padded"):
+    if isinstance(validation, PaddedSource):
         return validation
     if isinstance(validation, Mapping | tuple | np.ndarray | jax.Array):
         leaves = jax.tree.leaves(validation)
@@ -429,9 +463,10 @@ def _validation_source(validation: Any) -> Any:
         "be padded: wrap the arrays in ArraySource(..., drop_remainder=False))")
 
 
-def _check_choices(metrics: Any, predict: Any, source: Any, validation: Any,
-                   early_stopping: Any, seed: Any, checkpoint: Any, progress: Any,
-                   log: Any, **counts: Any) -> None:
+def _check_choices(metrics: object, predict: object, source: PaddedSource | None,
+                   validation: object, early_stopping: object, seed: object,
+                   checkpoint: object, progress: object, log: object,
+                   **counts: object) -> None:
     """Refuses a metric, predict, stopping, seed, count or plugin argument fit cannot use."""
     if (metrics is not None or predict is not None) and (
             source is None or isinstance(validation, Validation)):
@@ -476,7 +511,7 @@ def _check_choices(metrics: Any, predict: Any, source: Any, validation: Any,
                             f"{kind.__name__} plugin")
 
 
-def _run_directory(directory: Any, checkpoint: Any) -> str | None:
+def _run_directory(directory: PathLike | None, checkpoint: object) -> str | None:
     """The run directory: ``directory``, or a given Checkpoint's; refuses a file, or two."""
     if isinstance(checkpoint, Checkpoint):
         if directory is not None and os.path.abspath(os.fspath(directory)) \
@@ -487,17 +522,11 @@ def _run_directory(directory: Any, checkpoint: Any) -> str | None:
         directory = checkpoint.directory
     if directory is None:
         return None
-    try:
-        path = os.path.abspath(os.fspath(directory))
-    except TypeError:
-        raise TypeError(f"fit(directory={directory!r}): expected a path") from None
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise NotADirectoryError(f"fit(directory={path!r}): is a file, not a run directory; "
-                                 "pass a directory (it is created when missing)")
-    return path
+    return directory_argument(directory, "fit", "directory", "run directory",
+                              "pass a directory (it is created when missing)")
 
 
-def _optimizer(optimizer: Any) -> optax.GradientTransformation:
+def _optimizer(optimizer: object) -> optax.GradientTransformation | optax.MultiSteps:
     if optimizer is None:
         return recorded_optimizer("adam", learning_rate=1e-3)
     if not isinstance(optimizer, optax.GradientTransformation | optax.MultiSteps):
@@ -508,7 +537,9 @@ def _optimizer(optimizer: Any) -> optax.GradientTransformation:
 
 
 # -- the plugins ------------------------------------------------------------------------------
-def _validation(program: Program, source: Any, metrics: Any, predict: Any) -> Validation:
+def _validation(program: Program, source: PaddedSource,
+                metrics: Mapping[str, MetricFn] | Sequence[str | Metric] | None,
+                predict: Callable[..., Any] | Program | None) -> Validation:
     """A Validation of ``program``'s own outputs, or of ``predict``'s with ``metrics``."""
     if metrics is None and predict is None:
         chosen = program
@@ -516,6 +547,7 @@ def _validation(program: Program, source: Any, metrics: Any, predict: Any) -> Va
         chosen = predict
     else:
         chosen = program.derive(predict if predict is not None else lambda m, x: m(x))
+        assert isinstance(chosen, Program)  # derive makes a program of its own class
     unvalidated = _Unvalidated()
     valid = Validation(chosen, source, metrics=metrics,
                        every=On("epoch_end") | On("end", step=unvalidated))
@@ -534,7 +566,7 @@ class _Unvalidated:
         return not history or history[-1][0] != step
 
 
-def _produced(valid: Validation, variables: dict) -> list[str]:
+def _produced(valid: Validation, variables: Variables) -> list[str]:
     """The metric names ``valid`` fires, found by the check its setup makes of its first
     batch against the program, and by an abstract trace of its metrics on that batch: data
     that do not fit, or a metric function returning no per-example values, are refused now,
@@ -549,7 +581,8 @@ def _produced(valid: Validation, variables: dict) -> list[str]:
     return [valid.prefix + metric.name for metric in engine.metrics]
 
 
-def _early_stopping(early_stopping: Any, produced: list[str], step: TrainStep,
+def _early_stopping(early_stopping: str | EarlyStopping | None, produced: list[str],
+                    step: TrainStep,
                     state: TrainState, first: Batch) -> EarlyStopping | None:
     """The EarlyStopping, its metric checked against what the plugins and the step produce."""
     if early_stopping is None:
@@ -585,7 +618,7 @@ def _direction(metric: str) -> str | None:
     return "min" if last.endswith(_LOWER) else None
 
 
-def _progress(progress: Any, valid: Validation | None) -> list[Plugin]:
+def _progress(progress: bool | ProgressBar | None, valid: Validation | None) -> list[Plugin]:
     if isinstance(progress, ProgressBar):
         return [progress]
     if not progress:
@@ -593,7 +626,7 @@ def _progress(progress: Any, valid: Validation | None) -> list[Plugin]:
     return [ProgressBar(), *([Print(every=On("validated"))] if valid is not None else [])]
 
 
-def _log(log: Any, directory: str | None) -> list[Plugin]:
+def _log(log: bool | Logger | None, directory: str | None) -> list[Plugin]:
     if isinstance(log, Logger):
         return [log]
     if not log or directory is None:
@@ -601,7 +634,7 @@ def _log(log: Any, directory: str | None) -> list[Plugin]:
     return [Logger(directory, every=On("epoch_end") | On("validated"))]
 
 
-def _checkpoint(checkpoint: Any, directory: str | None) -> list[Plugin]:
+def _checkpoint(checkpoint: bool | Checkpoint | None, directory: str | None) -> list[Plugin]:
     if isinstance(checkpoint, Checkpoint):
         return [checkpoint]
     if not checkpoint or directory is None:
@@ -611,9 +644,9 @@ def _checkpoint(checkpoint: Any, directory: str | None) -> list[Plugin]:
 
 # -- continuing a run -------------------------------------------------------------------------
 def _settings(seed: int, valid: Validation | None, produced: list[str],
-              stopping: EarlyStopping | None) -> dict[str, Any]:
+              stopping: EarlyStopping | None) -> dict[str, JSON]:
     """The settings of the run that its program's record does not hold, as JSON."""
-    settings = {
+    settings: dict[str, object] = {
         "seed": seed,
         "validation": None if valid is None else {"data": data_record(valid.source),
                                                   "metrics": produced},
@@ -624,7 +657,8 @@ def _settings(seed: int, valid: Validation | None, produced: list[str],
     return json.loads(json.dumps(settings))  # as a checkpoint gives it back
 
 
-def _newest_meta(directory: str | None, checkpoint: Any) -> dict[str, Any] | None:
+def _newest_meta(directory: str | None, checkpoint: bool | Checkpoint | None
+                 ) -> dict[str, Any] | None:
     """The newest checkpoint's record in ``directory`` (None: a new run)."""
     if directory is None or not checkpoint or getattr(checkpoint, "overwrite", False) \
             or not os.path.isdir(directory):
@@ -636,7 +670,8 @@ def _newest_meta(directory: str | None, checkpoint: Any) -> dict[str, Any] | Non
         reader.close()
 
 
-def _fitted(transforms: Any, data: Any, meta: Mapping[str, Any] | None
+def _fitted(transforms: Mapping[str | int, Transformation | Sequence[Transformation]] | Transforms
+            | FittedTransforms | None, data: Iterable[Batch], meta: Mapping[str, Any] | None
             ) -> FittedTransforms | None:
     """``transforms=`` fitted on the training ``data``; a continued run's recorded ones
     (in ``meta``) when they are of the same transformations."""
@@ -654,11 +689,11 @@ def _fitted(transforms: Any, data: Any, meta: Mapping[str, Any] | None
 
 
 def _saved_run(meta: dict[str, Any] | None, directory: str | None, step: TrainStep,
-               data: Any, history: _History, allow_data_change: bool
+               data: Iterable[Batch], history: _History, allow_data_change: bool
                ) -> dict[str, Any] | None:
     """The newest checkpoint's record ``meta`` (in ``directory``) to continue from (None:
     a new run), having refused another run's before anything is restored."""
-    if meta is None:
+    if meta is None or directory is None:  # no checkpoint read: a new run
         return None
     differences = [*_setting_lines(meta.get("provenance"), step),
                    *_changed("", ((meta.get("plugins") or {}).get(_HISTORY) or {}).get(
@@ -666,8 +701,10 @@ def _saved_run(meta: dict[str, Any] | None, directory: str | None, step: TrainSt
     if not allow_data_change:
         saved = ((meta.get("provenance") or {}).get("inputs") or {}).get("data")
         new = data_changes(meta, data, True)[len(meta.get("data_changes", [])):]
+        change = new[0] if new else {"fields": []}  # the new change, by field name
+        listed = change["fields"] if isinstance(change, dict) else None
         differences += _changed("data.", saved, data_record(data),
-                                new[0]["fields"] if new else [])
+                                [str(f) for f in listed] if isinstance(listed, list) else None)
     if differences:
         at = (meta.get("time") or {}).get("step")
         raise CheckpointError(
@@ -680,7 +717,7 @@ def _saved_run(meta: dict[str, Any] | None, directory: str | None, step: TrainSt
     return meta
 
 
-def _changed(prefix: str, saved: Mapping[str, Any] | None, now: Mapping[str, Any],
+def _changed(prefix: str, saved: Mapping[str, object] | None, now: Mapping[str, object],
              fields: Iterable[str] | None = None) -> list[str]:
     """A line per field of ``fields`` (default: all that differ) with its two values; none
     when nothing was ``saved``."""
@@ -699,12 +736,12 @@ def _setting_lines(saved: Mapping[str, Any] | None, step: TrainStep) -> list[str
         return []
     fields = diff(Provenance.from_dict(saved), step.provenance).inputs
     lines = [f"{d.field}: checkpoint {a}, now {b}" for d in fields
-             if re.match(r"[A-Za-z_]+", d.field).group() in changed
+             if re.split(r"[^A-Za-z_]", d.field, maxsplit=1)[0] in changed
              for _, a, b in [d.row(60, 40)]]
     return lines[:8] or [f"{', '.join(changed)} differ"]
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     """A recorded value for an error message (a hash cut to its first characters)."""
     if isinstance(value, str) and len(value) > 16:
         return repr(value[:12] + "...")
@@ -727,20 +764,19 @@ def _monitor(stopping: EarlyStopping | None, produced: list[str]) -> tuple[str, 
                  if (mode := _direction(name)) is not None), None)
 
 
-def _entry(evaluations: list[tuple[int, dict[str, Any]]]) -> dict[str, Any] | None:
+def _entry(evaluations: Evaluations) -> Metrics | None:
     if not evaluations:
         return None
     at, results = evaluations[0]
     return {"step": at, **results}
 
 
-def _best(evaluations: list[tuple[int, dict[str, Any]]], monitor: tuple[str, str] | None
-          ) -> dict[str, Any] | None:
+def _best(evaluations: Evaluations, monitor: tuple[str, str] | None) -> Metrics | None:
     """The first of the evaluations best by ``monitor`` (NaN never is)."""
     if monitor is None:
         return None
     metric, mode = monitor
-    best: tuple[float, tuple[int, dict[str, Any]]] | None = None
+    best: tuple[float, tuple[int, Mapping[str, ArrayLike]]] | None = None
     for entry in evaluations:
         value = entry[1].get(metric)
         if not isinstance(value, float) or math.isnan(value):

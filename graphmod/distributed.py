@@ -424,6 +424,7 @@ def initialize(*, coordinator_address: str | None = None, num_processes: int | N
     if launch is None:
         return False
     import jax  # here: the graphmod command reads this module's names and starts no JAX
+    from jax._src import distributed as jax_distributed
 
     # Collectives between CPU processes (GPUs and TPUs bring their own).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -431,7 +432,7 @@ def initialize(*, coordinator_address: str | None = None, num_processes: int | N
         coordinator_address=launch.coordinator, num_processes=launch.num_processes,
         process_id=launch.process_id, local_device_ids=local_device_ids,
         cluster_detection_method=launch.launcher if launch.launcher in JAX_CLUSTERS else None)
-    state = jax._src.distributed.global_state  # what JAX found where graphmod did not
+    state = jax_distributed.global_state  # what JAX found where graphmod did not
     launch = Launch(launch.launcher, state.process_id, state.num_processes,
                     state.coordinator_address)
     _log.info("joined a run of %d processes started by %s as process %d (coordinator %s)",

@@ -24,8 +24,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
 
 from graphmod._core._naming import did_you_mean
 
@@ -70,7 +69,7 @@ class Role:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "parent", parent)
 
-    def __setattr__(self, key: str, value: Any) -> None:
+    def __setattr__(self, key: str, value: object) -> None:
         raise AttributeError(f"roles are immutable: cannot set {key!r} on {self.name}")
 
     def is_a(self, other: Role) -> bool:
@@ -85,13 +84,13 @@ class Role:
     def __repr__(self) -> str:
         return self.name
 
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
+    def __reduce__(self) -> tuple[Callable[[str], Role], tuple[str]]:
         return get_role, (self.name,)
 
     def __copy__(self) -> Role:
         return self
 
-    def __deepcopy__(self, memo: dict) -> Role:
+    def __deepcopy__(self, memo: dict[int, object]) -> Role:
         return self
 
 
@@ -152,7 +151,7 @@ def get_role(name: str) -> Role:
         ) from None
 
 
-def as_role(value: Any, *, argument: str = "roles") -> Role:
+def as_role(value: object, *, argument: str = "roles") -> Role:
     """``value`` as a Role, or a TypeError naming ``argument`` and the bad value.
 
     Examples:
@@ -168,7 +167,7 @@ def as_role(value: Any, *, argument: str = "roles") -> Role:
     )
 
 
-def as_roles(values: Iterable[Any] | Role, *, argument: str = "roles") -> tuple[Role, ...]:
+def as_roles(values: object, *, argument: str = "roles") -> tuple[Role, ...]:
     """A tuple of roles from one role or an iterable of roles, checking each.
 
     Examples:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import glob
 from collections.abc import Mapping
-from typing import Any
+from typing import TypedDict
 
 from flax import nnx
 from flax.core import spmd as core_spmd
@@ -34,9 +34,18 @@ from jax.sharding import PartitionSpec
 from graphmod import roles
 from graphmod._core._model._layout import Layout
 from graphmod._core._selection._filter import VariableFilter
-from graphmod._core._selection._rules import PerLayer, PresetRule, misfit
+from graphmod._core._selection._per_layer import PerLayer
+from graphmod._core._selection._rules import PresetRule, misfit
 
 __all__ = ["annotated", "data_parallel", "fsdp", "misfit", "per_layer", "tensor_parallel"]
+
+
+class _Preset(TypedDict):
+    """A preset's arguments of :func:`graphmod.compile`: ``compile(..., mesh=mesh,
+    **preset)``."""
+
+    rules: list[PresetRule]
+    batch_axis: str | None
 
 
 def per_layer(spec: PartitionSpec) -> PerLayer:
@@ -65,7 +74,7 @@ def per_layer(spec: PartitionSpec) -> PerLayer:
     return PerLayer(spec)
 
 
-def data_parallel(axis: str = "data") -> dict[str, Any]:
+def data_parallel(axis: str = "data") -> _Preset:
     """Every variable replicated, batches split along ``axis``.
 
     Examples:
@@ -76,7 +85,7 @@ def data_parallel(axis: str = "data") -> dict[str, Any]:
     return {"rules": [], "batch_axis": axis}
 
 
-def fsdp(axis: str = "data") -> dict[str, Any]:
+def fsdp(axis: str = "data") -> _Preset:
     """Fully sharded data parallel: every weight split along its first dimension over
     ``axis`` (so are the optimizer's moments), biases and norms replicated, batches split
     along ``axis``. A weight stacked over Flax's scanned layers (or an ensemble's members)
@@ -93,7 +102,7 @@ def fsdp(axis: str = "data") -> dict[str, Any]:
                                   per_layer(PartitionSpec(axis))))], "batch_axis": axis}
 
 
-def tensor_parallel(axis: str = "model", batch_axis: str | None = "data") -> dict[str, Any]:
+def tensor_parallel(axis: str = "model", batch_axis: str | None = "data") -> _Preset:
     """Megatron-style tensor parallelism for graphmod's bricks and Flax's attention, over
     the mesh axis ``axis``.
 
@@ -112,7 +121,7 @@ def tensor_parallel(axis: str = "model", batch_axis: str | None = "data") -> dic
         >>> [(f.path, spec) for f, spec in gm.sharding.tensor_parallel()["rules"]][:2]
         [('*/query.W', per_layer(P(None, 'model'))), ('*/query.b', per_layer(P('model',)))]
     """
-    def split(*entries: Any) -> PerLayer:
+    def split(*entries: str | None) -> PerLayer:
         return per_layer(PartitionSpec(*entries))
 
     columns, rows = split(None, axis), split(axis, None)
@@ -133,8 +142,8 @@ def tensor_parallel(axis: str = "model", batch_axis: str | None = "data") -> dic
     return {"rules": [PresetRule(rule) for rule in rules], "batch_axis": batch_axis}
 
 
-def annotated(model: Any, axis_rules: Mapping[str, str | None] | None = None,
-              batch_axis: str | None = "data") -> dict[str, Any]:
+def annotated(model: object, axis_rules: Mapping[str, str | None] | None = None,
+              batch_axis: str | None = "data") -> _Preset:
     """Rules from a Flax model's own sharding annotations (``nnx.with_partitioning``, the
     ``out_sharding`` metadata of its variables), as Flax's SPMD guide and its lm1b example
     annotate them: each annotated variable is placed by its names, each name mapped through
@@ -158,9 +167,9 @@ def annotated(model: Any, axis_rules: Mapping[str, str | None] | None = None,
         raise TypeError(f"sharding.annotated(model): expected a Flax NNX model, got "
                         f"{type(model).__name__}")
     context = dict(core_spmd.get_logical_axis_rules() or ())  # nnx.logical_axis_rules(...)
-    layout, rules = Layout(model), []
+    layout, rules = Layout(model), list[PresetRule]()
     for info, annotation in layout.metadata("out_sharding"):
-        own = layout.objects[info.identity].get_metadata().get("sharding_rules") or ()
+        own = layout.objects[info.identity].get_metadata("sharding_rules", None) or ()
         names = {**context, **dict(own), **dict(axis_rules or {})}  # the argument wins
         spec = PartitionSpec(*(names.get(name, name) if name is not None else None
                                for name in annotation))

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 import jax
 import numpy as np
@@ -39,8 +39,9 @@ from flax import nnx
 
 from graphmod.roles import Role
 
-if TYPE_CHECKING:  # the core's filter, named in annotations only (it imports this module)
+if TYPE_CHECKING:  # the core's filter and rule, for annotations (they import this module)
     from graphmod._core._selection._filter import VariableFilter
+    from graphmod._core._selection._per_layer import PerLayer
 
 __all__ = [
     "JSON",
@@ -152,14 +153,15 @@ Examples:
     0
 """
 
-Model: TypeAlias = nnx.Module
-"""The root brick a program compiles: any ``flax.nnx.Module``, graphmod's bricks included.
+Model: TypeAlias = nnx.Pytree
+"""The root a program compiles: any ``flax.nnx.Module`` (graphmod's bricks included) or
+other ``nnx.Pytree``.
 
 Examples:
     >>> import graphmod as gm
     >>> from flax import nnx
     >>> model: gm.typing.Model = gm.bricks.Linear(2, 1, rngs=nnx.Rngs(0))
-    >>> isinstance(model, nnx.Module)
+    >>> isinstance(model, nnx.Pytree)
     True
 """
 
@@ -216,9 +218,10 @@ Examples:
     ['data', 'data+model']
 """
 
-ShardingRule: TypeAlias = "tuple[VariableFilter, jax.sharding.PartitionSpec]"
+ShardingRule: TypeAlias = "tuple[VariableFilter, jax.sharding.PartitionSpec | PerLayer]"
 """One of ``compile(rules=[...])``: the variables a filter selects, placed by a
-``PartitionSpec`` (the first rule that selects a variable places it).
+``PartitionSpec``, or by one for each layer of a stack (``graphmod.sharding.per_layer``);
+the first rule that selects a variable places it.
 
 Examples:
     >>> import graphmod as gm
@@ -241,11 +244,23 @@ class TimeLike(Protocol):
         (True, False)
     """
 
-    step: int
-    epoch: int
-    examples: int
-    seconds: float
-    train_seconds: float
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def examples(self) -> int: ...
+
+    @property
+    def seconds(self) -> float: ...
+
+    @property
+    def train_seconds(self) -> float: ...
+
+
+_PluginT = TypeVar("_PluginT")  # what LoopLike.on registers, handed back
 
 
 @runtime_checkable
@@ -269,35 +284,44 @@ class LoopLike(Protocol):
         (True, False)
     """
 
+    # Mutable members match the loop's own declarations exactly (a Protocol's attribute is
+    # invariant): the step and batches are the user's, as the loop stores them.
     step: Callable[..., Any]
     data: Iterable[Any]
-    state: Any
-    time: TimeLike
-    trace: Iterable[Any]
+    state: PyTree
+
+    @property  # read-only: a property (the loop's) never matches a mutable attribute
+    def trace(self) -> Iterable[Any]: ...
+
+    @property
+    def time(self) -> TimeLike: ...
 
     @property
     def start_time(self) -> TimeLike: ...
 
     @property
-    def metrics(self) -> Mapping[str, Any]: ...
+    def metrics(self) -> Mapping[str, ArrayLike]: ...
 
-    def on(self, template: Any, plugin: Any, *, priority: int | None = None) -> Any:
+    def on(self, template: Any, plugin: _PluginT, *, priority: int | None = None
+           ) -> _PluginT:
         """Registers ``plugin`` for the events ``template`` (an ``On(...)`` or a type
         name) matches; returns it."""
+        ...
 
-    def fire(self, type: str, **data: Any) -> None:
+    def fire(self, type: str, **data: object) -> None:
         """Queues an event of ``type`` issued by the plugin being dispatched."""
 
     def terminate(self, reason: str | None = None) -> None:
         """Stops the run after the current step, saying why."""
 
-    def update_state(self, fn: Callable[[Any], Any]) -> None:
+    def update_state(self, fn: Callable[[Any], PyTree]) -> None:
         """Replaces the train state by ``fn(state)``, cast to each leaf's dtype."""
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, JSON]:
         """The loop's counters and timelines, JSON-serialisable (saved in checkpoints)."""
+        ...
 
-    def load_state_dict(self, meta: dict[str, Any]) -> None:
+    def load_state_dict(self, meta: dict[str, JSON]) -> None:
         """Restores what :meth:`state_dict` returned."""
 
 
@@ -315,6 +339,10 @@ class OwnedVariableLike(Protocol):
     """
 
     value: Any
+
+
+_ValueT = TypeVar("_ValueT")  # a value a context tags or keeps, handed back as it came
+_MetricT = TypeVar("_MetricT", bound="ArrayLike")  # a metric reported, handed back
 
 
 @runtime_checkable
@@ -351,28 +379,50 @@ class HookContext(Protocol):
         (True, '/', 'output', True)
     """
 
-    brick: Any
-    path: str | None
-    application: str
-    call_id: int
-    training: bool
-    role: Role | None
-    name: str | None
-    parameter: str | None
-    parameter_value: Any
+    @property
+    def brick(self) -> nnx.Module: ...
+
+    @property
+    def path(self) -> str | None: ...
+
+    @property
+    def application(self) -> str: ...
+
+    @property
+    def call_id(self) -> int: ...
+
+    @property
+    def training(self) -> bool: ...
+
+    @property
+    def role(self) -> Role | None: ...
+
+    @property
+    def name(self) -> str | None: ...
+
+    @property
+    def parameter(self) -> str | None: ...
+
+    # as the call stores it: an array, or a slice inside nnx.scan
+    @property
+    def parameter_value(self) -> Any: ...
 
     def rng(self, *, per_step: bool = True, per_call: bool = False) -> jax.Array:
         """A key for this call: the step key folded with CRC32 of (manager, path,
         application, role, variable name) and the call id."""
+        ...
 
-    def variable(self, name: str, init: Any, *, role: Role = ..., per_call: bool = False,
+    def variable(self, name: str, init: ArrayLike | Callable[..., jax.Array], *,
+                 role: Role = ..., per_call: bool = False,
                  per_parameter: bool | None = None) -> OwnedVariableLike:
         """A variable owned by the current manager for this call's (path, application), or
         for the parameter in ``rewrite_parameter``; created at ``init``."""
+        ...
 
-    def add_auxiliary_variable(self, value: Any, *, roles: Iterable[Role] = (),
-                               name: str | None = None) -> Any:
+    def add_auxiliary_variable(self, value: _ValueT, *, roles: Sequence[Role] = (),
+                               name: str | None = None) -> _ValueT:
         """Tags ``value`` as an auxiliary variable of this call (monitorable); returns it."""
+        ...
 
 
 @runtime_checkable
@@ -423,43 +473,57 @@ class ProgramContext(Protocol):
         [(True, 'init')]
     """
 
-    model: Any
-    function: Callable[..., Any]
+    @property
+    def model(self) -> nnx.Module: ...
+
+    @property
+    def function(self) -> Callable[..., Any]: ...  # the user's: what it takes and returns
 
     @property
     def mode(self) -> str:
         """``"init"`` (the abstract trace that makes the variables), ``"train"`` or
         ``"infer"``."""
+        ...
 
     @property
     def training(self) -> bool:
         """Whether the program runs in training mode (``init`` too)."""
+        ...
 
     @property
     def name(self) -> str:
         """The function's name, as the rewrite trace shows it."""
+        ...
 
     def rng(self, name: str = "") -> jax.Array:
         """The step key folded with CRC32 of (manager, ``name``); training only."""
+        ...
 
-    def variable(self, name: str, init: Any, *, role: Role = ...) -> OwnedVariableLike:
+    def variable(self, name: str, init: ArrayLike | Callable[[], jax.Array], *,
+                 role: Role = ...) -> OwnedVariableLike:
         """A variable the manager owns for the program, created at ``init`` from ``init``."""
+        ...
 
-    def report(self, name: str, value: Any) -> Any:
+    def report(self, name: str, value: _MetricT) -> _MetricT:
         """Reports ``value`` in the train step's metrics as ``"<manager>.<name>"``."""
+        ...
 
-    def note_input(self, name: str, before: Any, after: Any) -> None:
+    def note_input(self, name: str, before: PyTree, after: PyTree) -> None:
         """Notes in the rewrite trace that the layer rewrote the function's argument."""
 
-    def infer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def infer(self, fn: Callable[..., _ValueT], *args: object, **kwargs: object) -> _ValueT:
         """``fn(*args, **kwargs)`` as inference sees the program, without gradient."""
+        ...
 
-    def saved(self, value: Any) -> Any:
+    def saved(self, value: _ValueT) -> _ValueT:
         """``value``, kept for the backward pass of a :meth:`switch`, not recomputed."""
+        ...
 
-    def switch(self, on: Any, when_on: Callable[[], Any], when_off: Callable[[], Any]) -> Any:
+    def switch(self, on: jax.Array | bool, when_on: Callable[[], _ValueT],
+               when_off: Callable[[], _ValueT]) -> _ValueT:
         """``when_on()`` where ``on`` holds, else ``when_off()`` (a ``lax.cond`` when
         ``on`` is traced)."""
+        ...
 
 
 @runtime_checkable
@@ -484,11 +548,15 @@ class ModelLayout(Protocol):
         ['/linear_layers/0.W', '/linear_layers/0.b']
     """
 
-    variables: Sequence[Any]
-    objects: Mapping[str, Any]
+    @property
+    def variables(self) -> Sequence[Any]: ...
 
-    def brick_path(self, brick: Any) -> str | None:
+    @property
+    def objects(self) -> Mapping[str, Any]: ...
+
+    def brick_path(self, brick: object) -> str | None:
         """The path of ``brick`` in the model (None for a module not in it)."""
+        ...
 
 
 @runtime_checkable
@@ -527,7 +595,7 @@ class InputTransforms(Protocol):
         """The transformed values of the fields given (traceable: jax.numpy only)."""
         ...
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> dict[str, JSON]:
         """A JSON description (kinds, fitted numbers, metadata) for provenance."""
         ...
 

@@ -32,18 +32,20 @@ Sharp edges
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import require_floating, roles_by_default
+from graphmod.typing import Variables
+from managers._checks import ManagerOptions, require_floating, roles_by_default
 from managers._merge import merged
 
 
-def _average_dtype(value: jax.Array) -> Any:
+def _average_dtype(value: jax.Array) -> np.dtype:
     """At least float32: a bfloat16 average would not move by a small step's fraction."""
     return jnp.promote_types(jnp.result_type(value), jnp.float32)
 
@@ -87,7 +89,8 @@ class EMA(gm.Manager):
     kinds = ("average",)
     runs_before = ("parameter_rewrite",)  # it stands for the stored parameter
 
-    def __init__(self, decay: float | gm.Dynamic = 0.999, **kwargs: Any) -> None:
+    def __init__(self, decay: float | gm.Dynamic = 0.999,
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         if "manager_name" not in kwargs and "name" not in kwargs:
             kwargs["manager_name"] = "ema"  # not the class name's snake case, e_m_a
         super().__init__(**roles_by_default(kwargs, (roles.PARAMETER,)))
@@ -97,6 +100,7 @@ class EMA(gm.Manager):
             raise ValueError(f"EMA(decay={decay!r}): must be a float in [0, 1)")
         self.decay = decay
 
+    # A gm.ApplicationCall, whose variables have ``stored`` (HookContext's do not say so).
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
         require_floating(self, call, name, value)
@@ -117,12 +121,12 @@ class EMA(gm.Manager):
             return _averaged(average.value, weight.value, value)
         # From the values the step began with: the same update however many calls read it.
         decay = jnp.asarray(self.hp("decay"), dtype)
-        read = jax.lax.stop_gradient(call.parameter_value).astype(dtype)
+        read = jax.lax.stop_gradient(value).astype(dtype)  # value is call.parameter_value
         average.value = decay * average.stored + (1 - decay) * read
         weight.value = decay * weight.stored + (1 - decay)
         return value
 
-    def merge(self, variables: dict) -> dict:
+    def merge(self, variables: Variables) -> Variables:
         """``variables`` with every averaged parameter replaced by its average (as
         inference reads it; a parameter no step has averaged yet stays as it is) and this
         manager's entries removed: a program compiled without it infers what this one

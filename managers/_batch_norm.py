@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import require_floating
+from graphmod.typing import HookContext
+from managers._checks import ManagerOptions, require_floating
 
 
-def _is_real(value: Any) -> bool:
+def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
@@ -41,7 +42,8 @@ class BatchNorm(gm.Manager):
     exclusive = True
 
     def __init__(self, *, momentum: float = 0.99, epsilon: float = 1e-5, axis: int = -1,
-                 use_scale: bool = True, use_bias: bool = True, **kwargs: Any) -> None:
+                 use_scale: bool = True, use_bias: bool = True,
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(**kwargs)
         if not _is_real(momentum) or not 0.0 <= momentum <= 1.0:
             raise ValueError(f"BatchNorm(momentum={momentum!r}): must be a float in [0, 1]")
@@ -55,7 +57,7 @@ class BatchNorm(gm.Manager):
         self.use_scale = use_scale
         self.use_bias = use_bias
 
-    def _normalize(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def _normalize(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         require_floating(self, call, name, value)
         ndim = jnp.ndim(value)
         if not -ndim <= self.axis < ndim:
@@ -99,8 +101,8 @@ class BatchNorm(gm.Manager):
             y = y + along(bias.value)
         return y.astype(value.dtype)
 
-    def rewrite_input(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def rewrite_input(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         return self._normalize(call, name, value)
 
-    def rewrite_output(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def rewrite_output(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         return self._normalize(call, name, value)

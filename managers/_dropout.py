@@ -5,14 +5,15 @@ from __future__ import annotations
 import numbers
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import chooses_variables, require_floating
+from graphmod.typing import HookContext
+from managers._checks import ManagerOptions, chooses_variables, require_floating
 
 
 class Dropout(gm.Manager):
@@ -49,7 +50,7 @@ class Dropout(gm.Manager):
     hparam_ranges = {"rate": (0.0, 1.0)}  # Anneal refuses a rate outside
 
     def __init__(self, rate: float | gm.Dynamic, *, broadcast_dims: Sequence[int] = (),
-                 per_step: bool = True, **kwargs: Any) -> None:
+                 per_step: bool = True, **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(**kwargs)
         value = rate.value if isinstance(rate, gm.Dynamic) else rate
         if (isinstance(value, bool) or not isinstance(value, numbers.Real)
@@ -72,7 +73,7 @@ class Dropout(gm.Manager):
         if self.filter.roles is None or self.filter.names_role(roles.PARAMETER):
             self.kinds = ("parameter_rewrite",)  # DropConnect: EMA and L2 go first
 
-    def _drop(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def _drop(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         require_floating(self, call, name, value)
         if not call.training or (not isinstance(self.rate, gm.Dynamic) and self.rate == 0):
             return value
@@ -98,12 +99,12 @@ class Dropout(gm.Manager):
         scale = jnp.where(keep > 0, 1.0 / safe_keep, 0.0)
         return jnp.where(mask, value * scale.astype(value.dtype), zero)
 
-    def rewrite_input(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def rewrite_input(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         return self._drop(call, name, value)
 
-    def rewrite_output(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def rewrite_output(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         return self._drop(call, name, value)
 
-    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+    def rewrite_parameter(self, call: HookContext, name: str,
                           value: jax.Array) -> jax.Array:
         return self._drop(call, name, value)

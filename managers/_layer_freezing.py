@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import roles_by_default
+from graphmod.typing import HookContext
+from managers._checks import OptionsWithoutBricks, roles_by_default
 
 
 class LayerFreezing(gm.Manager):
@@ -60,8 +62,8 @@ class LayerFreezing(gm.Manager):
     hparams = ("frozen",)
     kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
 
-    def __init__(self, bricks: Sequence[Any], *, frozen: float | gm.Dynamic = 0,
-                 **kwargs: Any) -> None:
+    def __init__(self, bricks: Sequence[nnx.Module], *, frozen: float | gm.Dynamic = 0,
+                 **kwargs: Unpack[OptionsWithoutBricks]) -> None:
         if kwargs.get("filter") is not None:
             raise TypeError("LayerFreezing: the layers are bricks=..., in order from the "
                             "input side; a filter= cannot say their order")
@@ -82,11 +84,12 @@ class LayerFreezing(gm.Manager):
         self.hparam_ranges = {"frozen": (0.0, float(len(layers)))}
 
     @property
-    def layers(self) -> tuple[Any, ...]:
+    def layers(self) -> tuple[nnx.Module, ...]:
         """The bricks, from the input side."""
-        return tuple(self.filter.bricks or ())
+        # Every one a brick instance (__init__ refuses classes): the test says so to the checker.
+        return tuple(b for b in self.filter.bricks or () if not isinstance(b, type))
 
-    def _position(self, call: gm.ApplicationCall) -> int:
+    def _position(self, call: HookContext) -> int:
         for position, brick in enumerate(self.layers):
             if call.brick is brick:
                 return position
@@ -94,7 +97,7 @@ class LayerFreezing(gm.Manager):
                          f"{call.path} is of none of its layers (a copy an NNX transform "
                          "made?); list the layers a program calls as they are")
 
-    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+    def rewrite_parameter(self, call: HookContext, name: str,
                           value: jax.Array) -> jax.Array:
         position = self._position(call)
         if not call.training:

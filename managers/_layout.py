@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 import graphmod as gm
+from graphmod.typing import HookContext
 from managers._checks import require_floating
 
 
@@ -95,8 +95,8 @@ class WeightLayout:
                                     for a, n in enumerate(self.shape)))
 
 
-def weight_layout(manager: gm.Manager, call: gm.ApplicationCall, name: str,
-                  value: Any) -> WeightLayout:
+def weight_layout(manager: gm.Manager, call: HookContext, name: str,
+                  value: jax.Array | jax.ShapeDtypeStruct) -> WeightLayout:
     """The layout of ``value``, the weight ``name`` read by ``call``. Raises naming the
     manager and the parameter if ``value`` is not floating or has fewer than two axes (a
     bias)."""
@@ -111,7 +111,7 @@ def weight_layout(manager: gm.Manager, call: gm.ApplicationCall, name: str,
     return WeightLayout(shape, _fan_in(call.brick, name, len(shape)))
 
 
-def _fan_in(layer: Any, name: str, ndim: int) -> tuple[int, ...]:
+def _fan_in(layer: object, name: str, ndim: int) -> tuple[int, ...]:
     default = tuple(range(ndim - 1))
     if name != "kernel":
         return default

@@ -16,16 +16,21 @@ from __future__ import annotations
 import math
 import numbers
 import zlib
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Unpack
 
 import jax
 import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import roles_by_default
+from graphmod.typing import Variables
+from managers._checks import ManagerOptions, roles_by_default
 from managers._layout import WeightLayout, weight_layout
 from managers._merge import merged
+
+if TYPE_CHECKING:  # QLoRA's module imports this one
+    from managers._qlora import QLoRA
 
 
 class LoRA(gm.Manager):
@@ -63,7 +68,7 @@ class LoRA(gm.Manager):
     kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
 
     def __init__(self, rank: int, *, alpha: float | gm.Dynamic = 1.0, seed: int = 0,
-                 **kwargs: Any) -> None:
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         if "manager_name" not in kwargs and "name" not in kwargs:
             kwargs["manager_name"] = "lora"  # not the class name's snake case, lo_r_a
         super().__init__(**roles_by_default(kwargs))
@@ -83,7 +88,7 @@ class LoRA(gm.Manager):
                           value: jax.Array) -> jax.Array:
         return adapted(self, call, name, value)
 
-    def merge(self, variables: dict) -> dict:
+    def merge(self, variables: Variables) -> Variables:
         """``variables`` with every adapter folded into its weight and this manager's
         entries removed: a program compiled without it gives the same outputs. The alpha
         folded in is the one stored in ``variables`` when ``alpha`` is dynamic. Raises
@@ -99,7 +104,8 @@ class LoRA(gm.Manager):
             >>> sorted(lora.merge(variables)["managers"])
             []
         """
-        def fold(base: jax.Array, adapter: dict, hparams: dict) -> jax.Array:
+        def fold(base: jax.Array, adapter: Mapping[str, jax.Array],
+                 hparams: Mapping[str, jax.Array]) -> jax.Array:
             alpha = jnp.asarray(hparams.get("alpha", self.alpha), jnp.float32)
             update = alpha / self.rank * _product(adapter["a"], adapter["b"], base.shape)
             return base + update.astype(base.dtype)
@@ -107,11 +113,12 @@ class LoRA(gm.Manager):
         return merged(self, variables, fold, lambda adapter: adapter["a"].ndim - 2)
 
 
-def adapted(manager: gm.Manager, call: gm.ApplicationCall, name: str,
+def adapted(manager: LoRA | QLoRA, call: gm.ApplicationCall, name: str,
             value: jax.Array) -> jax.Array:
     """``value + (alpha / rank) A @ B``, the adapters owned by ``manager`` (``rank``,
     ``seed`` and the ``alpha`` hyperparameter of a LoRA or QLoRA): ``A`` drawn from the
-    parameter's path, ``B`` zero, so the adapted weight starts as ``value``."""
+    parameter's path, ``B`` zero, so the adapted weight starts as ``value``. ``call`` is a
+    ``gm.ApplicationCall``: its ``init_key``, which HookContext does not name, draws ``A``."""
     layout = weight_layout(manager, call, name, value)
     fan_in = layout.fan_in_size
     seed = zlib.crc32(f"{manager.seed}:{call.parameter}".encode()) & 0x7FFFFFFF

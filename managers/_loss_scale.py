@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,9 +53,9 @@ class DynamicLossScale:
 
     def __init__(self, initial: float = 2.0 ** 15, *, period: int = 2000, factor: float = 2.0,
                  min_scale: float = 1.0) -> None:
-        def number(name: str, value: Any, least: float) -> float:
-            ok = isinstance(value, int | float) and not isinstance(value, bool)
-            if not ok or not math.isfinite(value) or value < least or value <= 0:
+        def number(name: str, value: object, least: float) -> float:
+            if (isinstance(value, bool) or not isinstance(value, int | float)
+                    or not math.isfinite(value) or value < least or value <= 0):
                 raise ValueError(f"DynamicLossScale({name}={value!r}): expected a finite "
                                  f"number >= {least} and > 0")
             return float(value)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 
 import graphmod as gm
-from managers._checks import require_floating
+from managers._checks import ManagerOptions, require_floating
 
 STATISTICS = ("mean", "std", "zeros", "max_abs")
 
@@ -35,7 +36,8 @@ class ActivationStats(gm.Manager):
         ['activation_stats:/.apply.output.zeros', 'loss']
     """
 
-    def __init__(self, *, statistics: Any = STATISTICS, **kwargs: Any) -> None:
+    def __init__(self, *, statistics: str | Sequence[str] = STATISTICS,
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(**kwargs)
         chosen = tuple([statistics] if isinstance(statistics, str) else statistics)
         unknown = [s for s in chosen if s not in STATISTICS]
@@ -44,6 +46,7 @@ class ActivationStats(gm.Manager):
                              f"{list(STATISTICS)}")
         self.statistics = chosen
 
+    # A gm.ApplicationCall: its ``report``, which HookContext does not name.
     def _measure(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
         require_floating(self, call, name, value)
         if not call.training:

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeAlias
 
 import jax
 
 import graphmod as gm
+from graphmod.typing import Variables
+
+Entries: TypeAlias = Mapping[str, jax.Array]
+"""A manager's variables of one parameter (``{"a": ..., "b": ...}``), or its ``hparams``."""
 
 
-def merged(manager: gm.Manager, variables: dict,
-           fold: Callable[[jax.Array, dict, dict], jax.Array],
-           stacked: Callable[[dict], int] = lambda entries: 0) -> dict:
+def merged(manager: gm.Manager, variables: Variables,
+           fold: Callable[[jax.Array, Entries, Entries], jax.Array],
+           stacked: Callable[[Entries], int] = lambda entries: 0) -> Variables:
     """``variables`` with each parameter the manager holds entries for replaced by
     ``fold(parameter, entries, hparams)``, and the manager's variables removed; the
     containers are new, the other arrays shared. Raises
@@ -53,9 +57,9 @@ def merged(manager: gm.Manager, variables: dict,
     return {"model": model, "managers": others}
 
 
-def _node(model: dict, path: str) -> Any:
+def _node(model: Mapping[str, object], path: str) -> dict[str | int, Any]:
     """The dict of the model's variables at brick path ``path`` (``/layers/0``)."""
-    node: Any = model
+    node: Any = model  # nested dicts of arrays, as deep as the path
     for part in (p for p in path.split("/") if p):
         node = node[part] if part in node else node[int(part)]
     return node

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 
 import graphmod as gm
-from managers._checks import require_floating
+from graphmod.typing import HookContext
+from managers._checks import ManagerOptions, require_floating
 
 
-def _check_std(cls: str, std: Any) -> None:
+def _check_std(cls: str, std: float | gm.Dynamic) -> None:
     value = std.value if isinstance(std, gm.Dynamic) else std
     if (isinstance(value, bool) or not isinstance(value, numbers.Real)
             or not math.isfinite(value) or value < 0):
@@ -25,12 +26,12 @@ class _AdditiveNoise(gm.Manager):
 
     hparams = ("std",)
 
-    def __init__(self, std: float | gm.Dynamic, **kwargs: Any) -> None:
+    def __init__(self, std: float | gm.Dynamic, **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(**kwargs)
         _check_std(type(self).__name__, std)
         self.std = std
 
-    def _noise(self, call: gm.ApplicationCall, name: str, value: jax.Array,
+    def _noise(self, call: HookContext, name: str, value: jax.Array,
                key: jax.Array | None = None) -> jax.Array:
         require_floating(self, call, name, value)
         if not call.training or (not isinstance(self.std, gm.Dynamic) and self.std == 0):
@@ -63,13 +64,13 @@ class WeightNoise(_AdditiveNoise):
     kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
 
     def __init__(self, std: float | gm.Dynamic, *, per_call: bool = False,
-                 **kwargs: Any) -> None:
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(std, **kwargs)
         if not isinstance(per_call, bool):
             raise TypeError(f"WeightNoise(per_call={per_call!r}): expected True or False")
         self.per_call = per_call
 
-    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+    def rewrite_parameter(self, call: HookContext, name: str,
                           value: jax.Array) -> jax.Array:
         key = call.rng(per_call=True) if self.per_call and call.training else None
         return self._noise(call, name, value, key)
@@ -84,8 +85,8 @@ class GaussianNoise(_AdditiveNoise):
         'gaussian_noise'
     """
 
-    def rewrite_input(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def rewrite_input(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         return self._noise(call, name, value)
 
-    def rewrite_output(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def rewrite_output(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         return self._noise(call, name, value)

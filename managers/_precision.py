@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, TypeAlias, Unpack, overload
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +45,15 @@ import numpy as np
 from flax import nnx
 
 import graphmod as gm
+from graphmod.typing import HookContext, PyTree, WrapContext
+from managers._checks import ManagerOptions
 
-DTypeLike = str | type | np.dtype
+if TYPE_CHECKING:  # what a filter's variable test takes, as graphmod.VariableFilter names it
+    from graphmod._core._selection._filter import Tag
+
+DTypeLike: TypeAlias = str | type | np.dtype
+KeepLike: TypeAlias = "type | str | Iterable[type | str] | gm.VariableFilter | None"
+"""What ``keep=`` takes: brick classes, class-name globs, or a filter of calls."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +76,7 @@ def _innermost(owner: str) -> _Entry | None:
     return stack[-1][1]
 
 
-def floating_dtype(value: Any, where: str) -> np.dtype:
+def floating_dtype(value: DTypeLike, where: str) -> np.dtype:
     """``value`` as a floating-point dtype this backend computes in; ``where`` names the
     manager and argument in the error (``"MixedPrecision(compute=...)"``).
 
@@ -93,7 +100,11 @@ def floating_dtype(value: Any, where: str) -> np.dtype:
     return dtype
 
 
-def _cast(value: Any, dtype: np.dtype | None) -> Any:
+@overload
+def _cast(value: jax.Array, dtype: np.dtype | None) -> jax.Array: ...
+@overload
+def _cast(value: object, dtype: np.dtype | None) -> object: ...
+def _cast(value: object, dtype: np.dtype | None) -> object:
     """``value`` in ``dtype`` if it is a floating-point array of another dtype."""
     if (dtype is None or not isinstance(value, jax.Array | np.ndarray)
             or not jnp.issubdtype(value.dtype, jnp.floating) or value.dtype == dtype):
@@ -112,28 +123,29 @@ class _Region(gm.VariableFilter):
     owner: str = ""
     by_call: bool = True
 
-    def selects_root(self, brick: Any, brick_path: str, application: str, call_id: int,
+    def selects_root(self, brick: object, brick_path: str, application: str, call_id: int,
                      instance_paths: dict[int, str]) -> bool:
         return super().matches_application(brick, brick_path, application, call_id,
                                            instance_paths) and (
             not self.by_call or self.path is None
             or fnmatch.fnmatchcase(f"{brick_path}.{application}", self.path))
 
-    def matches_application(self, brick: Any, brick_path: str, application: str,
+    def matches_application(self, brick: object, brick_path: str, application: str,
                             call_id: int, instance_paths: dict[int, str]) -> bool:
         return _innermost(self.owner) is not None or self.selects_root(
             brick, brick_path, application, call_id, instance_paths)
 
     matches_call = matches_application
 
-    def matches_variable(self, tag: Any) -> bool:
+    def matches_variable(self, tag: Tag) -> bool:
         return self.by_call or super().matches_variable(tag)
 
     @property
     def selects_variables(self) -> bool:
         return not self.by_call and super().selects_variables
 
-    def as_text(self, brick_path: Callable[[Any], str | None] = lambda brick: None) -> str:
+    def as_text(self, brick_path: Callable[[object], str | None] = lambda brick: None
+                ) -> str:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(gm.VariableFilter)}
         return gm.VariableFilter(**fields).as_text(brick_path)
 
@@ -147,7 +159,8 @@ class _Keep:
     names: tuple[str, ...] = ()
     filter: gm.VariableFilter | None = None
 
-    def __call__(self, call: gm.typing.HookContext) -> bool:
+    def __call__(self, call: HookContext) -> bool:
+        assert call.path is not None  # a hook runs inside a program, at a path
         if self.filter is not None:
             return self.filter.matches_application(
                 call.brick, call.path, call.application, call.call_id, {}) and (
@@ -157,7 +170,7 @@ class _Keep:
             fnmatch.fnmatchcase(type(call.brick).__name__, n) for n in self.names)
 
 
-def _keep(keep: Any, owner: str) -> _Keep:
+def _keep(keep: KeepLike, owner: str) -> _Keep:
     """``keep=`` of policy ``owner``, checked."""
     where = f"{owner}(keep=...)"
     if isinstance(keep, gm.VariableFilter):
@@ -177,7 +190,7 @@ def _keep(keep: Any, owner: str) -> _Keep:
                  tuple(k for k in items if isinstance(k, str)))
 
 
-def _fixed_dtype(brick: Any) -> Any:
+def _fixed_dtype(brick: object) -> DTypeLike | None:
     """The floating compute dtype a Flax layer fixes for itself (``nnx.Linear(...,
     dtype=jnp.float32)``), or None."""
     dtype = vars(brick).get("dtype") if isinstance(brick, nnx.Module) else None
@@ -201,13 +214,13 @@ class _Policy(gm.Manager):
         self.keep_dtype = keep_dtype
         self._keeps = keep
 
-    def _output(self, call: gm.typing.WrapContext, args: tuple, kwargs: dict
+    def _output(self, call: WrapContext, args: tuple[PyTree, ...], kwargs: dict[str, PyTree]
                 ) -> np.dtype | None:
         """What the outputs of a selected call (not inside this policy's region) become."""
         raise NotImplementedError
 
-    def wrap(self, call: gm.typing.WrapContext, next: Callable[..., Any], args: tuple,
-             kwargs: dict) -> Any:
+    def wrap(self, call: WrapContext, next: Callable[..., PyTree], args: tuple[PyTree, ...],
+             kwargs: dict[str, PyTree]) -> PyTree:
         outer = _innermost(self.name)
         kept = (outer is not None and outer.kept) or self._keeps(call)
         if outer is None:  # a selected call: its outputs leave the region
@@ -229,15 +242,15 @@ class _Policy(gm.Manager):
         # Outputs the filter left unselected (Precision(roles=[INPUT])) are cast too.
         return jax.tree.map(lambda v: _cast(v, output), out)
 
-    def rewrite_input(self, call: gm.typing.HookContext, name: str, value: Any) -> Any:
+    def rewrite_input(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         entry = _innermost(self.name)
         return value if entry is None else _cast(value, entry.compute)
 
-    def rewrite_parameter(self, call: gm.typing.HookContext, name: str, value: Any) -> Any:
+    def rewrite_parameter(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         entry = _innermost(self.name)
         return value if entry is None or entry.kept else _cast(value, entry.compute)
 
-    def rewrite_output(self, call: gm.typing.HookContext, name: str, value: Any) -> Any:
+    def rewrite_output(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         entry = _innermost(self.name)
         return value if entry is None else _cast(value, entry.output)
 
@@ -291,8 +304,8 @@ class MixedPrecision(_Policy):
         nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm, gm.bricks.LayerNorm, "*Norm")
 
     def __init__(self, compute: DTypeLike = "bfloat16", output: DTypeLike | None = "float32",
-                 *, keep: Any = NORMALIZATION, keep_dtype: DTypeLike = "float32",
-                 **kwargs: Any) -> None:
+                 *, keep: KeepLike = NORMALIZATION, keep_dtype: DTypeLike = "float32",
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(**kwargs)
         chosen = self.filter
         if chosen.roles is not None or chosen.name is not None or chosen.name_regex is not None:
@@ -308,7 +321,7 @@ class MixedPrecision(_Policy):
                     _keep(keep, "MixedPrecision"),
                     floating_dtype(keep_dtype, "MixedPrecision(keep_dtype=...)"), by_call=True)
 
-    def _output(self, call: gm.typing.WrapContext, args: tuple, kwargs: dict
+    def _output(self, call: WrapContext, args: tuple[PyTree, ...], kwargs: dict[str, PyTree]
                 ) -> np.dtype | None:
         return self.output
 
@@ -335,13 +348,14 @@ class Precision(_Policy):
         (dtype('float32'), dtype('float32'))
     """
 
-    def __init__(self, compute_dtype: DTypeLike = "bfloat16", **kwargs: Any) -> None:
+    def __init__(self, compute_dtype: DTypeLike = "bfloat16",
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(**kwargs)
         dtype = floating_dtype(compute_dtype, "Precision(compute_dtype=...)")
         self.compute_dtype = dtype.name
         self._setup(dtype, _Keep(), dtype, by_call=False)
 
-    def _output(self, call: gm.typing.WrapContext, args: tuple, kwargs: dict
+    def _output(self, call: WrapContext, args: tuple[PyTree, ...], kwargs: dict[str, PyTree]
                 ) -> np.dtype | None:
         floats = [leaf.dtype for leaf in jax.tree.leaves((args, kwargs))
                   if isinstance(leaf, jax.Array | np.ndarray)

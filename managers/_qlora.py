@@ -31,13 +31,15 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from collections.abc import Mapping
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod.typing import Variables
+from managers._checks import ManagerOptions
 from managers._layout import WeightLayout
 from managers._lora import adapted
 from managers._merge import merged
@@ -84,8 +86,9 @@ class QLoRA(Quantized):
     def __init__(self, rank: int, dtype: str = "int4", *,
                  group: int | tuple[int, ...] | None = (128, 64, 32),
                  alpha: float | gm.Dynamic = 1.0, seed: int = 0, extended: bool = True,
-                 **kwargs: Any) -> None:
-        if "manager_name" not in kwargs and "name" not in kwargs:
+                 **kwargs: Unpack[ManagerOptions]) -> None:
+        # Neither name given (tested on the keys: an `in` test narrows kwargs' type).
+        if not kwargs.keys() & {"manager_name", "name"}:
             kwargs["manager_name"] = "qlora"  # not the class name's snake case, q_lo_r_a
         if dtype not in ("int4", "int8"):
             raise ValueError(f"QLoRA(dtype={dtype!r}): the base is stored as 'int4' (with a "
@@ -107,6 +110,7 @@ class QLoRA(Quantized):
         self.alpha = alpha
         self.seed = seed
 
+    # A gm.ApplicationCall: adapted draws A with its init_key.
     def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
                           value: jax.Array) -> jax.Array:
         base = super().rewrite_parameter(call, name, value)  # the dequantized weight
@@ -130,7 +134,8 @@ class QLoRA(Quantized):
             >>> merged["model"]["kernel"].shape, sorted(merged["managers"])
             ((8, 2), [])
         """
-        def fold(weight: jax.Array, entries: dict, hparams: dict) -> jax.Array:
+        def fold(weight: jax.Array, entries: Mapping[str, jax.Array],
+                 hparams: Mapping[str, jax.Array]) -> jax.Array:
             shape = jnp.shape(weight)[:-1] if is_placeholder(weight) else jnp.shape(weight)
             a, b, scale = entries["a"], entries["b"], entries["scale"]
             # B's size-1 axes are the fan-in ones where they do not lead (LoRA's layout).

@@ -17,14 +17,15 @@ Sharp edges
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import require_floating, roles_by_default
+from graphmod.typing import HookContext
+from managers._checks import ManagerOptions, require_floating, roles_by_default
 from managers._layout import weight_layout
 
 
@@ -68,23 +69,23 @@ class FakeQuant(gm.Manager):
 
     kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
 
-    def __init__(self, bits: int = 8, **kwargs: Any) -> None:
+    def __init__(self, bits: int = 8, **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(**roles_by_default(kwargs, (roles.WEIGHT, roles.INPUT,
                                                        roles.OUTPUT)))
         if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16:
             raise ValueError(f"FakeQuant(bits={bits!r}): must be an int from 2 to 16")
         self.bits = bits
 
-    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+    def rewrite_parameter(self, call: HookContext, name: str,
                           value: jax.Array) -> jax.Array:
         return fake_quant(value, self.bits, weight_layout(self, call, name, value).fan_in)
 
-    def _activation(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def _activation(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         require_floating(self, call, name, value)
         return fake_quant(value, self.bits, None)
 
-    def rewrite_input(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def rewrite_input(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         return self._activation(call, name, value)
 
-    def rewrite_output(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def rewrite_output(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         return self._activation(call, name, value)

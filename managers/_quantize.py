@@ -44,18 +44,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 import graphmod as gm
 from graphmod import roles
-from graphmod.typing import Batch, Variables
-from managers._checks import require_floating, roles_by_default
+from graphmod.typing import ArrayLike, Batch, HookContext, Model, Variables
+from managers._checks import ManagerOptions, require_floating, roles_by_default
 from managers._layout import WeightLayout, weight_layout
 from managers._merge import _node
 from managers._quantization import FakeQuant
@@ -107,7 +108,8 @@ class Quantized(gm.Manager):
 
     def __init__(self, dtype: str = "int8", *, group: int | tuple[int, ...] | None = None,
                  activations: str | None = None, activation_dtype: str = "int8",
-                 percentile: float = 99.99, extended: bool = True, **kwargs: Any) -> None:
+                 percentile: float = 99.99, extended: bool = True,
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         default = (roles.WEIGHT,) + ((roles.INPUT,) if activations is not None else ())
         super().__init__(**roles_by_default(kwargs, default))
         if dtype not in DTYPES:
@@ -136,7 +138,7 @@ class Quantized(gm.Manager):
         self.extended = extended
 
     # -- weights ----------------------------------------------------------------------
-    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+    def rewrite_parameter(self, call: HookContext, name: str,
                           value: jax.Array) -> jax.Array:
         placeholder = is_placeholder(value)
         shape = jnp.shape(value)[:-1] if placeholder else jnp.shape(value)
@@ -144,7 +146,8 @@ class Quantized(gm.Manager):
         layout = weight_layout(self, call, name, weight)
         group = self._group(call, layout)
 
-        def stored(part: int) -> Any:  # zeros of the right shapes for a placeholder
+        # Zeros of the right shapes for a placeholder.
+        def stored(part: int) -> Callable[[jax.Array], jax.Array]:
             def init(w: jax.Array) -> jax.Array:
                 if placeholder:
                     return jnp.zeros(*_shapes(self.dtype, layout, group)[part])
@@ -157,7 +160,7 @@ class Quantized(gm.Manager):
         matrix = dequantize_matrix(q.value, scale.value, self.dtype, group)
         return jax.lax.stop_gradient(layout.from_matrix(matrix).astype(weight.dtype))
 
-    def _group(self, call: gm.ApplicationCall, layout: WeightLayout) -> int:
+    def _group(self, call: HookContext, layout: WeightLayout) -> int:
         """The group size for ``layout``: the largest candidate dividing its fan-in (the
         whole fan-in without a group), even for int4; raises naming the weight if none."""
         fan_in = layout.fan_in_size
@@ -176,7 +179,7 @@ class Quantized(gm.Manager):
             "leave this weight out with the filter (bricks=, path=)")
 
     # -- activations ------------------------------------------------------------------
-    def _activation(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def _activation(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         if self.activations is None:
             raise ValueError(
                 f"{type(self).__name__} {self.name!r} selected {name!r} of {call.path} (an "
@@ -197,14 +200,14 @@ class Quantized(gm.Manager):
         return fake_quantize(value, {s: v.value for s, v in ranges.items()},
                              self.activation_dtype, self.extended)
 
-    def rewrite_input(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def rewrite_input(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         return self._activation(call, name, value)
 
-    def rewrite_output(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def rewrite_output(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         return self._activation(call, name, value)
 
 
-def is_placeholder(value: Any) -> bool:
+def is_placeholder(value: ArrayLike) -> bool:
     """Whether ``value`` stands for a weight :func:`quantize` stores elsewhere: a zero-size
     array whose last axis is 0, the weight's shape before it.
 
@@ -270,7 +273,7 @@ def dequantize_matrix(q: jax.Array, scale: jax.Array, dtype: str, group: int) ->
 
 
 def _shapes(dtype: str, layout: WeightLayout, group: int
-            ) -> tuple[tuple[tuple[int, int], Any], tuple[tuple[int, int], Any]]:
+            ) -> tuple[tuple[tuple[int, int], DTypeLike], tuple[tuple[int, int], DTypeLike]]:
     """The (shape, dtype) of ``q`` and of ``scale`` for a weight of ``layout``."""
     fan_in, units = layout.fan_in_size, layout.units_size
     stored = jnp.int8 if dtype.startswith("int") else jnp.dtype(dtype)
@@ -302,7 +305,7 @@ def _check_backend(dtype: str) -> None:
             "'int4', which every backend has") from None
 
 
-def _round_trip(dtype: Any) -> None:
+def _round_trip(dtype: DTypeLike) -> None:
     """Converts a float32 array to ``dtype`` and back on the default backend, waited for."""
     jax.block_until_ready(jnp.ones(2, jnp.float32).astype(dtype).astype(jnp.float32))
 
@@ -428,13 +431,15 @@ def quantize(program: gm.Program, variables: Variables, quantized: Quantized | N
     kwargs = {n: v for n, v in examples.items() if n not in positional}
 
     placement = program.placement  # the same mesh and rules, for the copies
-    on_mesh = {} if placement is None else dict(
-        mesh=placement.mesh, rules=placement.rules, batch_axis=placement.batch_axis)
+    mesh, rules, batch_axis = (None, (), None) if placement is None else (
+        placement.mesh, placement.rules, placement.batch_axis)
     float_model = nnx.clone(program.model)
     floats = gm.compile(program.fn, float_model, managers=[
-        _over(quantized, program, float_model), *kept], **on_mesh)  # first to read weights
+        _over(quantized, program, float_model), *kept],  # first to read weights
+        mesh=mesh, rules=rules, batch_axis=batch_axis)
     floats.update_model({"model": variables["model"], "managers": {}})
-    made = floats.init(*args, **kwargs)
+    # The examples hold no "rng": init took it as its own (the checker cannot know).
+    made = floats.init(*args, **kwargs)  # pyright: ignore[reportArgumentType]
     # The other managers' trained entries; the quantized weights made from the trained ones.
     made = {"model": made["model"], "managers": {
         name: variables["managers"].get(name, entries)
@@ -448,12 +453,14 @@ def quantize(program: gm.Program, variables: Variables, quantized: Quantized | N
     nnx.replace_by_pure_dict(state, model)
     nnx.update(served_model, state)
     served = gm.compile(program.fn, served_model, managers=[
-        _over(quantized, program, served_model), *kept], **on_mesh)
-    served.init(*args, **kwargs)  # its layout and shapes, for checks, save and load
+        _over(quantized, program, served_model), *kept],
+        mesh=mesh, rules=rules, batch_axis=batch_axis)
+    # Its layout and shapes, for checks, save and load (the examples hold no "rng").
+    served.init(*args, **kwargs)  # pyright: ignore[reportArgumentType]
     return served, {"model": model, "managers": made["managers"]}
 
 
-def _over(quantized: Quantized, program: gm.Program, copy: nnx.Module) -> Quantized:
+def _over(quantized: Quantized, program: gm.Program, copy: Model) -> Quantized:
     """``quantized`` for a copy of ``program``'s model: the brick instances its filter names
     replaced by the copy's at the same paths (itself if it names none)."""
     chosen = quantized.filter
@@ -464,12 +471,16 @@ def _over(quantized: Quantized, program: gm.Program, copy: nnx.Module) -> Quanti
             f"managers.quantize: Quantized {quantized.name!r} names applications of brick "
             "instances; quantize compiles over a copy of the model, where they are not. Name "
             "the bricks (bricks=[...]) and the applications by name (applications=['apply'])")
-    paths = {id(b): program.layout.brick_path(b) for b in chosen.brick_instances()}
-    if None in paths.values():
-        raise ValueError(f"managers.quantize: Quantized {quantized.name!r} names a brick that "
-                         "is not part of the program's model; name bricks of the model")
+    paths: dict[int, str] = {}
+    for brick in chosen.brick_instances():
+        path = program.layout.brick_path(brick)
+        if path is None:
+            raise ValueError(f"managers.quantize: Quantized {quantized.name!r} names a brick "
+                             "that is not part of the program's model; name bricks of the "
+                             "model")
+        paths[id(brick)] = path
     bricks = tuple(b if isinstance(b, type) else _at(copy, paths[id(b)])
-                   for b in chosen.bricks)
+                   for b in chosen.bricks or ())
     return Quantized(quantized.dtype, group=quantized.group, activations=quantized.activations,
                      activation_dtype=quantized.activation_dtype,
                      percentile=quantized.percentile, extended=quantized.extended,
@@ -478,9 +489,9 @@ def _over(quantized: Quantized, program: gm.Program, copy: nnx.Module) -> Quanti
                      strict=quantized.strict)
 
 
-def _at(model: nnx.Module, path: str) -> Any:
+def _at(model: Model, path: str) -> nnx.Module:
     """The module at brick path ``path`` (``/layers/0``) of ``model``."""
-    node: Any = model
+    node: Any = model  # modules and their lists, as deep as the path
     for part in path.split("/"):
         if part:
             node = node[int(part)] if part.isdigit() else getattr(node, part)
@@ -528,7 +539,9 @@ def _calibrated(floats: gm.Program, variables: Variables, quantized: Quantized,
     return {"model": variables["model"], "managers": owned}
 
 
-def _with_placeholders(model: dict, stored: dict) -> dict:
+def _with_placeholders(model: Mapping[str, object],
+                       stored: Mapping[str, Mapping[str, Mapping[str, jax.Array]]]
+                       ) -> dict[str, Any]:
     """``model`` (a copy of its containers) with each weight ``stored`` holds replaced
     by a placeholder of its shape and dtype."""
     out = jax.tree.map(lambda leaf: leaf, model)

@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import require_floating, roles_by_default
+from graphmod.typing import HookContext
+from managers._checks import ManagerOptions, require_floating, roles_by_default
 
 
 class _ParameterCost(gm.Manager):
@@ -44,7 +45,7 @@ class _ParameterCost(gm.Manager):
     factor = 1.0
 
     def __init__(self, strength: float | gm.Dynamic, *, on: str = "stored",
-                 **kwargs: Any) -> None:
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         if on not in ("stored", "rewritten"):
             raise ValueError(f"{type(self).__name__}(on={on!r}): must be 'stored' (the "
                              "parameter as stored) or 'rewritten' (as the application reads "
@@ -63,7 +64,7 @@ class _ParameterCost(gm.Manager):
         else:
             self.runs_after = ("parameter_rewrite",)
 
-    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+    def rewrite_parameter(self, call: HookContext, name: str,
                           value: jax.Array) -> jax.Array:
         require_floating(self, call, name, value)
         if call.training:
@@ -114,5 +115,6 @@ class WeightDecay(_ParameterCost):
 
     factor = 0.5
 
-    def __init__(self, rate: float | gm.Dynamic, *, on: str = "stored", **kwargs: Any) -> None:
+    def __init__(self, rate: float | gm.Dynamic, *, on: str = "stored",
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(rate, on=on, **kwargs)

@@ -24,18 +24,19 @@ Sharp edges
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import roles_by_default
+from graphmod.typing import HookContext
+from managers._checks import ManagerOptions, roles_by_default
 from managers._layout import weight_layout
 
 
-def _positive(cls: str, argument: str, value: Any) -> None:
+def _positive(cls: str, argument: str, value: float | gm.Dynamic) -> None:
     number = value.value if isinstance(value, gm.Dynamic) else value
     if isinstance(number, bool) or not isinstance(number, numbers.Real) or not number > 0:
         raise ValueError(f"{cls}({argument}={value!r}): must be a float > 0")
@@ -71,12 +72,12 @@ class WeightNorm(gm.Manager):
 
     kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
 
-    def __init__(self, *, epsilon: float = 1e-12, **kwargs: Any) -> None:
+    def __init__(self, *, epsilon: float = 1e-12, **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(**roles_by_default(kwargs))
         _positive("WeightNorm", "epsilon", epsilon)
         self.epsilon = epsilon
 
-    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+    def rewrite_parameter(self, call: HookContext, name: str,
                           value: jax.Array) -> jax.Array:
         layout = weight_layout(self, call, name, value)
         norm = lambda w: _norm(w, layout.fan_in, self.epsilon).reshape(layout.units_shape)
@@ -105,7 +106,8 @@ class WeightStandardization(gm.Manager):
 
     kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
 
-    def __init__(self, *, epsilon: float = 1e-5, gain: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *, epsilon: float = 1e-5, gain: bool = False,
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(**roles_by_default(kwargs))
         _positive("WeightStandardization", "epsilon", epsilon)
         if not isinstance(gain, bool):
@@ -113,7 +115,7 @@ class WeightStandardization(gm.Manager):
         self.epsilon = epsilon
         self.gain = gain
 
-    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+    def rewrite_parameter(self, call: HookContext, name: str,
                           value: jax.Array) -> jax.Array:
         layout = weight_layout(self, call, name, value)
         # Centred before the variance, as by hand: XLA orders that step's fusions as the
@@ -152,7 +154,8 @@ class SpectralNorm(gm.Manager):
 
     kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
 
-    def __init__(self, *, steps: int = 1, epsilon: float = 1e-12, **kwargs: Any) -> None:
+    def __init__(self, *, steps: int = 1, epsilon: float = 1e-12,
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(**roles_by_default(kwargs))
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"SpectralNorm(steps={steps!r}): must be a positive int")
@@ -160,7 +163,7 @@ class SpectralNorm(gm.Manager):
         self.steps = steps
         self.epsilon = epsilon
 
-    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+    def rewrite_parameter(self, call: HookContext, name: str,
                           value: jax.Array) -> jax.Array:
         layout = weight_layout(self, call, name, value)
         out = layout.units_size
@@ -207,7 +210,8 @@ class MaxNorm(gm.Manager):
     kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
 
     def __init__(self, max_norm: float | gm.Dynamic, *,
-                 axis: int | tuple[int, ...] | None = None, **kwargs: Any) -> None:
+                 axis: int | tuple[int, ...] | None = None,
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(**roles_by_default(kwargs))
         _positive("MaxNorm", "max_norm", max_norm)
         axes = (axis,) if isinstance(axis, int) else axis
@@ -217,7 +221,7 @@ class MaxNorm(gm.Manager):
         self.max_norm = max_norm
         self.axis = axis
 
-    def rewrite_parameter(self, call: gm.ApplicationCall, name: str,
+    def rewrite_parameter(self, call: HookContext, name: str,
                           value: jax.Array) -> jax.Array:
         axes = weight_layout(self, call, name, value).fan_in
         if self.axis is not None:

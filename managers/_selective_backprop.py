@@ -64,12 +64,14 @@ from __future__ import annotations
 import inspect
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 
 import graphmod as gm
+from graphmod.typing import ProgramContext, PyTree
+from managers._checks import ManagerOptions
 
 
 class SelectiveBackprop(gm.Manager):
@@ -108,7 +110,8 @@ class SelectiveBackprop(gm.Manager):
     def __init__(self, keep: float = 0.5, *, start: float = 0, end: float | None = None,
                  interrupt: int = 0, steps: int | None = None, sample: bool = False,
                  loss: Callable[..., jax.Array] | None = None,
-                 arguments: Sequence[str] | None = None, **kwargs: Any) -> None:
+                 arguments: Sequence[str] | None = None,
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         if any(kwargs.get(f) is not None for f in ("bricks", "roles", "applications", "path",
                                                    "variable_name", "name_regex", "call_id",
                                                    "filter")):
@@ -152,14 +155,15 @@ class SelectiveBackprop(gm.Manager):
         """Whether every training step selects (no schedule: nothing to switch)."""
         return self.start == 0 and self.end is None and self.interrupt == 0
 
-    def wrap_program(self, call: gm.typing.ProgramContext, next: Callable[..., Any], args: tuple,
-                     kwargs: dict) -> Any:
+    def wrap_program(self, call: ProgramContext, next: Callable[..., PyTree],
+                     args: tuple[PyTree, ...], kwargs: dict[str, PyTree]) -> PyTree:
         if not call.training:
             return next(*args, **kwargs)
         counter = call.variable("step", lambda: jnp.zeros((), jnp.int32))
         if call.mode == "init":
             return next(*args, **kwargs)
-        step = counter.stored
+        # A gm.OwnedVariable: its stored, which OwnedVariableLike does not name.
+        step = counter.stored  # pyright: ignore[reportAttributeAccessIssue]
         counter.value = step + 1
         bound = inspect.signature(call.function).bind(call.model, *args, **kwargs)
         batch = self._batch(call, dict(list(bound.arguments.items())[1:]))
@@ -173,7 +177,7 @@ class SelectiveBackprop(gm.Manager):
             call.report("kept", jnp.int32(size))
             return next(*args, **kwargs)
 
-        def selecting() -> Any:
+        def selecting() -> PyTree:
             losses = call.infer(self._losses, call, next, bound, batch)
             call.report("kept", jnp.int32(kept))
             call.report("batch_loss", jnp.mean(losses))
@@ -184,7 +188,7 @@ class SelectiveBackprop(gm.Manager):
                 bound.arguments[name] = cut
             return next(*bound.args[1:], **bound.kwargs)
 
-        def whole() -> Any:
+        def whole() -> PyTree:
             call.report("kept", jnp.int32(size))
             out = next(*args, **kwargs)
             call.report("batch_loss", jax.lax.stop_gradient(_cost(out, self)))
@@ -201,8 +205,8 @@ class SelectiveBackprop(gm.Manager):
             on &= (step + 1) % self.interrupt != 0
         return on
 
-    def _batch(self, call: gm.typing.ProgramContext, arguments: Mapping[str, Any]
-               ) -> dict[str, Any]:
+    def _batch(self, call: ProgramContext, arguments: Mapping[str, PyTree]
+               ) -> dict[str, PyTree]:
         """The function's arguments that hold the batch, by name (see the module docstring)."""
         if self.arguments is not None:
             missing = [a for a in self.arguments if a not in arguments]
@@ -230,14 +234,14 @@ class SelectiveBackprop(gm.Manager):
                                  "every argument named in arguments= holds the batch on axis 0")
         return chosen
 
-    def _losses(self, call: gm.typing.ProgramContext, next: Callable[..., Any],
-                bound: inspect.BoundArguments, batch: dict[str, Any]) -> jax.Array:
+    def _losses(self, call: ProgramContext, next: Callable[..., PyTree],
+                bound: inspect.BoundArguments, batch: dict[str, PyTree]) -> jax.Array:
         """One loss per example of ``batch``, as the ranking pass computes them."""
         rest = {a: v for a, v in bound.arguments.items() if a not in batch}
         if self.loss is not None:
             losses = self.loss(*bound.args, **bound.kwargs)
         else:
-            def alone(example: dict[str, Any]) -> jax.Array:
+            def alone(example: dict[str, PyTree]) -> jax.Array:
                 arguments = {**rest, **example}
                 again = bound.signature.bind(**arguments)
                 return _cost(next(*again.args[1:], **again.kwargs), self)
@@ -250,7 +254,7 @@ class SelectiveBackprop(gm.Manager):
                              f"{jnp.shape(losses)}; expected one per example, ({size},)")
         return losses.astype(jnp.float32)
 
-    def _chosen(self, call: gm.typing.ProgramContext, losses: jax.Array, kept: int) -> jax.Array:
+    def _chosen(self, call: ProgramContext, losses: jax.Array, kept: int) -> jax.Array:
         """The positions of the examples kept, in batch order."""
         scores = losses
         if self.sample:  # Gumbel top-k: a draw without replacement by rank probability
@@ -261,7 +265,7 @@ class SelectiveBackprop(gm.Manager):
         return jnp.sort(jax.lax.top_k(scores, kept)[1])
 
 
-def _step_of(argument: str, value: Any, steps: int | None) -> int:
+def _step_of(argument: str, value: float, steps: int | None) -> int:
     """A schedule bound as a step: an int as it is, a float in [0, 1] of ``steps``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
         raise ValueError(f"SelectiveBackprop({argument}={value!r}): must be a step (an int "
@@ -277,13 +281,14 @@ def _step_of(argument: str, value: Any, steps: int | None) -> int:
     return int(value * steps)
 
 
-def _cost(out: Any, manager: SelectiveBackprop) -> jax.Array:
+def _cost(out: PyTree, manager: SelectiveBackprop) -> jax.Array:
     """The cost of what the program's function returned: a cost or ``(cost, metrics)``."""
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
         out = out[0]
-    if jnp.ndim(out) != 0:
+    cost = jnp.asarray(out)  # the traced cost itself (no copy, no operation)
+    if cost.ndim != 0:
         raise ValueError(
             f"SelectiveBackprop {manager.name!r} ranks examples by the function's cost on "
-            f"each alone, but it returned shape {jnp.shape(out)}: return a scalar cost (or "
+            f"each alone, but it returned shape {cost.shape}: return a scalar cost (or "
             "(cost, metrics)), or pass loss=lambda model, *args: per_example_losses")
-    return out
+    return cost

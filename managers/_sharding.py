@@ -11,12 +11,13 @@ Sharp edges
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Unpack
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import graphmod as gm
+from managers._checks import ManagerOptions
 
 
 class Sharding(gm.Manager):
@@ -41,7 +42,8 @@ class Sharding(gm.Manager):
         (2, 4)
     """
 
-    def __init__(self, spec: PartitionSpec | Sequence[Any], **kwargs: Any) -> None:
+    def __init__(self, spec: PartitionSpec | Sequence[str | tuple[str, ...] | None],
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(**kwargs)
         if isinstance(spec, str) or not isinstance(spec, Sequence) or not all(
                 entry is None or isinstance(entry, str) or (
@@ -51,7 +53,8 @@ class Sharding(gm.Manager):
                             "of mesh axis names and None, e.g. ('data', None, 'model')")
         self.spec = tuple(spec)
 
-    def _constrained(self, call: gm.ApplicationCall, name: str, value: Any) -> Any:
+    # A gm.ApplicationCall: its mesh, which HookContext does not name.
+    def _constrained(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
         mesh = call.mesh
         if mesh is None:
             raise ValueError(f"Sharding {self.name!r} constrains {name!r} of "
@@ -66,8 +69,9 @@ class Sharding(gm.Manager):
         return jax.lax.with_sharding_constraint(value,
                                                 NamedSharding(mesh, PartitionSpec(*self.spec)))
 
-    def rewrite_input(self, call: gm.ApplicationCall, name: str, value: Any) -> Any:
+    def rewrite_input(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
         return self._constrained(call, name, value)
 
-    def rewrite_output(self, call: gm.ApplicationCall, name: str, value: Any) -> Any:
+    def rewrite_output(self, call: gm.ApplicationCall, name: str, value: jax.Array
+                       ) -> jax.Array:
         return self._constrained(call, name, value)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import default_filter, require_floating
+from graphmod.typing import HookContext, PyTree, WrapContext
+from managers._checks import ManagerOptions, default_filter, require_floating
 
 
 class StochasticDepth(gm.Manager):
@@ -61,7 +63,7 @@ class StochasticDepth(gm.Manager):
     hparams = ("rate",)
 
     def __init__(self, rate: float | gm.Dynamic, *, block: bool | None = None,
-                 **kwargs: Any) -> None:
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(**default_filter(kwargs, bricks=[gm.bricks.Residual],
                                           applications=["residual"], roles=[roles.OUTPUT]))
         value = rate.value if isinstance(rate, gm.Dynamic) else rate
@@ -73,10 +75,10 @@ class StochasticDepth(gm.Manager):
         self.rate = rate
         self.block = block
 
-    def _active(self, call: gm.ApplicationCall) -> bool:
+    def _active(self, call: HookContext) -> bool:
         return call.training and (isinstance(self.rate, gm.Dynamic) or self.rate != 0)
 
-    def rewrite_output(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def rewrite_output(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         if self._is_block(call):  # ``wrap`` drops its branches
             return value
         require_floating(self, call, name, value)
@@ -85,13 +87,14 @@ class StochasticDepth(gm.Manager):
         kept, scale = self._draw(call, name, value)
         return jnp.where(kept, value * scale, jnp.zeros((), value.dtype))
 
-    def wrap(self, call: gm.ApplicationCall, next: Callable[..., Any], args: tuple,
-             kwargs: dict) -> Any:
+    def wrap(self, call: WrapContext, next: Callable[..., PyTree], args: tuple[PyTree, ...],
+             kwargs: dict[str, PyTree]) -> PyTree:
         out = next(*args, **kwargs)
         if not (self._is_block(call) and self._active(call)):
             return out
         x = args[0] if args else None
-        if getattr(x, "shape", None) != getattr(out, "shape", ()):
+        if not (isinstance(x, jax.Array | np.ndarray) and isinstance(out, jax.Array | np.ndarray)
+                and x.shape == out.shape):
             raise ValueError(
                 f"StochasticDepth {self.name!r}: {call.path} ({type(call.brick).__name__}."
                 f"{call.application}) is taken as a residual block, output = input + branch, "
@@ -104,7 +107,7 @@ class StochasticDepth(gm.Manager):
         # The identity path as it came, bitwise, where the branches are dropped.
         return jnp.where(kept, x + (out - x) * scale, x)
 
-    def _draw(self, call: gm.ApplicationCall, name: str, value: jax.Array
+    def _draw(self, call: HookContext, name: str, value: jax.Array | np.ndarray
               ) -> tuple[jax.Array, jax.Array]:
         """Per example (axis 0): whether its branch is kept, and the scale ``1 / keep``
         (0 at rate 1, where nothing is kept)."""
@@ -117,6 +120,6 @@ class StochasticDepth(gm.Manager):
         scale = jnp.where(keep > 0, 1.0 / jnp.maximum(keep, 1e-12), 0.0)
         return kept, scale.astype(value.dtype)
 
-    def _is_block(self, call: gm.ApplicationCall) -> bool:
+    def _is_block(self, call: HookContext) -> bool:
         """Whether the call's output is a block's, its first input plus branches."""
         return not isinstance(call.brick, gm.Brick) if self.block is None else self.block

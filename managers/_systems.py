@@ -12,12 +12,14 @@ Sharp edges
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TypeAlias, Unpack
 
 import jax
 import numpy as np
 
 import graphmod as gm
+from graphmod.typing import HookContext, PyTree, WrapContext
+from managers._checks import ManagerOptions
 
 
 class StopGradient(gm.Manager):
@@ -41,21 +43,22 @@ class StopGradient(gm.Manager):
 
     kinds = ("parameter_rewrite",)  # EMA and a cost on the stored weight go first
 
-    def rewrite_input(self, call: gm.ApplicationCall, name: str, value: Any) -> Any:
+    def rewrite_input(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         return jax.lax.stop_gradient(value)
 
-    def rewrite_output(self, call: gm.ApplicationCall, name: str, value: Any) -> Any:
+    def rewrite_output(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         return jax.lax.stop_gradient(value)
 
-    def rewrite_parameter(self, call: gm.ApplicationCall, name: str, value: Any) -> Any:
+    def rewrite_parameter(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         return jax.lax.stop_gradient(value)
 
 
-def _policy(name: str | None) -> Callable[..., Any] | None:
+def _policy(name: str | None) -> Callable[..., bool] | None:
     if name is None:
         return None
     known = sorted(n for n in dir(jax.checkpoint_policies) if not n.startswith("_"))
-    policy = getattr(jax.checkpoint_policies, name, None) if name in known else None
+    policy: Callable[..., bool] | None = (
+        getattr(jax.checkpoint_policies, name, None) if name in known else None)
     if policy is None or not callable(policy) or name.startswith(("save_", "offload")):
         plain = [n for n in known if not n.startswith(("save_", "offload"))]
         raise ValueError(f"Remat(policy={name!r}): expected the name of one of JAX's "
@@ -63,13 +66,18 @@ def _policy(name: str | None) -> Callable[..., Any] | None:
     return policy
 
 
-def _split_arrays(args: tuple, kwargs: dict) -> tuple[list, Callable[[list], tuple]]:
+Arrays: TypeAlias = list[jax.Array | np.ndarray]
+Arguments: TypeAlias = tuple[tuple[PyTree, ...], dict[str, PyTree]]  # a call's (args, kwargs)
+
+
+def _split_arrays(args: tuple[PyTree, ...], kwargs: dict[str, PyTree]
+                  ) -> tuple[Arrays, Callable[[Arrays], Arguments]]:
     """The array leaves of ``(args, kwargs)`` and a function putting new ones back (other
     leaves, such as flags, stay Python values)."""
     leaves, tree = jax.tree.flatten((args, kwargs))
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array | np.ndarray)]
 
-    def rebuild(arrays: list) -> tuple:
+    def rebuild(arrays: Arrays) -> Arguments:
         new = list(leaves)
         for i, array in zip(where, arrays, strict=True):
             new[i] = array
@@ -106,16 +114,16 @@ class Remat(gm.Manager):
         (3, 8)
     """
 
-    def __init__(self, *, policy: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, policy: str | None = None, **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(**kwargs)
         _policy(policy)
         self.policy = policy
 
-    def wrap(self, call: gm.ApplicationCall, next: Callable[..., Any], args: tuple,
-             kwargs: dict) -> Any:
+    def wrap(self, call: WrapContext, next: Callable[..., PyTree], args: tuple[PyTree, ...],
+             kwargs: dict[str, PyTree]) -> PyTree:
         arrays, rebuild = _split_arrays(args, kwargs)
 
-        def region(*arrays: Any) -> Any:
+        def region(*arrays: jax.Array | np.ndarray) -> PyTree:
             inner_args, inner_kwargs = rebuild(list(arrays))
             return next(*inner_args, **inner_kwargs)
 

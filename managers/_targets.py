@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 
 import graphmod as gm
 from graphmod import roles
-from managers._checks import default_filter, require_floating
+from graphmod.typing import HookContext
+from managers._checks import ManagerOptions, default_filter, require_floating
 
 
 class LabelSmoothing(gm.Manager):
@@ -52,11 +53,12 @@ class LabelSmoothing(gm.Manager):
     once = True  # targets passed from a classifier's application into its cost: smoothed once
 
     def __init__(self, alpha: float | gm.Dynamic, *, num_classes: int | None = None,
-                 **kwargs: Any) -> None:
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         super().__init__(**default_filter(kwargs, roles=[roles.TARGET]))
-        _configure(self, alpha, num_classes, lambda a: 0.0 <= a <= 1.0, "a float in [0, 1]")
+        self.alpha, self.num_classes = _configured(self, alpha, num_classes,
+                                                   lambda a: 0.0 <= a <= 1.0, "a float in [0, 1]")
 
-    def rewrite_input(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    def rewrite_input(self, call: HookContext, name: str, value: jax.Array) -> jax.Array:
         if not call.training:
             return value
         value = _one_hot(self, call, name, value)
@@ -101,7 +103,7 @@ class Mixup(gm.Manager):
     kinds = ("augmentation",)  # Selective Backprop ranks the examples before
 
     def __init__(self, alpha: float | gm.Dynamic, *, num_classes: int | None = None,
-                 **kwargs: Any) -> None:
+                 **kwargs: Unpack[ManagerOptions]) -> None:
         if not any(kwargs.get(f) is not None for f in ("bricks", "applications", "path",
                                                       "filter")):
             raise TypeError(
@@ -111,10 +113,13 @@ class Mixup(gm.Manager):
         if kwargs.get("roles") is None and kwargs.get("filter") is None:
             kwargs["roles"] = [roles.INPUT, roles.TARGET]
         super().__init__(**kwargs)
-        _configure(self, alpha, num_classes, lambda a: a > 0, "a float > 0 (the Beta "
-                   "distribution's concentration; 0.2-0.4 is usual)")
+        self.alpha, self.num_classes = _configured(
+            self, alpha, num_classes, lambda a: a > 0,
+            "a float > 0 (the Beta distribution's concentration; 0.2-0.4 is usual)")
 
-    def rewrite_input(self, call: gm.ApplicationCall, name: str, value: jax.Array) -> jax.Array:
+    # A gm.ApplicationCall: its rng(per_variable=False), which HookContext does not name.
+    def rewrite_input(self, call: gm.ApplicationCall, name: str, value: jax.Array
+                      ) -> jax.Array:
         if not call.training:
             return value
         if call.role is not None and call.role.is_a(roles.TARGET):
@@ -130,9 +135,10 @@ class Mixup(gm.Manager):
         return lam * value + (1 - lam) * value[perm]
 
 
-def _configure(manager: gm.Manager, alpha: Any, num_classes: Any,
-               valid: Callable[[float], bool], requirement: str) -> None:
-    """Checks and sets ``alpha`` (a number, or a dynamic one) and ``num_classes``."""
+def _configured(manager: gm.Manager, alpha: float | gm.Dynamic, num_classes: int | None,
+                valid: Callable[[float], bool], requirement: str
+                ) -> tuple[float | gm.Dynamic, int | None]:
+    """``alpha`` (a number, or a dynamic one) and ``num_classes``, checked."""
     value = alpha.value if isinstance(alpha, gm.Dynamic) else alpha
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not valid(value):
         raise ValueError(f"{type(manager).__name__}(alpha={alpha!r}): must be {requirement}")
@@ -140,16 +146,16 @@ def _configure(manager: gm.Manager, alpha: Any, num_classes: Any,
                                     or not isinstance(num_classes, int) or num_classes < 2):
         raise ValueError(f"{type(manager).__name__}(num_classes={num_classes!r}): must be an "
                          "int >= 2")
-    manager.alpha, manager.num_classes = alpha, num_classes  # type: ignore[attr-defined]
+    return alpha, num_classes
 
 
-def _one_hot(manager: gm.Manager, call: gm.ApplicationCall, name: str,
+def _one_hot(manager: LabelSmoothing | Mixup, call: HookContext, name: str,
              value: jax.Array) -> jax.Array:
     """Integer labels as one-hot rows over the manager's ``num_classes``; others as given."""
     if not jnp.issubdtype(jnp.result_type(value), jnp.integer):
         return value
-    if manager.num_classes is None:  # type: ignore[attr-defined]
+    if manager.num_classes is None:
         raise ValueError(
             f"{type(manager).__name__} {manager.name!r}: {name!r} of {call.path} holds "
             "integer labels; pass num_classes= to use them as one-hot rows")
-    return jax.nn.one_hot(value, manager.num_classes)  # type: ignore[attr-defined]
+    return jax.nn.one_hot(value, manager.num_classes)

@@ -22,6 +22,8 @@ LOCAL_IMPORTS = {
     ("plugins/_progress.py", "tqdm.auto"),
     # Grain's dependency, for its worker processes' flag (google/grain#1355).
     ("data/_grain.py", "absl"),
+    # Grain itself, where a pipeline is known to be Grain's (a run without Grain loads none).
+    ("data/_grain.py", "grain"),
     # treescope (Flax's display) renders what it is asked to, where it is installed.
     ("_core/_display/_show.py", "treescope"),
     ("_core/_tracing/_rewrites.py", "treescope"),
@@ -33,6 +35,7 @@ LOCAL_IMPORTS = {
     ("_cli.py", "graphmod._records._record"),
     ("_cli.py", "graphmod.data"),  # inspect's tables of transforms and metadata
     ("distributed.py", "jax"),
+    ("distributed.py", "jax._src"),  # JAX's own distributed state, read after it joined
     # `graphmod run` checks the stop signals' settings before it imports JAX.
     ("_train/_interrupt.py", "jax"),
     ("_train/_interrupt.py", "jax.experimental"),

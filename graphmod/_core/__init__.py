@@ -16,8 +16,9 @@ A folder per concept, each saying in its own docstring what it owns:
   call's view for hooks, the parameter read and its rewrite, the rewrite trace;
 * ``_loops``: ``graphmod.scan``/``remat`` and the keys and owned variables of loop bodies;
 * ``_model``: the model's layout, manager-owned variables and their layout, roles as a tree;
-* ``_program``: compile, init, train and infer, derive, graph, the program-wide chain, the
-  checks, the record, input transformations;
+* ``_program``: init, train and infer, derive, graph, the program-wide chain, the checks
+  ``compile`` runs (``graphmod.compile`` is the training layer's, beside the public
+  ``Program``), the record, input transformations;
 * ``_selection``: the filter language, selectors, placement rules, unmatched-filter hints;
 * ``_managers``: the ``Manager`` base and the order of a chain;
 * ``_display``: tables in terminals and notebooks;

@@ -14,15 +14,13 @@ Examples:
 
 from __future__ import annotations
 
-from typing import Any
 
-
-def is_whole_number(value: Any, least: int | None = None) -> bool:
+def is_whole_number(value: object, least: int | None = None) -> bool:
     """Whether ``value`` is an int, not a bool, and at least ``least`` (when given)."""
     return (isinstance(value, int) and not isinstance(value, bool)
             and (least is None or value >= least))
 
 
-def is_real_number(value: Any) -> bool:
+def is_real_number(value: object) -> bool:
     """Whether ``value`` is an int or a float, not a bool."""
     return isinstance(value, int | float) and not isinstance(value, bool)

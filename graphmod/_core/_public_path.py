@@ -7,7 +7,6 @@ record names ``graphmod.bricks.MLP`` or ``jax.nn.relu`` rather than a private mo
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 # Public namespaces tried first, in order, for objects defined in private modules.
 _NAMESPACES = ("jax.nn", "jax.nn.initializers", "jax.numpy", "jax.lax", "jax.random",
@@ -20,7 +19,7 @@ def is_public(path: str) -> bool:
     return not any(part.startswith("_") for part in path.split("."))
 
 
-def _find_path(obj: Any) -> str | None:
+def _find_path(obj: object) -> str | None:
     """The shortest public path to ``obj`` among imported modules, or None."""
     name = getattr(obj, "__name__", None)
     module = getattr(obj, "__module__", None)
@@ -52,7 +51,7 @@ def _find_path(obj: Any) -> str | None:
     return f"{found[0][1]}.{name}" if found else None
 
 
-def public_path(obj: Any) -> str | None:
+def public_path(obj: object) -> str | None:
     """The shortest public import path reaching ``obj`` (a class or function), or None.
 
     Examples:

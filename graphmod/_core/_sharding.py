@@ -45,10 +45,12 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import ParamSpec, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from graphmod._core._model._layout import Layout
@@ -60,6 +62,11 @@ from graphmod._core._selection._rules import (
     first_rule,
 )
 from graphmod._core._warn import warn
+from graphmod.typing import AxisName, PyTree, ShardingRule, Variables
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")  # a tree handed back placed, of the structure it came in
 
 __all__ = ["Placement", "batch_on_mesh", "init_mesh", "mesh_context", "on_mesh", "put"]
 
@@ -81,8 +88,8 @@ class Placement:
         P(None, 'data')
     """
 
-    def __init__(self, mesh: Any, rules: Sequence[Any], batch_axis: Any, *,
-                 layout: Layout | None = None) -> None:
+    def __init__(self, mesh: Mesh, rules: Sequence[ShardingRule],
+                 batch_axis: AxisName | None, *, layout: Layout | None = None) -> None:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"compile(mesh=...): expected a jax.sharding.Mesh (e.g. "
                             f"jax.make_mesh((8,), ('data',))), got {type(mesh).__name__}")
@@ -122,7 +129,7 @@ class Placement:
         specs: dict[str, tuple[PartitionSpec, tuple[int, ...]]] = {}
         stacks: dict[str, set[tuple]] = {}  # layer path -> its parameters' stacked axes' specs
 
-        def model(node: Any, key: tuple) -> Any:
+        def model(node: object, key: tuple) -> object:
             if isinstance(node, Mapping):
                 return {k: model(v, (*key, k)) for k, v in node.items()}
             info, shape = layout.by_key[key], tuple(jax.typeof(node).shape)
@@ -134,7 +141,7 @@ class Placement:
 
         placed = {"model": model(variables["model"], ())}
 
-        def owned(key: tuple, value: Any) -> NamedSharding:
+        def owned(key: tuple, value: object) -> NamedSharding:
             followed = specs.get(f"{key[1]}.{key[2]}") if len(key) == 5 else None
             if followed is None:  # per application call: as its layer's stacked axes
                 stacked = stacks.get(key[1], set()) if len(key) == 5 else set()
@@ -150,13 +157,13 @@ class Placement:
         spec = first_rule(self.rules, "rules", layout, key, shape, self.mesh, "variable")
         return PartitionSpec() if spec is None else spec
 
-    def constrain(self, variables: Mapping, layout: Layout) -> Any:
+    def constrain(self, variables: Variables, layout: Layout) -> Variables:
         """``variables`` (traced) constrained to their placement: a step's outputs are
         placed as its inputs, so the next call neither moves nor retraces anything."""
         return jax.lax.with_sharding_constraint(variables, self.variables(variables, layout))
 
     # -- batches -------------------------------------------------------------------------
-    def _batch_leaf(self, leaf: Any, dim: int) -> NamedSharding:
+    def _batch_leaf(self, leaf: object, dim: int) -> NamedSharding:
         """Split along the batch axis where the leaf's size divides the batch dimension
         (the leading one; the second for the stacked batches of a fused run), replicated
         otherwise (scalars, small last batches)."""
@@ -165,7 +172,7 @@ class Placement:
             return self._whole
         return self._split[dim]
 
-    def put_batch(self, tree: Any, *, stacked: bool = False, compare: bool = False) -> Any:
+    def put_batch(self, tree: T, *, stacked: bool = False, compare: bool = False) -> T:
         """``tree``'s arrays put on the mesh, split along the batch axis; a batch already
         placed so (the loop's, put ahead) is returned as it is, at the cost of a look.
         ``compare``: with several processes, check that each passed the same batch first
@@ -176,16 +183,16 @@ class Placement:
         if all(getattr(leaf, "sharding", None) is split for leaf in jax.tree.leaves(tree)):
             return tree
 
-        def place(leaf: Any) -> Any:  # not the module's put: one batch leaf, looked at first
+        def place(leaf: object) -> object:  # not the module's put: one batch leaf, looked at
             sharding = self._batch_leaf(leaf, int(stacked))
-            if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) \
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) \
                     and leaf.sharding == sharding:
                 return leaf
             return put_leaf(leaf, sharding, compare=compare)
 
         return jax.tree.map(place, tree)
 
-    def constrain_batch(self, tree: Any, *, stacked: bool = False) -> Any:
+    def constrain_batch(self, tree: T, *, stacked: bool = False) -> T:
         """``tree`` (traced batch arguments) constrained to the placement :meth:`put_batch`
         gives: XLA then splits a NumPy or uncommitted batch over the mesh as it is passed,
         and a batch already placed (the loop's) stays where it is. Warns (once per trace)
@@ -194,7 +201,7 @@ class Placement:
         return jax.tree.map(lambda leaf: jax.lax.with_sharding_constraint(
             leaf, self._batch_leaf(leaf, int(stacked))), tree)
 
-    def _warn_undivided(self, tree: Any, dim: int) -> None:
+    def _warn_undivided(self, tree: PyTree, dim: int) -> None:
         if self.batch_axis is None:
             return
         # The leaves with rows that _batch_leaf replicates, the batch axis not dividing them
@@ -216,7 +223,7 @@ class Placement:
         return self._whole
 
 
-def on_mesh(f: Callable[..., Any], placement: Placement | None) -> Callable[..., Any]:
+def on_mesh(f: Callable[P, R], placement: Placement | None) -> Callable[P, R]:
     """``f`` (a function ``jax.jit`` traces) traced on ``placement``'s mesh, whatever mesh
     the caller set with ``jax.set_mesh``; ``f`` itself without a placement.
 
@@ -238,7 +245,7 @@ def on_mesh(f: Callable[..., Any], placement: Placement | None) -> Callable[...,
     mesh = placement.mesh.abstract_mesh
 
     @functools.wraps(f)
-    def traced(*args: Any, **kwargs: Any) -> Any:
+    def traced(*args: P.args, **kwargs: P.kwargs) -> R:
         with jax.sharding.use_abstract_mesh(mesh):
             if any(map(_explicit, jax.tree.leaves((args, kwargs)))):
                 args, kwargs = jax.tree.map(
@@ -249,7 +256,7 @@ def on_mesh(f: Callable[..., Any], placement: Placement | None) -> Callable[...,
     return traced
 
 
-def _explicit(leaf: Any) -> bool:
+def _explicit(leaf: object) -> bool:
     """Whether ``leaf`` is an array typed on a mesh with explicit axes (made under a
     ``jax.set_mesh`` of the user's): retyped for the program's ``Auto`` axes, as
     ``jax.sharding.auto_axes`` retypes its arguments, XLA then places it."""
@@ -294,7 +301,7 @@ def init_mesh(placement: Placement | None) -> contextlib.AbstractContextManager:
     return mesh_context(placement if empty else None)
 
 
-def batch_on_mesh(tree: Any, placement: Placement | None, *, split: bool) -> Any:
+def batch_on_mesh(tree: T, placement: Placement | None, *, split: bool) -> T:
     """A program's traced arguments ``tree`` on its mesh: split along the batch axis where
     ``split`` (see :meth:`Placement.constrain_batch`); without a placement, those that are
     on no mesh (passed from NumPy) put whole on the mesh the user set with ``jax.set_mesh``,
@@ -321,7 +328,7 @@ def batch_on_mesh(tree: Any, placement: Placement | None, *, split: bool) -> Any
         leaf, jax.Array) and jax.typeof(leaf).sharding.mesh.empty else leaf, tree)
 
 
-def put(tree: Any, shardings: Any) -> Any:
+def put(tree: T, shardings: PyTree) -> T:
     """``tree`` placed leaf by leaf as ``shardings`` (a tree of its structure) says, by
     :func:`put_leaf`.
 
@@ -335,7 +342,7 @@ def put(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(put_leaf, tree, shardings)
 
 
-def put_leaf(leaf: Any, sharding: NamedSharding, *, compare: bool = False) -> Any:
+def put_leaf(leaf: object, sharding: NamedSharding, *, compare: bool = False) -> jax.Array:
     """``jax.device_put(leaf, sharding)``, without an all-gather across processes.
 
     For a sharding over several processes' devices, ``jax.device_put`` of a host value
@@ -358,15 +365,15 @@ def put_leaf(leaf: Any, sharding: NamedSharding, *, compare: bool = False) -> An
     return jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
 
 
-def _cuttable(leaf: Any) -> bool:
+def _cuttable(leaf: object) -> bool:
     """Whether each process can cut its pieces of ``leaf`` from a NumPy copy and get what
     ``jax.device_put`` gives: NumPy arrays and arrays on this process's devices, but not
     keys, tracers, Python scalars (weakly typed in JAX) or arrays already across processes."""
     if isinstance(leaf, np.ndarray | np.generic):
         return True
-    return (isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+    return (isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer)
             and leaf.is_fully_addressable and not leaf.weak_type
-            and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
+            and not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key))
 
 
 def _follow(spec: PartitionSpec, parameter: tuple[int, ...], shape: tuple[int, ...]

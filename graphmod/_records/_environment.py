@@ -5,9 +5,10 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import sys
-from typing import Any
 
 import jax
+
+from graphmod.typing import JSON
 
 _DISTRIBUTIONS = ("jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint", "graphmod")
 
@@ -30,7 +31,7 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def platform_record() -> dict[str, Any]:
+def platform_record() -> dict[str, JSON]:
     """Operating system, machine, JAX backend, device kinds and numerics settings."""
     devices = jax.devices()
     return {
@@ -41,11 +42,17 @@ def platform_record() -> dict[str, Any]:
         "device_kinds": sorted({d.device_kind for d in devices}),
         "device_count": len(devices),
         "process_count": jax.process_count(),
-        "x64": bool(jax.config.jax_enable_x64),
-        "default_matmul_precision": (None if jax.config.jax_default_matmul_precision is None
-                                     else str(jax.config.jax_default_matmul_precision)),
-        "default_prng_impl": str(jax.config.jax_default_prng_impl),
+        "x64": bool(_flag("jax_enable_x64")),
+        "default_matmul_precision": (None if _flag("jax_default_matmul_precision") is None
+                                     else str(_flag("jax_default_matmul_precision"))),
+        "default_prng_impl": str(_flag("jax_default_prng_impl")),
     }
+
+
+def _flag(name: str) -> object:
+    """A JAX flag's current value (``jax.config`` sets its attributes at import, so a type
+    checker does not know them)."""
+    return getattr(jax.config, name)
 
 
 

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 from graphmod._core._codec import hash_array, host_array
+
+if TYPE_CHECKING:
+    from jax.extend.core import ClosedJaxpr
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def canonical_text(jaxpr: Any) -> str:
+def canonical_text(jaxpr: ClosedJaxpr) -> str:
     """The printout of a closed jaxpr with what varies between processes removed.
 
     Examples:
@@ -31,7 +34,7 @@ def canonical_text(jaxpr: Any) -> str:
     return _ADDRESS.sub("", text)
 
 
-def fingerprint(jaxpr: Any) -> str:
+def fingerprint(jaxpr: ClosedJaxpr) -> str:
     """``"sha256:<hex>"`` of a closed jaxpr's canonical text and constants.
 
     Examples:

@@ -12,12 +12,19 @@ import json
 import math
 import types
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NoReturn, TypeAlias
 
 import numpy as np
 
+from graphmod.typing import JSON
 
-class FrozenDict(Mapping):
+Frozen: TypeAlias = "bool | int | float | str | tuple[Frozen, ...] | FrozenDict | None"
+"""A frozen JSON value (see the module docstring)."""
+
+
+# Values are read as Any: records are navigated by the keys their kind holds, like the
+# json.loads output they round-trip with (each value is a Frozen one).
+class FrozenDict(Mapping[str, Any]):
     """An immutable mapping with str keys (insertion order kept) of frozen values.
 
     Examples:
@@ -28,13 +35,15 @@ class FrozenDict(Mapping):
     """
 
     __slots__ = ("_data", "_hash")
+    _data: types.MappingProxyType[str, Frozen]
+    _hash: int | None  # computed when first asked for
 
-    def __init__(self, data: Mapping[str, Any]) -> None:
+    def __init__(self, data: Mapping[str, Frozen]) -> None:
         # A read-only view of a dict nothing else references: no way in to change it.
         object.__setattr__(self, "_data", types.MappingProxyType(dict(data)))
         object.__setattr__(self, "_hash", None)
 
-    def __setattr__(self, key: str, value: Any) -> None:
+    def __setattr__(self, key: str, value: object) -> None:
         raise AttributeError("provenance values are immutable")
 
     def __delattr__(self, key: str) -> None:
@@ -55,9 +64,11 @@ class FrozenDict(Mapping):
         return NotImplemented
 
     def __hash__(self) -> int:
-        if self._hash is None:
-            object.__setattr__(self, "_hash", hash(canonical_json(self)))
-        return self._hash  # type: ignore[return-value]
+        known = self._hash
+        if known is None:
+            known = hash(canonical_json(self))
+            object.__setattr__(self, "_hash", known)
+        return known
 
     def __repr__(self) -> str:
         return repr(dict(self._data))
@@ -65,14 +76,14 @@ class FrozenDict(Mapping):
     def __copy__(self) -> FrozenDict:
         return self
 
-    def __deepcopy__(self, memo: dict) -> FrozenDict:
+    def __deepcopy__(self, memo: dict[int, object]) -> FrozenDict:
         return self
 
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+    def __reduce__(self) -> tuple[type[FrozenDict], tuple[dict[str, Frozen]]]:
         return FrozenDict, (dict(self._data),)
 
 
-def freeze(value: Any, where: str = "value") -> Any:
+def freeze(value: object, where: str = "value") -> Frozen:
     """``value`` as a frozen JSON value; raises naming ``where`` for anything else."""
     if value is None or isinstance(value, bool | str):
         return value
@@ -86,7 +97,7 @@ def freeze(value: Any, where: str = "value") -> Any:
     if isinstance(value, FrozenDict):
         return value
     if isinstance(value, Mapping):
-        out = {}
+        out: dict[str, Frozen] = {}
         for key, item in value.items():
             if not isinstance(key, str):
                 raise TypeError(f"{where}: provenance keys must be strings, got {key!r}")
@@ -98,7 +109,7 @@ def freeze(value: Any, where: str = "value") -> Any:
                     "(None, bool, int, float, str, list or dict)")
 
 
-def thaw(value: Any) -> Any:
+def thaw(value: Frozen) -> JSON:
     """A frozen value as plain dicts and lists (for ``json.dumps``)."""
     if isinstance(value, Mapping):
         return {key: thaw(item) for key, item in value.items()}
@@ -107,13 +118,13 @@ def thaw(value: Any) -> Any:
     return value
 
 
-def to_text(value: Any, *, indent: int | None = None, sort_keys: bool = False) -> str:
+def to_text(value: Frozen, *, indent: int | None = None, sort_keys: bool = False) -> str:
     """JSON text of a frozen value (strict: no NaN)."""
     return json.dumps(thaw(value), indent=indent, sort_keys=sort_keys, allow_nan=False,
                       ensure_ascii=False, separators=None if indent else (",", ":"))
 
 
-def canonical_json(value: Any) -> str:
+def canonical_json(value: Frozen) -> str:
     """The canonical text of a frozen value: sorted keys, no spaces."""
     return to_text(value, sort_keys=True)
 
@@ -123,12 +134,12 @@ def sha256(text: str) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
-def _reject_constant(name: str) -> Any:
+def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"provenance JSON: {name} is not valid JSON (write non-finite floats as "
                      '{"$float": "nan"})')
 
 
-def parse(text: str | bytes) -> Any:
+def parse(text: str | bytes) -> Frozen:
     """Parses JSON text into a frozen value; only data, never code (no object hooks)."""
     if isinstance(text, bytes):
         text = text.decode()

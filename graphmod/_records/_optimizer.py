@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import inspect
 import json
+import types
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import optax
 
 from graphmod._core._bricks._construction import CONFIG, Encoder, encode_arguments
+from graphmod.typing import JSON
 
 
 class _Recorded:
     """The recorded configuration, kept as JSON text in the instance's ``__dict__``."""
 
     @property
-    def config(self) -> dict[str, Any]:
+    def config(self) -> dict[str, Any]:  # JSON read back, navigated by its known keys
         """``{"name": ..., "arguments": ..., "defaults": ...}`` as recorded."""
         return json.loads(vars(self)[CONFIG])
 
@@ -35,18 +37,18 @@ class RecordedSchedule(_Recorded):
     """An optax schedule (or any optax function's callable result) that remembers how it
     was made; calls the schedule."""
 
-    def __init__(self, schedule: Any, record: dict[str, Any]) -> None:
+    def __init__(self, schedule: Callable[..., object], record: Mapping[str, JSON]) -> None:
         self._schedule = schedule
         self.__dict__[CONFIG] = json.dumps(record)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # optax's: what the schedule takes
         return self._schedule(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"RecordedSchedule({self.config['name']!r})"
 
 
-def optax_factory(name: Any) -> Any:
+def optax_factory(name: object) -> Callable[..., object]:
     if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
         raise ValueError(f"optimizer({name!r}): expected the name of an optax function, "
                          "e.g. 'adam' or 'sgd'")
@@ -57,7 +59,7 @@ def optax_factory(name: Any) -> Any:
     return factory
 
 
-def optimizer(name: str, *args: Any, **kwargs: Any) -> Any:
+def optimizer(name: str, *args: object, **kwargs: object) -> Any:  # its type: by the name
     """``optax.<name>(*args, **kwargs)``, with its name and arguments recorded.
 
     :func:`graphmod.optimize` puts the record in the training provenance, and
@@ -103,7 +105,8 @@ def optimizer(name: str, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
-def config_record(name: str, factory: Any, args: tuple, kwargs: Mapping[str, Any]) -> dict:
+def config_record(name: str, factory: Callable[..., object], args: tuple[object, ...],
+                  kwargs: Mapping[str, object]) -> dict[str, JSON]:
     """The recorded configuration of ``factory(*args, **kwargs)`` named ``name``."""
     encode = Encoder(by_path=False)
     try:
@@ -116,16 +119,17 @@ def config_record(name: str, factory: Any, args: tuple, kwargs: Mapping[str, Any
     return {"name": name, "arguments": arguments, "defaults": defaults}
 
 
-def optimizer_record(tx: Any, config: Mapping[str, Any] | None) -> dict[str, Any]:
+def optimizer_record(tx: object, config: Mapping[str, object] | None) -> dict[str, JSON]:
     """What the training provenance says about ``tx``: its recorded configuration, the
     explicit ``config``, or its type alone."""
     if config is not None:
-        if not isinstance(config, Mapping) or not isinstance(config.get("name"), str):
+        name = config.get("name") if isinstance(config, Mapping) else None
+        if not isinstance(name, str):
             raise TypeError("optimize(config=...): expected a dict with the optimizer's "
                             "'name' and its hyperparameters, e.g. {'name': 'adam', "
                             f"'learning_rate': 1e-3}}; got {config!r}")
         encode = Encoder(by_path=False)
-        return {"name": config["name"], "source": "explicit",
+        return {"name": name, "source": "explicit",
                 "arguments": {k: encode(v) for k, v in config.items() if k != "name"}}
     recorded = vars(tx).get(CONFIG) if hasattr(tx, "__dict__") else None
     if recorded is not None:
@@ -139,7 +143,7 @@ _DEEPEST = 12  # closures nested deeper than this are cut ("...")
 _LONGEST = 2000  # a longer description is cut, and ends with its full text's CRC-32
 
 
-def structure(tx: Any) -> str:
+def structure(tx: object) -> str:
     """What an optax transformation made without :func:`optimizer` is, read from its
     functions' closures: each optax function by name with the numbers, strings and
     transformations it closed over, wrappers that only pass on another transformation
@@ -160,7 +164,7 @@ def structure(tx: Any) -> str:
     return f"{text[:_LONGEST]}... (crc32 {zlib.crc32(text.encode()):08x})"
 
 
-def _described(value: Any, depth: int) -> str:
+def _described(value: object, depth: int) -> str:
     """One value closed over by an optax function, described for :func:`structure`."""
     if depth > _DEEPEST:
         return "..."
@@ -182,7 +186,7 @@ def _described(value: Any, depth: int) -> str:
     return f"{type(value).__module__}.{type(value).__qualname__}"
 
 
-def _function(fn: Any, depth: int) -> str:
+def _function(fn: types.FunctionType, depth: int) -> str:
     """An optax function by name with what it closed over; another by its import path."""
     if not (fn.__module__ or "").startswith("optax"):
         return f"{fn.__module__}.{fn.__qualname__}"

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from graphmod._core._naming import did_you_mean
 from graphmod._core._number_checks import is_whole_number
 from graphmod._records._frozen import (
+    Frozen,
     FrozenDict,
     canonical_json,
     freeze,
@@ -38,7 +39,7 @@ class ProvenanceError(ValueError):
     """
 
 
-def is_record(value: Any) -> bool:
+def is_record(value: object) -> bool:
     """Whether ``value`` is a record as ``Provenance.to_dict`` writes it (four fields)."""
     return isinstance(value, Mapping) and set(value) == {"format", "kind", "inputs", "derived"}
 
@@ -73,8 +74,8 @@ class Provenance:
 
     __slots__ = ("_derived", "_format", "_inputs", "_kind")
 
-    def __init__(self, kind: str, inputs: Mapping[str, Any],
-                 derived: Mapping[str, Any] | None = None, *, format: int = FORMAT) -> None:
+    def __init__(self, kind: str, inputs: Mapping[str, object],
+                 derived: Mapping[str, object] | None = None, *, format: int = FORMAT) -> None:
         if kind not in KINDS:
             raise ValueError(f"Provenance(kind={kind!r}): must be one of {', '.join(KINDS)}")
         if not is_whole_number(format) or format > FORMAT:
@@ -89,7 +90,7 @@ class Provenance:
         object.__setattr__(self, "_inputs", freeze(inputs, "inputs"))
         object.__setattr__(self, "_derived", freeze(derived or {}, "derived"))
 
-    def __setattr__(self, key: str, value: Any) -> None:
+    def __setattr__(self, key: str, value: object) -> None:
         raise AttributeError(f"Provenance records are immutable: cannot set {key!r}")
 
     def __delattr__(self, key: str) -> None:
@@ -125,7 +126,7 @@ class Provenance:
                        f"{did_you_mean(field, [*self._inputs, *self._derived])}; inputs: "
                        f"{', '.join(self._inputs)}; derived: {', '.join(self._derived)}")
 
-    def get(self, field: str, default: Any = None) -> Any:
+    def get(self, field: str, default: object = None) -> Any:
         """The input or derived ``field``, or ``default``."""
         try:
             return self[field]
@@ -178,7 +179,7 @@ class Provenance:
         return out
 
     # -- JSON -----------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:  # JSON, read as a record's kind lays it out
         """The record as plain dicts and lists."""
         return {"format": self._format, "kind": self._kind, "inputs": thaw(self._inputs),
                 "derived": thaw(self._derived)}
@@ -225,7 +226,7 @@ class Provenance:
         return cls.from_dict(value)
 
     @classmethod
-    def from_dict(cls, record: Mapping[str, Any]) -> Provenance:
+    def from_dict(cls, record: object) -> Provenance:
         """A record from :meth:`to_dict`'s mapping (checked; nothing is imported).
 
         Raises:
@@ -263,8 +264,8 @@ class Provenance:
     def __hash__(self) -> int:
         return hash(canonical_json(self._frozen()))
 
-    def replace(self, *, inputs: Mapping[str, Any] | None = None,
-                derived: Mapping[str, Any] | None = None) -> Provenance:
+    def replace(self, *, inputs: Mapping[str, object] | None = None,
+                derived: Mapping[str, object] | None = None) -> Provenance:
         """A new record with these input and derived fields added or replaced.
 
         Examples:
@@ -278,10 +279,10 @@ class Provenance:
     def __copy__(self) -> Provenance:
         return self
 
-    def __deepcopy__(self, memo: dict) -> Provenance:
+    def __deepcopy__(self, memo: dict[int, object]) -> Provenance:
         return self
 
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
+    def __reduce__(self) -> tuple[Callable[[str], Provenance], tuple[str]]:
         return Provenance.from_json, (self.to_json(indent=None),)
 
     # -- display --------------------------------------------------------------------------------
@@ -315,7 +316,7 @@ class Provenance:
                 "</pre></details>")
 
 
-def _models_lines(inputs: Mapping[str, Any], models: Mapping[str, Provenance | None]
+def _models_lines(inputs: FrozenDict, models: Mapping[str, Provenance | None]
                   ) -> list[tuple[str, str]]:
     """Summary lines of each model of a run of several models: when it steps, what it
     reads, and its own record's model, managers, optimizer and fingerprint."""
@@ -335,7 +336,7 @@ def _models_lines(inputs: Mapping[str, Any], models: Mapping[str, Provenance | N
     return lines
 
 
-def several_models(record: Provenance) -> tuple[Any, ...] | None:
+def several_models(record: Provenance) -> tuple[str, ...] | None:
     """The model names of a training record of several models (its ``order``), or None for
     any other record (one without ``models`` and ``order``).
 
@@ -361,8 +362,8 @@ def _excerpt(text: str, position: int) -> str:
     return text[max(0, position - 10):position + 20]
 
 
-def _strip_derived(value: Any) -> Any:
-    if is_record(value):
+def _strip_derived(value: Frozen) -> Frozen:
+    if isinstance(value, FrozenDict) and is_record(value):
         return FrozenDict({"kind": value["kind"], "inputs": _strip_derived(value["inputs"])})
     if isinstance(value, Mapping):
         return FrozenDict({k: _strip_derived(v) for k, v in value.items()})

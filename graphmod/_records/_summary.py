@@ -3,13 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from graphmod._core._codec import TAGS, cut
 from graphmod._core._codec import call_text as tag_call_text
+from graphmod._records._frozen import FrozenDict
 
 
-def readable(value: Any, limit: int = 80) -> str:
+class _Summarised(Protocol):
+    """A record as its summary reads it: a :class:`graphmod.Provenance` (whose module
+    imports this one)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def inputs(self) -> FrozenDict: ...
+
+    @property
+    def derived(self) -> FrozenDict: ...
+
+    @property
+    def inputs_hash(self) -> str: ...
+
+    @property
+    def model(self) -> _Summarised | None: ...
+
+
+def readable(value: object, limit: int = 80) -> str:
     """A recorded value as short text: tags shown as what they stand for.
 
     Examples:
@@ -20,7 +41,7 @@ def readable(value: Any, limit: int = 80) -> str:
     return cut(_text(value), limit)
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     if isinstance(value, Mapping):
         if len(value) == 1 and next(iter(value)) in TAGS:
             (tag, inner), = value.items()
@@ -33,12 +54,12 @@ def _text(value: Any) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-def call_text(name: Any, arguments: Mapping[str, Any], limit: int = 200) -> str:
+def call_text(name: object, arguments: Mapping[str, object], limit: int = 200) -> str:
     """``name(arg=value, ...)`` of recorded arguments."""
     return tag_call_text(name, arguments, _text, limit)
 
 
-def _model_line(inputs: Mapping[str, Any]) -> str | None:
+def _model_line(inputs: FrozenDict) -> str | None:
     bricks = inputs.get("bricks")
     if not bricks:
         return None
@@ -85,7 +106,7 @@ def optimizer_text(opt: Mapping[str, Any], hint: bool = False) -> str:
         if hint else "")
 
 
-def summary_lines(prov: Any) -> list[tuple[str, str]]:
+def summary_lines(prov: _Summarised) -> list[tuple[str, str]]:
     """``(field, text)`` lines summarising a record."""
     inputs, derived = prov.inputs, prov.derived
     lines: list[tuple[str, str]] = [("record", f"{prov.kind}, inputs {prov.inputs_hash[:19]}…")]
@@ -98,7 +119,7 @@ def summary_lines(prov: Any) -> list[tuple[str, str]]:
         + _environment_lines(inputs)
 
 
-def _configuration_lines(inputs: Mapping[str, Any]) -> list[tuple[str, str]]:
+def _configuration_lines(inputs: FrozenDict) -> list[tuple[str, str]]:
     """What a record was made from: model, managers, optimizer, data, metrics, seeds."""
     lines: list[tuple[str, str]] = []
     model = _model_line(inputs)
@@ -120,7 +141,7 @@ def _configuration_lines(inputs: Mapping[str, Any]) -> list[tuple[str, str]]:
     return lines
 
 
-def _outcome_lines(derived: Mapping[str, Any]) -> list[tuple[str, str]]:
+def _outcome_lines(derived: FrozenDict) -> list[tuple[str, str]]:
     """What came of it: fingerprint, steps or examples, times."""
     lines: list[tuple[str, str]] = []
     if derived.get("fingerprint"):
@@ -137,7 +158,7 @@ def _outcome_lines(derived: Mapping[str, Any]) -> list[tuple[str, str]]:
     return lines
 
 
-def _environment_lines(inputs: Mapping[str, Any]) -> list[tuple[str, str]]:
+def _environment_lines(inputs: FrozenDict) -> list[tuple[str, str]]:
     """Where it ran: library versions and platform."""
     lines: list[tuple[str, str]] = []
     versions = inputs.get("versions")

@@ -13,12 +13,15 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
+
+Field: TypeAlias = str | int | None
+"""A field of a batch: a dict's key, a tuple's or list's index, None for the batch itself."""
 
 
-def step_arguments(batch: Any) -> tuple[tuple, dict]:
+def step_arguments(batch: object) -> tuple[tuple[object, ...], dict[str, Any]]:
     """``(args, kwargs)`` a batch is passed as: a dict by name, a tuple or list by
-    position, anything else as the one argument.
+    position, anything else as the one argument (the fields, forwarded verbatim).
 
     Examples:
         >>> from graphmod._train._batch import step_arguments
@@ -32,7 +35,7 @@ def step_arguments(batch: Any) -> tuple[tuple, dict]:
     return (batch,), {}
 
 
-def fields_of(batch: Any) -> list[Any]:
+def fields_of(batch: object) -> list[Field]:
     """The fields of a batch: a dict's keys, a tuple's indices, ``[None]`` for one array."""
     if isinstance(batch, Mapping):
         return list(batch)
@@ -41,9 +44,23 @@ def fields_of(batch: Any) -> list[Any]:
     return [None]
 
 
-def pick(batch: Any, field: Any) -> Any:
-    """The field of a batch (``None``: the batch itself)."""
-    return batch if field is None else batch[field]
+def pick(batch: object, field: Field) -> Any:
+    """The field of a batch (``None``: the batch itself): the user's data as it is, for the
+    user's function or metric.
+
+    Examples:
+        >>> from graphmod._train._batch import pick
+        >>> pick({"x": 1}, "x"), pick((1, 2), 1), pick(3, None)
+        (1, 2, 3)
+    """
+    if field is None:
+        return batch
+    if isinstance(batch, Mapping):
+        return batch[field]
+    if isinstance(batch, tuple | list) and isinstance(field, int):
+        return batch[field]
+    raise TypeError(f"a {type(batch).__name__} batch has no field {field!r}: only a dict "
+                    "batch has named fields and a tuple or list batch numbered ones")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +75,14 @@ class Binding:
         ((1,), {})
     """
 
-    fields: tuple[Any, ...]
+    fields: tuple[Field, ...]
     by_name: bool = False
 
-    def arguments(self, batch: Any) -> tuple[tuple, dict]:
-        """``(args, kwargs)`` for the function, from ``batch``."""
-        if self.by_name:
-            return (), {field: batch[field] for field in self.fields}
+    def arguments(self, batch: object) -> tuple[tuple[object, ...], dict[str, Any]]:
+        """``(args, kwargs)`` for the function, from ``batch`` (forwarded verbatim)."""
+        if self.by_name:  # bind names only string fields (keywords are strings)
+            return (), {field: pick(batch, field) for field in self.fields
+                        if isinstance(field, str)}
         return tuple(pick(batch, field) for field in self.fields), {}
 
 
@@ -79,7 +97,7 @@ class _Parameters:
     var_kwargs: bool
 
 
-def _parameters(fn: Callable[..., Any]) -> _Parameters:
+def _parameters(fn: Callable[..., object]) -> _Parameters:
     try:
         parameters = list(inspect.signature(fn).parameters.values())[1:]
     except (TypeError, ValueError):
@@ -96,7 +114,7 @@ def _parameters(fn: Callable[..., Any]) -> _Parameters:
         var_kwargs=any(p.kind is kinds.VAR_KEYWORD for p in parameters))
 
 
-def bind(fn: Callable[..., Any], batch: Any, *, who: str, source: str, spare: int = 0,
+def bind(fn: Callable[..., object], batch: object, *, who: str, source: str, spare: int = 0,
          hint: str = "") -> Binding:
     """The :class:`Binding` of ``batch``'s fields to ``fn(model, ...)``'s arguments.
 
@@ -115,6 +133,11 @@ def bind(fn: Callable[..., Any], batch: Any, *, who: str, source: str, spare: in
     takes = _parameters(fn)
     if isinstance(batch, Mapping):
         if takes.var_kwargs:
+            unnamed = [field for field in batch if not isinstance(field, str)]
+            if unnamed:
+                raise ValueError(f"{who}: the fields {unnamed} of the source {source!r} are not "
+                                 "strings, and the program's **kwargs takes fields by name; "
+                                 "name them with strings")
             return Binding(tuple(batch), by_name=True)
         missing = [name for name in takes.required if name not in batch]
         if missing:
@@ -135,7 +158,7 @@ def bind(fn: Callable[..., Any], batch: Any, *, who: str, source: str, spare: in
     return Binding((None,))
 
 
-def bind_fields(batch: Any, inputs: Sequence[Any], *, who: str, source: str) -> Binding:
+def bind_fields(batch: object, inputs: Sequence[Field], *, who: str, source: str) -> Binding:
     """The :class:`Binding` of the named fields, passed by position (``inputs=``).
 
     Examples:
@@ -152,8 +175,8 @@ def bind_fields(batch: Any, inputs: Sequence[Any], *, who: str, source: str) -> 
     return Binding(tuple(inputs))
 
 
-def target_field(batch: Any, binding: Binding, targets: Any, *, who: str,
-                 source: str) -> Any:
+def target_field(batch: object, binding: Binding, targets: Field, *, who: str,
+                 source: str) -> Field:
     """The field of the targets: ``targets`` if given (checked), else the one field the
     binding leaves over (None when there is none, or several).
 
@@ -172,5 +195,5 @@ def target_field(batch: Any, binding: Binding, targets: Any, *, who: str,
     return targets
 
 
-def _shown(batch: Any) -> str:
+def _shown(batch: object) -> str:
     return ", ".join(map(repr, fields_of(batch)))

@@ -44,9 +44,12 @@ import site
 import sys
 import sysconfig
 from collections.abc import Sequence
-from typing import Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, NamedTuple, NoReturn, TypeGuard
 
 from graphmod import distributed
+
+if TYPE_CHECKING:
+    from graphmod.typing import JSON
 
 
 def working_directory() -> str | None:
@@ -88,7 +91,7 @@ class ResumeRefusedError(ValueError):
     """
 
 
-def recorded_command(cwd: str | None = None) -> dict[str, Any]:
+def recorded_command(cwd: str | None = None) -> dict[str, JSON]:
     """How the current process was started, as JSON data for a checkpoint; ``cwd``: the
     working directory the run started in (a ``Loop`` notes it when it is made, so a script's
     relative arguments stay relative to it even if the script changes directory later;
@@ -113,7 +116,7 @@ def recorded_command(cwd: str | None = None) -> dict[str, Any]:
     """
     argv = [str(arg) for arg in getattr(sys, "argv", [])]
     cwd = working_directory() if cwd is None else cwd
-    record: dict[str, Any] = {"kind": "unknown", "argv": argv, "cwd": cwd}
+    record: dict[str, JSON] = {"kind": "unknown", "argv": list(argv), "cwd": cwd}
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     if _in_kernel(argv):
@@ -127,7 +130,7 @@ def recorded_command(cwd: str | None = None) -> dict[str, Any]:
     elif spec is None:
         script = _main_script(getattr(main, "__file__", None), argv[0], cwd)
         if script is not None:
-            record.update(kind="script", script=script, args=argv[1:],
+            record.update(kind="script", script=script, args=list(argv[1:]),
                           script_sha256=_first_sha256(script))
     return {**record, **_processes()}
 
@@ -162,7 +165,7 @@ _POD_FACTS = {"jobset": "JOBSET_NAME", "job": "REPLICATED_JOB_NAME", "pod": "HOS
 _FACTS = {"slurm": _SLURM_FACTS, "kubernetes": _POD_FACTS, "gketpu": _POD_FACTS}
 
 
-def _processes() -> dict[str, Any]:
+def _processes() -> dict[str, JSON]:
     """``{"processes": N, "launcher": ..., ...}`` in a process of a run of several (the one
     it joined, else the one ``graphmod run --processes N`` started it in: D devices when its
     XLA flags set them); ``{}`` in a process alone."""
@@ -172,7 +175,7 @@ def _processes() -> dict[str, Any]:
             count = int(os.environ.get(distributed.NUM_PROCESSES, "1"))
         except ValueError:
             return {}
-        record: dict[str, Any] = {"processes": count}
+        record: dict[str, JSON] = {"processes": count}
     else:
         count = launch.num_processes or 1
         record = {"processes": count, "launcher": launch.launcher}
@@ -183,12 +186,13 @@ def _processes() -> dict[str, Any]:
             name, _, value = flag.partition("=")
             if name == distributed.DEVICE_COUNT_FLAG and value.isdigit():
                 record["devices_per_process"] = int(value)
-    facts = {field: os.environ[name] for field, name in
-             _FACTS.get(record.get("launcher", ""), {}).items() if name in os.environ}
+    launcher = record.get("launcher", "")
+    facts: dict[str, JSON] = {field: os.environ[name] for field, name in _FACTS.get(
+        launcher if isinstance(launcher, str) else "", {}).items() if name in os.environ}
     return {**record, **({"job": facts} if facts else {})}
 
 
-def _main_script(file: Any, argv0: str, cwd: str | None) -> str | None:
+def _main_script(file: object, argv0: str, cwd: str | None) -> str | None:
     """The resolved path of ``__main__``'s file when it is the file ``sys.argv[0]`` names
     (relative to ``cwd``)."""
     if not isinstance(file, str) or not os.path.isfile(file):
@@ -198,7 +202,7 @@ def _main_script(file: Any, argv0: str, cwd: str | None) -> str | None:
     return script if same else None
 
 
-def _ipython_shell() -> Any:
+def _ipython_shell() -> object:
     """The running IPython shell, if IPython is loaded and one runs (never imports IPython)."""
     for getter in (getattr(builtins, "get_ipython", None),  # set while a shell runs code
                    getattr(sys.modules.get("IPython"), "get_ipython", None)):
@@ -235,7 +239,7 @@ def _connection_file(path: str) -> bool:
     return name.startswith("kernel") and name.endswith(".json")
 
 
-def command_text(record: Any) -> str:
+def command_text(record: JSON) -> str:
     """A one-line, human-readable account of a recorded command (for ``graphmod inspect``).
 
     Examples:
@@ -252,7 +256,8 @@ def command_text(record: Any) -> str:
         return f"unreadable record {record!r}"
     cwd = record.get("cwd")
     if record.get("kind") == "script":
-        words = [str(record.get("script")), *map(str, record.get("args") or [])]
+        args = record.get("args") or []
+        words = [str(record.get("script")), *map(str, args if isinstance(args, list) else [args])]
         processes = record.get("processes")
         devices = record.get("devices_per_process")
         many = "" if processes is None else f"; {processes} processes" + (
@@ -262,7 +267,7 @@ def command_text(record: Any) -> str:
         return f"started with python -m {record.get('module')} (argv {record.get('argv')!r})"
     if "kind" not in record:
         return f"argv {record.get('argv')!r} (old format, in {cwd})"
-    how = _HOW.get(record["kind"], f"of unknown kind {record['kind']!r}")
+    how = _HOW.get(_kind(record["kind"]), f"of unknown kind {record['kind']!r}")
     return f"started {how} (argv {record.get('argv')!r}, in {cwd})"
 
 
@@ -310,7 +315,7 @@ class ResumeCommand(NamedTuple):
     sha256: str
 
 
-def resume_command(record: Any, directory: str | os.PathLike, *,
+def resume_command(record: JSON, directory: str | os.PathLike, *,
                    script: str | os.PathLike | None = None,
                    trusted: str | os.PathLike | None = None,
                    in_place: bool = False) -> ResumeCommand:
@@ -367,7 +372,8 @@ def resume_command(record: Any, directory: str | os.PathLike, *,
         path, found = _trusted_script(recorded, digest, directory, os.path.realpath(anchor))
     else:
         path, found = _named_script(os.fspath(script), recorded, digest, directory)
-    if not isinstance(args, list) or not all(isinstance(a, str) and "\0" not in a for a in args):
+    arguments = _strings(args)
+    if arguments is None or any("\0" in a for a in arguments):
         _refuse(f"{directory} recorded the arguments {args!r}, not a list of plain strings",
                 directory)
     if not isinstance(cwd, str) or not os.path.isdir(cwd):
@@ -375,17 +381,17 @@ def resume_command(record: Any, directory: str | os.PathLike, *,
                 directory)
     launch = [] if in_place else _launch(record, directory, path if script else None)
     # "--" ends the options: neither the script nor its arguments can be read as one.
-    argv = ([*CLI, "run", *launch, "--", path, *args] if launch
-            else [sys.executable, "--", path, *args])
+    argv = ([*CLI, "run", *launch, "--", path, *arguments] if launch
+            else [sys.executable, "--", path, *arguments])
     return ResumeCommand(argv, cwd, path, found)
 
 
-def _whole(n: Any, most: float) -> bool:
+def _whole(n: object, most: float) -> TypeGuard[int]:
     """Whether ``n`` is a whole number from 1 to ``most`` (a bool is no count)."""
     return type(n) is int and 1 <= n <= most
 
 
-def _launch(record: Any, directory: str, script: str | None) -> list[str]:
+def _launch(record: JSON, directory: str, script: str | None) -> list[str]:
     """``graphmod run``'s options that start a multi-process run again (``[]`` for a run
     of one process); refuses counts that are not whole numbers within bounds, and a run
     another launcher started (:func:`_resubmit`)."""
@@ -435,14 +441,14 @@ def _submit_command(launcher: str, count: int, facts: dict[str, str],
     return None
 
 
-def _job_facts(record: dict[str, Any]) -> dict[str, str]:
+def _job_facts(record: dict[str, JSON]) -> dict[str, str]:
     """The scheduler's facts a record holds, those that are plain strings or numbers."""
     job = record.get("job")
     return {str(k): str(v) for k, v in job.items() if type(v) in (str, int)} \
         if isinstance(job, dict) else {}
 
 
-def launch_text(record: Any) -> str:
+def launch_text(record: JSON) -> str:
     """How a recorded run's processes were launched, in one line (``graphmod inspect``).
 
     Examples:
@@ -466,7 +472,7 @@ def launch_text(record: Any) -> str:
     return f"{launcher}: {count} processes" + (f" ({facts})" if facts else "")
 
 
-def _resubmit(record: dict[str, Any], directory: str, script: str | None) -> NoReturn:
+def _resubmit(record: dict[str, JSON], directory: str, script: str | None) -> NoReturn:
     """Raises :class:`ResubmitRequiredError` for a run ``record``'s launcher started."""
     launcher, count = str(record.get("launcher")), record.get("processes")
     if not _whole(count, float("inf")):
@@ -542,7 +548,7 @@ def _named_script(named: str, recorded: str, digest: str | None,
                 "run your script again yourself with Checkpoint(DIR, resume=True).")
 
 
-def _script_record(record: Any, directory: str) -> tuple[Any, Any, Any, str | None]:
+def _script_record(record: JSON, directory: str) -> tuple[JSON, JSON, JSON, str | None]:
     """``(script, args, cwd, sha256)`` from a new or old-format record (an old one, or a hash
     that is no string, has no hash); refuses every other kind."""
     if isinstance(record, list):
@@ -559,24 +565,37 @@ def _script_record(record: Any, directory: str) -> tuple[Any, Any, Any, str | No
     if kind == "module":
         how = f"with python -m {record.get('module')}"
     else:
-        how = _HOW.get(kind, f"in a way graphmod does not know ({kind!r})")
+        how = _HOW.get(_kind(kind), f"in a way graphmod does not know ({kind!r})")
     _refuse(f"{directory} was started {how} (recorded argv: {record.get('argv')!r})", directory)
 
 
-def _from_old_format(record: dict[str, Any], directory: str) -> dict[str, Any]:
+def _from_old_format(record: dict[str, JSON], directory: str) -> dict[str, JSON]:
     """The record of an old ``{"argv", "cwd"}`` entry: a script only if ``argv[0]`` is an
     existing ``.py`` file."""
-    argv, cwd = record.get("argv"), record.get("cwd", os.getcwd())
-    if isinstance(argv, list) and all(isinstance(arg, str) for arg in argv):
+    argv, cwd = _strings(record.get("argv")), record.get("cwd", os.getcwd())
+    if argv is not None:
         if _kernel_argv(argv):
-            return {"kind": "jupyter", "argv": argv, "cwd": cwd}
+            return {"kind": "jupyter", "argv": list(argv), "cwd": cwd}
         first = argv[0] if argv else ""
         if (isinstance(cwd, str) and not first.startswith("-") and first.endswith(".py")
                 and os.path.isfile(os.path.join(cwd, first))):
-            return {"kind": "script", "script": os.path.join(cwd, first), "args": argv[1:],
-                    "cwd": cwd}
+            return {"kind": "script", "script": os.path.join(cwd, first),
+                    "args": list(argv[1:]), "cwd": cwd}
     _refuse(f"{directory} holds an old-format record whose first argument is not an existing "
-            f".py file (recorded argv: {argv!r})", directory)
+            f".py file (recorded argv: {record.get('argv')!r})", directory)
+
+
+def _strings(value: JSON) -> list[str] | None:
+    """``value`` if it is a list of strings (an argument list), else None."""
+    if not isinstance(value, list):
+        return None
+    strings = [item for item in value if isinstance(item, str)]
+    return strings if len(strings) == len(value) else None
+
+
+def _kind(kind: JSON) -> str:
+    """A recorded kind, to look up (a crafted one need not be a string)."""
+    return kind if isinstance(kind, str) else repr(kind)
 
 
 def _refuse(reason: str, directory: str, fix: str | None = None) -> NoReturn:

@@ -51,7 +51,10 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypedDict, TypeGuard
+
+if TYPE_CHECKING:  # annotations only: this module imports nothing but the standard library
+    from graphmod.typing import JSON
 
 _log = logging.getLogger("graphmod.control")
 
@@ -103,8 +106,26 @@ class Request(NamedTuple):
     and how long the sender waits for the loop to apply it (seconds)."""
 
     command: str
-    args: dict[str, Any]
+    args: dict[str, JSON]
     wait: float
+
+
+class _Address(TypedDict, total=False):
+    """Where a run listens: one of the two."""
+
+    unix: str  # the socket's name in the run directory
+    tcp: tuple[str, int]  # a loopback IP and port, a JSON list [ip, port] in the record
+
+
+class _Endpoint(TypedDict):
+    """The endpoint record, ``graphmod-control.json``: the run's token and address."""
+
+    graphmod: str  # "control"
+    token: str
+    pid: int
+    host: str
+    address: _Address
+    since: str
 
 
 # -- requests ---------------------------------------------------------------------------------
@@ -112,14 +133,14 @@ def _refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _unique_keys(pairs: list[tuple[str, JSON]]) -> dict[str, JSON]:
     keys = [k for k, _ in pairs]
     if len(set(keys)) != len(keys):
         raise ValueError("a field appears twice")
     return dict(pairs)
 
 
-def _json_object(line: bytes) -> dict[str, Any]:
+def _json_object(line: bytes) -> dict[str, JSON]:
     """``line`` as a JSON object (strict: UTF-8, no NaN, no repeated field), or Refused."""
     try:
         value = json.loads(line.decode("utf-8"), parse_constant=_refuse_constant,
@@ -131,11 +152,11 @@ def _json_object(line: bytes) -> dict[str, Any]:
     return value
 
 
-def _number(value: Any) -> bool:
+def _number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def check_token(given: Any, token: str) -> bool:
+def check_token(given: object, token: str) -> bool:
     """Whether ``given`` (from a request) is ``token``, compared in constant time.
 
     Examples:
@@ -178,10 +199,11 @@ def parse_request(line: bytes, token: str) -> Request:
     if not _number(wait) or not 0 <= wait <= MAX_WAIT_S:
         raise Refused(f"wait must be a number of seconds in [0, {MAX_WAIT_S:g}]")
     args = check_arguments(command, request.get("args", {}))
+    assert isinstance(command, str)  # check_arguments refused any other
     return Request(command, args, float(wait))
 
 
-def check_arguments(command: str, args: Any) -> dict[str, Any]:
+def check_arguments(command: object, args: object) -> dict[str, JSON]:
     """``args`` of ``command`` checked: the names it takes, their types (a number is a
     finite int or float, never a bool), a hyperparameter's or event's name.
 
@@ -194,7 +216,7 @@ def check_arguments(command: str, args: Any) -> dict[str, Any]:
         ...
         graphmod._train._control.Refused: set: value must be a finite number, got str
     """
-    if command not in COMMANDS:
+    if not isinstance(command, str) or command not in COMMANDS:
         shown = command if isinstance(command, str) else type(command).__name__
         raise Refused(f"unknown command {shown[:40]!r}; the commands are {', '.join(COMMANDS)}")
     if not isinstance(args, dict):
@@ -206,18 +228,19 @@ def check_arguments(command: str, args: Any) -> dict[str, Any]:
         wanted = ", ".join(f"{k} ({t.__name__})" for k, (t, _) in expected.items()) or "none"
         raise Refused(f"{command}: wrong arguments (unknown {unknown}, missing {missing}); "
                       f"it takes: {wanted}")
-    checked = {}
+    checked: dict[str, JSON] = {}
     for key, value in args.items():
         kind = expected[key][0]
         if not (_number(value) if kind is float else isinstance(value, kind)):
             wanted = "a finite number" if kind is float else f"a {kind.__name__}"
             raise Refused(f"{command}: {key} must be {wanted}, got {type(value).__name__}")
         checked[key] = float(value) if kind is float else value
-    name = checked.get("name")
-    if command == "set" and not _SETTING.fullmatch(name):
+    name = checked.get("name")  # set's and event's, a string (checked above)
+    if command == "set" and isinstance(name, str) and not _SETTING.fullmatch(name):
         raise Refused(f"set: {name[:80]!r} is not a hyperparameter's name (manager/hparam, "
                       "e.g. dropout/rate, or lr)")
-    if command == "event" and (not _EVENT.fullmatch(name) or name in COMMANDS):
+    if command == "event" and isinstance(name, str) and (
+            not _EVENT.fullmatch(name) or name in COMMANDS):
         raise Refused(f"event: {name[:80]!r} is not an event name (letters, digits, _ . -; "
                       f"not a command's name)")
     return checked
@@ -313,13 +336,13 @@ def _unix_path(directory: str, directory_fd: int) -> str:
                      "shorter run directory or Control(address='127.0.0.1:0')")
 
 
-def _connect(address: Mapping[str, Any], directory: str, directory_fd: int,
+def _connect(address: _Address, directory: str, directory_fd: int,
              timeout: float) -> socket.socket:
     """A socket connected to the endpoint ``address`` (a record's), or OSError."""
     if "tcp" in address:
         host, port = address["tcp"]
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        target: Any = (host, port)
+        target: tuple[str, int] | str = (host, port)
     else:
         sock = socket.socket(socket.AF_UNIX)
         target = _unix_path(directory, directory_fd)
@@ -337,7 +360,7 @@ def _open_directory(directory: str) -> int:
     return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
-def read_endpoint(directory_fd: int) -> dict[str, Any] | None:
+def read_endpoint(directory_fd: int) -> _Endpoint | None:
     """The endpoint record in the directory ``directory_fd``: None if there is none, else
     the record, or ValueError saying why the file there is not graphmod's (a link, another
     user's, readable by others, too big, not graphmod's JSON); it is never changed."""
@@ -370,7 +393,7 @@ def read_endpoint(directory_fd: int) -> dict[str, Any] | None:
     return record
 
 
-def _is_record(record: Any) -> bool:
+def _is_record(record: object) -> TypeGuard[_Endpoint]:
     if not (isinstance(record, dict) and record.get("graphmod") == "control"
             and isinstance(record.get("token"), str) and _TOKEN.fullmatch(record["token"])
             and isinstance(record.get("pid"), int) and isinstance(record.get("host"), str)):
@@ -388,7 +411,7 @@ def _is_record(record: Any) -> bool:
         return False
 
 
-def _write_endpoint(directory_fd: int, record: dict[str, Any]) -> os.stat_result:
+def _write_endpoint(directory_fd: int, record: _Endpoint) -> os.stat_result:
     """Creates the endpoint record (never over a file: ``O_EXCL``, no link followed)."""
     fd = os.open(ENDPOINT_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                  | os.O_CLOEXEC, 0o600, dir_fd=directory_fd)
@@ -401,7 +424,7 @@ def _write_endpoint(directory_fd: int, record: dict[str, Any]) -> os.stat_result
         os.close(fd)
 
 
-def _answers(record: Mapping[str, Any], directory: str, directory_fd: int) -> bool:
+def _answers(record: _Endpoint, directory: str, directory_fd: int) -> bool:
     """Whether a run still listens where ``record`` says (a connection is accepted)."""
     if record["host"] != socket.gethostname():
         return True  # another machine's run (a shared file system): not ours to judge
@@ -453,7 +476,7 @@ def _clear_stale(directory: str, directory_fd: int) -> None:
 
 
 # -- the server -----------------------------------------------------------------------------
-Handler = Callable[[Request], dict[str, Any]]
+Handler = Callable[[Request], "dict[str, JSON]"]
 
 
 class ControlServer:
@@ -511,7 +534,7 @@ class ControlServer:
             self.close()
             raise
 
-    def _record(self, address: dict[str, Any]) -> dict[str, Any]:
+    def _record(self, address: _Address) -> _Endpoint:
         return {"graphmod": "control", "token": self._token, "pid": os.getpid(),
                 "host": socket.gethostname(), "address": address,
                 "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
@@ -541,7 +564,7 @@ class ControlServer:
                 listener.bind((host, port))
                 bound = listener.getsockname()[1]
                 self._made[ENDPOINT_NAME] = _write_endpoint(self._fd, self._record(
-                    {"tcp": [host, bound]}))
+                    {"tcp": (host, bound)}))  # JSON writes the pair as [ip, port]
             except BaseException:
                 listener.close()
                 raise
@@ -638,7 +661,7 @@ def _read_line(conn: socket.socket) -> bytes:
     return line
 
 
-def _encoded(answer: dict[str, Any]) -> bytes:
+def _encoded(answer: dict[str, JSON]) -> bytes:
     """``answer`` as one line of strict JSON (no NaN: the handlers write none)."""
     return json.dumps(answer, allow_nan=False).encode() + b"\n"
 
@@ -651,8 +674,8 @@ def _answer(conn: socket.socket, line: bytes) -> None:
 
 
 # -- the client -----------------------------------------------------------------------------
-def send_command(directory: str, command: str, args: Mapping[str, Any] | None = None, *,
-                 wait: float = 5.0) -> dict[str, Any]:
+def send_command(directory: str, command: str, args: Mapping[str, JSON] | None = None, *,
+                 wait: float = 5.0) -> dict[str, JSON]:
     """Sends ``command`` to the run controlled from ``directory`` and returns its answer
     (``{"ok": true, ...}``, or ``{"ok": false, "error": ...}`` when refused). Raises
     :class:`NotRunning` when no run answers there (no record, a record that is not
@@ -702,7 +725,7 @@ def send_command(directory: str, command: str, args: Mapping[str, Any] | None = 
         os.close(fd)
 
 
-def _reply(sock: socket.socket, directory: str) -> dict[str, Any]:
+def _reply(sock: socket.socket, directory: str) -> dict[str, JSON]:
     data = b""
     while b"\n" not in data and len(data) < 1 << 20:
         chunk = sock.recv(65536)
@@ -719,7 +742,7 @@ def _reply(sock: socket.socket, directory: str) -> dict[str, Any]:
 
 
 def command_request(command: str, argument: str | None, *, save: bool = True
-                    ) -> tuple[str, dict[str, Any]]:
+                    ) -> tuple[str, dict[str, JSON]]:
     """The command and arguments ``graphmod control DIR COMMAND [ARG]`` sends: ``set`` takes
     ``NAME=VALUE`` (a number), ``event`` a name, the others nothing; ``save=False`` (the
     ``--no-save`` flag) only goes with ``stop``. A ValueError says what to write instead.
@@ -736,7 +759,7 @@ def command_request(command: str, argument: str | None, *, save: bool = True
         raise ValueError(f"{command} takes no argument (got {argument!r})")
     if not save and command != "stop":
         raise ValueError("--no-save goes with stop only")
-    if command == "set":
+    if command == "set" and argument is not None:  # set takes one (checked above)
         name, equals, text = argument.partition("=")
         try:
             value = float(text)
@@ -751,7 +774,7 @@ def command_request(command: str, argument: str | None, *, save: bool = True
     return command, {} if save else {"save": False}
 
 
-def answer_lines(command: str, answer: Mapping[str, Any]) -> list[str]:
+def answer_lines(command: str, answer: Mapping[str, JSON]) -> list[str]:
     """What ``graphmod control`` prints for ``answer`` to ``command`` (unescaped: the
     caller escapes it for the terminal).
 

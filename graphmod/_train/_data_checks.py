@@ -18,19 +18,19 @@ through ``Vocabulary``, ``OneHot``) is transformed on the host the same way
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 import jax
 import numpy as np
 
 from graphmod._core._program._arguments import argument_names
 from graphmod._core._program._input_transforms import abstract_value
-from graphmod.typing import Batch
+from graphmod._core._program._program_core import ProgramCore
+from graphmod._train._engine import Mask, PaddedSource
 
 __all__ = ["check_evaluation_data", "transformed_targets"]
 
 
-def _fields(batch: Batch) -> dict[str | int, Any]:
+def _fields(batch: object) -> dict[str | int, object]:
     """A batch's fields as the metadata names them: dict keys, tuple indices, or ``0``."""
     if isinstance(batch, Mapping):
         return dict(batch)
@@ -39,10 +39,11 @@ def _fields(batch: Batch) -> dict[str | int, Any]:
     return {0: batch}
 
 
-def check_evaluation_data(program: Any, source: Any, first: Batch, where: str) -> None:
+def check_evaluation_data(program: ProgramCore, source: PaddedSource | Iterable[object],
+                          first: object, where: str) -> None:
     """Refuses ``source`` (``first``: its first batch) when it does not fit the metadata of
     ``program``'s transforms: a field's shape or dtype, a label never seen in training."""
-    transforms = getattr(program, "transforms", None)
+    transforms = program.transforms
     if transforms is None:
         return
     fields = _fields(first)
@@ -70,17 +71,17 @@ def check_evaluation_data(program: Any, source: Any, first: Batch, where: str) -
         metadata.check_labels({f: np.asarray(values[f])[real] for f in labelled}, where)
 
 
-def _padded(source: Any) -> Iterable[tuple[Batch, Any]]:
+def _padded(source: PaddedSource | Iterable[object]) -> Iterable[tuple[object, Mask]]:
     """The source's ``(batch, mask)`` pairs (every row real for a plain iterable)."""
-    if hasattr(source, "iter_padded"):
+    if isinstance(source, PaddedSource):
         return source.iter_padded()
     return ((batch, np.ones(len(jax.tree.leaves(batch)[0]), bool)) for batch in source)
 
 
-def transformed_targets(program: Any, batch: Batch) -> Batch:
+def transformed_targets(program: ProgramCore, batch: object) -> object:
     """``batch`` with the fields ``program``'s function does not take but its transforms
     change replaced by their transformed values (NumPy, on the host)."""
-    transforms = getattr(program, "transforms", None)
+    transforms = program.transforms
     if transforms is None:
         return batch
     names, fields = argument_names(program.fn), _fields(batch)
@@ -92,7 +93,7 @@ def transformed_targets(program: Any, batch: Batch) -> Batch:
         {f: fields[f] for f in targets}).items()})
 
 
-def _replaced(batch: Batch, new: Mapping[str | int, Any]) -> Batch:
+def _replaced(batch: object, new: Mapping[str | int, object]) -> object:
     """``batch`` with the fields in ``new`` replaced."""
     if isinstance(batch, Mapping):
         return {**batch, **new}

@@ -15,16 +15,49 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from graphmod._core._program._program_core import ProgramCore
 from graphmod._core._sharding import mesh_context, on_mesh
-from graphmod._train._batch import Binding, bind, bind_fields, fields_of, pick, target_field
-from graphmod._train._program import Program
+from graphmod._train._batch import (
+    Binding,
+    Field,
+    bind,
+    bind_fields,
+    fields_of,
+    pick,
+    target_field,
+)
 from graphmod.metrics import Metric, get
+from graphmod.typing import Metrics, PyTree, Variables
+
+Mask: TypeAlias = np.ndarray | jax.Array
+"""Which rows of a padded batch are real examples (bool, one per row)."""
+
+Sums: TypeAlias = dict[str, dict[str, jax.Array]]
+"""One batch's sums of each metric, by metric name (``Metric.statistics``)."""
+
+
+@runtime_checkable
+class PaddedSource(Protocol):
+    """Evaluation data whose short final batch is padded and masked, so that every example
+    counts once: a :class:`graphmod.data.ArraySource`, a Grain pipeline's source.
+
+    Examples:
+        >>> import numpy as np
+        >>> from graphmod.data import ArraySource
+        >>> from graphmod._train._engine import PaddedSource
+        >>> isinstance(ArraySource((np.ones((3, 2)),), 2), PaddedSource)
+        True
+    """
+
+    def iter_padded(self) -> Iterable[tuple[object, Mask]]:
+        """Every ``(batch, mask)`` of one pass, the final batch padded to full size."""
+        ...
 
 _KEPT = 8  # engines kept per program: metrics of fresh unhashable settings never match
 
@@ -33,7 +66,7 @@ _KEPT = 8  # engines kept per program: metrics of fresh unhashable settings neve
 class Totals:
     """What an engine's run found: metric results, kept predictions, counts."""
 
-    values: dict[str, Any]
+    values: Metrics
     predictions: np.ndarray | None
     examples: int
     batches: int
@@ -58,21 +91,31 @@ class Engine:
         2
     """
 
-    def __init__(self, program: Program, binding: Binding, target: Any,
+    def __init__(self, program: ProgramCore, binding: Binding, target: Field,
                  metrics: Sequence[Metric], keep: bool = False) -> None:
         self._program = weakref.ref(program)
         self.binding, self.target, self.keep = binding, target, keep
         self.metrics = tuple(metrics)
         self._sums = jax.jit(on_mesh(self._batch_sums, program.placement))
 
-    def outputs(self, variables: dict, batch: Any) -> Any:
-        """The program's predictions for ``batch`` (monitored values left out)."""
+    def _live(self) -> ProgramCore:
+        """The program, which the engine holds weakly (its caller holds it)."""
         program = self._program()
+        if program is None:
+            raise ReferenceError("this evaluation engine's program no longer exists; make "
+                                 "the engine again with engine_for(program, ...)")
+        return program
+
+    def outputs(self, variables: Variables, batch: object) -> Any:
+        """The program's predictions for ``batch`` (monitored values left out): what the
+        user's function returns."""
+        program = self._live()
         args, kwargs = self.binding.arguments(batch)
         out = program.infer(variables, *args, **kwargs)
         return out[0] if program.record.monitor else out  # traced once per engine
 
-    def _batch_sums(self, variables: dict, batch: Any, mask: jax.Array) -> tuple[dict, Any]:
+    def _batch_sums(self, variables: Variables, batch: object, mask: jax.Array
+                    ) -> tuple[Sums, PyTree]:
         outputs = self.outputs(variables, batch)
         weights = mask.astype(jnp.float32)
         targets = None if self.target is None else pick(batch, self.target)
@@ -80,14 +123,14 @@ class Engine:
                 for m in self.metrics}
         return sums, outputs if self.keep else None
 
-    def run(self, variables: dict, batches: Iterable[tuple[Any, Any]]) -> Totals:
+    def run(self, variables: Variables, batches: Iterable[tuple[object, Mask]]) -> Totals:
         """Every ``(batch, mask)`` once; one wait on the device, at the end."""
-        with mesh_context(self._program().placement):
+        with mesh_context(self._live().placement):
             return self._run(variables, batches)
 
-    def _run(self, variables: dict, batches: Iterable[tuple[Any, Any]]) -> Totals:
-        sums: list[dict] = []
-        kept: list[tuple[Any, Any]] = []
+    def _run(self, variables: Variables, batches: Iterable[tuple[object, Mask]]) -> Totals:
+        sums: list[Sums] = []
+        kept: list[tuple[PyTree, Mask]] = []
         examples = 0
         for batch, mask in batches:
             batch_sums, outputs = self._sums(variables, batch, mask)
@@ -104,7 +147,7 @@ class Engine:
         return Totals(values, predictions, examples, len(sums))
 
 
-def metric_list(metrics: Any, who: str) -> list[Metric]:
+def metric_list(metrics: object, who: str) -> list[Metric]:
     """Metric names or :class:`~graphmod.metrics.Metric` objects as metrics, names distinct.
 
     Examples:
@@ -122,13 +165,13 @@ def metric_list(metrics: Any, who: str) -> list[Metric]:
 
 
 @jax.jit
-def _stacked(sums: list[dict]) -> dict:
+def _stacked(sums: list[Sums]) -> Sums:
     """Every batch's sums stacked on a first axis: fetched from the device in one transfer
     per metric sum, not one per batch (compiled once per number of batches)."""
     return jax.tree.map(lambda *xs: jnp.stack(xs), *sums) if sums else {}
 
 
-_ENGINES: weakref.WeakKeyDictionary[Program, dict[Hashable, Engine]] = \
+_ENGINES: weakref.WeakKeyDictionary[ProgramCore, dict[Hashable, Engine]] = \
     weakref.WeakKeyDictionary()
 
 
@@ -142,7 +185,7 @@ def _identity(metric: Metric) -> Hashable:
     return key
 
 
-def engine_for(program: Program, binding: Binding, target: Any, metrics: Sequence[Metric],
+def engine_for(program: ProgramCore, binding: Binding, target: Field, metrics: Sequence[Metric],
                keep: bool = False) -> Engine:
     """The engine of these, made once per program and reused (no retrace on a second
     evaluation with equal metrics).
@@ -166,8 +209,9 @@ def engine_for(program: Program, binding: Binding, target: Any, metrics: Sequenc
     return engines[key]
 
 
-def prepare(program: Program, variables: dict, first: Any, metrics: Sequence[Metric], *,
-            who: str, source: str, inputs: Sequence[Any] | None = None, targets: Any = None,
+def prepare(program: ProgramCore, variables: Variables, first: object,
+            metrics: Sequence[Metric], *, who: str, source: str,
+            inputs: Sequence[Field] | None = None, targets: Field = None,
             keep: bool = False, spare: int = 0, hint: str = "") -> Engine:
     """The engine for ``program`` on batches like ``first``, checked before any batch runs:
     the fields bound to the arguments (``inputs=`` or by the function's signature), the
@@ -217,8 +261,8 @@ def prepare(program: Program, variables: dict, first: Any, metrics: Sequence[Met
     return engine
 
 
-def output_shapes(engine: Engine, variables: dict, batch: Any, *, who: str,
-                  source: str) -> Any:
+def output_shapes(engine: Engine, variables: Variables, batch: object, *, who: str,
+                  source: str) -> PyTree:
     """The shapes of the engine's outputs on ``batch``; raises when the fields do not fit
     the program's arguments.
 
@@ -242,7 +286,7 @@ def output_shapes(engine: Engine, variables: dict, batch: Any, *, who: str,
                          f"{error}") from error
 
 
-def _check_predictions(engine: Engine, shapes: Any, first: Any, *, who: str,
+def _check_predictions(engine: Engine, shapes: PyTree, first: object, *, who: str,
                        source: str) -> None:
     if not isinstance(shapes, jax.ShapeDtypeStruct):
         raise ValueError(

@@ -22,7 +22,6 @@ import itertools
 import time as _time
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -31,16 +30,27 @@ from graphmod._core._bricks._construction import class_path
 from graphmod._core._clock import utc_now
 from graphmod._core._codec import hash_array, host_array
 from graphmod._core._display._table import html_table, text_table
+from graphmod._core._program._program_checks import check_variables
+from graphmod._core._program._program_core import ProgramCore
 from graphmod._records._collect import data_record, function_record
 from graphmod._records._environment import platform_record, versions
 from graphmod._records._record import Provenance
-from graphmod._train._batch import pick
+from graphmod._train._batch import Field, pick
 from graphmod._train._data_checks import check_evaluation_data, transformed_targets
-from graphmod._train._engine import Engine, Totals, metric_list, output_shapes, prepare
+from graphmod._train._engine import (
+    Engine,
+    Mask,
+    PaddedSource,
+    Totals,
+    metric_list,
+    output_shapes,
+    prepare,
+)
 from graphmod._train._program import Program
 from graphmod.data import ArraySource
 from graphmod.data._grain import as_source
 from graphmod.metrics import Metric
+from graphmod.typing import JSON, ArrayLike, Variables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +83,7 @@ class Evaluation:
         1      0.6000
     """
 
-    metrics: Mapping[str, Any]
+    metrics: Mapping[str, ArrayLike]
     predictions: np.ndarray | None
     examples: int
     provenance: Provenance
@@ -86,7 +96,7 @@ class Evaluation:
                  for k, v in self.metrics.items()}
         return f"Evaluation(examples={self.examples}, metrics={shown})"
 
-    def __getitem__(self, name: str) -> Any:
+    def __getitem__(self, name: str) -> ArrayLike:
         try:
             return self.metrics[name]
         except KeyError:
@@ -124,9 +134,9 @@ class Evaluation:
         return out
 
 
-def _as_source(source: Any, batch_size: int) -> Any:
+def _as_source(source: object, batch_size: int) -> PaddedSource:
     source = as_source(source)  # a Grain pipeline of batches: a GrainSource
-    if hasattr(source, "iter_padded"):
+    if isinstance(source, PaddedSource):
         return source
     if isinstance(source, Mapping | tuple | list | np.ndarray | jax.Array):
         leaves = jax.tree.leaves(source)
@@ -142,7 +152,8 @@ def _as_source(source: Any, batch_size: int) -> Any:
                     f"or tuple of arrays), got {type(source).__name__}")
 
 
-def _first_batch(data: Any, source_name: str) -> tuple[Any, Iterator[tuple[Any, Any]]]:
+def _first_batch(data: PaddedSource, source_name: str
+                 ) -> tuple[object, Iterator[tuple[object, Mask]]]:
     """The first batch (to check against) and every ``(batch, mask)``, the first included."""
     batches = iter(data.iter_padded())
     try:
@@ -153,9 +164,9 @@ def _first_batch(data: Any, source_name: str) -> tuple[Any, Iterator[tuple[Any, 
     return first[0], itertools.chain([first], batches)
 
 
-def _checked_targets(batches: Iterator[tuple[Any, Any]], engine: Engine,
+def _checked_targets(batches: Iterator[tuple[object, Mask]], engine: Engine,
                      metrics: Sequence[Metric], predictions: jax.ShapeDtypeStruct
-                     ) -> Iterator[tuple[Any, Any]]:
+                     ) -> Iterator[tuple[object, Mask]]:
     """Every ``(batch, mask)``, its targets' real rows checked by each metric first when
     they are NumPy arrays (reading device arrays would wait on every batch)."""
     field, first = str(engine.target), 0
@@ -170,18 +181,23 @@ def _checked_targets(batches: Iterator[tuple[Any, Any]], engine: Engine,
         yield batch, mask
 
 
-def _checked_variables(program: Any, variables: Any) -> dict:
+def _checked_variables(program: object, variables: object) -> Variables:
     """The variables (of a train state too), checked against the program's layout."""
     if not isinstance(program, Program):
         raise TypeError(f"evaluate(program, ...): expected a graphmod Program, got "
                         f"{type(program).__name__}")
-    if hasattr(variables, "variables") and hasattr(variables, "opt_state"):
-        variables = variables.variables
+    inner = getattr(variables, "variables", None)
+    if inner is not None and hasattr(variables, "opt_state"):  # a train state's
+        variables = inner
+    if not isinstance(variables, Mapping):
+        check_variables(variables, program.layout, None)  # refuses it, naming what they are
+    assert isinstance(variables, Mapping)  # check_variables refused anything else
+    variables = variables if isinstance(variables, dict) else dict(variables)
     program._unpack(variables)  # paths, shapes, dtypes: named before any data is read
     return variables
 
 
-def _variables_record(variables: Any) -> dict[str, Any]:
+def _variables_record(variables: Variables) -> dict[str, JSON]:
     digest = hashlib.sha256()
     count = numbers = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]:
@@ -192,9 +208,10 @@ def _variables_record(variables: Any) -> dict[str, Any]:
     return {"sha256": "sha256:" + digest.hexdigest(), "arrays": count, "numbers": numbers}
 
 
-def evaluate(program: Program, variables: Any, source: Any, *, metrics: Sequence[Any],
-             predict: Callable[..., Any] | None = None, inputs: Sequence[Any] | None = None,
-             targets: Any = None, predictions: bool = False, batch_size: int = 256,
+def evaluate(program: Program, variables: object, source: object, *,
+             metrics: Sequence[str | Metric], predict: Callable[..., object] | None = None,
+             inputs: Sequence[Field] | None = None, targets: Field = None,
+             predictions: bool = False, batch_size: int = 256,
              model_provenance: Provenance | None = None) -> Evaluation:
     """Evaluates ``program`` with ``variables`` on every example of ``source``.
 
@@ -242,7 +259,7 @@ def evaluate(program: Program, variables: Any, source: Any, *, metrics: Sequence
     data = _as_source(source, batch_size)
     description = data_record(data)
     source_name = str(description.get("name", type(data).__name__))
-    predictor = program.derive(predict) if predict is not None else program
+    predictor: ProgramCore = program.derive(predict) if predict is not None else program
     first, batches = _first_batch(data, source_name)
     check_evaluation_data(predictor, data, first, "evaluate")  # the training data's metadata
     first = transformed_targets(predictor, first)  # targets as the cost saw them
@@ -252,10 +269,12 @@ def evaluate(program: Program, variables: Any, source: Any, *, metrics: Sequence
                      hint=", or pass inputs=[field, ...]")
     if engine.target is not None:
         shapes = output_shapes(engine, variables, first, who="evaluate", source=source_name)
-        batches = _checked_targets(batches, engine, chosen, shapes)
+        if isinstance(shapes, jax.ShapeDtypeStruct):  # else every metric reads the batch
+            batches = _checked_targets(batches, engine, chosen, shapes)
     totals = engine.run(variables, batches)
     if model_provenance is None:  # the program the predictor was derived from, if any
-        model_provenance = (program.origin or program).provenance
+        origin = program.origin  # a Program's origin is a Program (derive keeps its class)
+        model_provenance = (origin if isinstance(origin, Program) else program).provenance
     inputs_record = {
         "model": model_provenance.to_dict(),
         "variables": _variables_record(variables),
@@ -269,7 +288,7 @@ def evaluate(program: Program, variables: Any, source: Any, *, metrics: Sequence
                       _record(inputs_record, totals, data, started, clock))
 
 
-def _record(inputs: dict, totals: Totals, data: Any, started: str,
+def _record(inputs: dict[str, JSON], totals: Totals, data: object, started: str,
             clock: float) -> Provenance:
     """The evaluation's provenance: what it read, and what the run found and took."""
     return Provenance("evaluation", {

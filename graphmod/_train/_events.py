@@ -16,7 +16,7 @@ from typing import Any
 
 from graphmod._core._naming import did_you_mean
 from graphmod._train._schedule import Schedule
-from graphmod.typing import LoopLike
+from graphmod.typing import ArrayLike, LoopLike, PyTree
 
 TIMELINES = ("step", "epoch", "examples", "seconds", "train_seconds")
 # What every loop can fire: its own events, and `validated` (graphmod.plugins.Validation's,
@@ -64,21 +64,22 @@ class Event:
     """
 
     type: str
-    issuer: Any
+    issuer: object
     time: Time
     prev_time: Time | None
     loop: LoopLike
-    state: Any = None
-    metrics: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    state: PyTree = None
+    metrics: Mapping[str, ArrayLike] = dataclasses.field(default_factory=dict)
+    data: dict[str, object] = dataclasses.field(default_factory=dict)
 
+    # An entry of ``data`` is what its issuer fired: handed to the plugin as it came.
     def __getattr__(self, name: str) -> Any:
         data = self.__dict__.get("data", {})
         if name in data:
             return data[name]
         raise AttributeError(f"{self.type} event has no field {name!r}")
 
-    def field(self, name: str) -> Any:
+    def field(self, name: str) -> object:
         """A field by name: a timeline of ``time``, else an attribute or data entry."""
         if name in TIMELINES:
             return getattr(self.time, name)
@@ -124,10 +125,10 @@ class On(Template):
     """
 
     type: str
-    issuer: Any = None
-    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    issuer: object = None
+    fields: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
-    def __init__(self, type: str, issuer: Any = None, **fields: Any) -> None:
+    def __init__(self, type: str, issuer: object = None, **fields: object) -> None:
         if not isinstance(type, str) or not type:
             raise TypeError(f"On(type): expected an event type name, got {type!r}")
         for name, matcher in fields.items():
@@ -160,9 +161,8 @@ class On(Template):
 
     def schedules(self) -> dict[str, Schedule] | None:
         """Its fields if all are schedules on timelines (plannable ahead), else None."""
-        if all(isinstance(m, Schedule) for m in self.fields.values()):
-            return dict(self.fields)
-        return None
+        schedules = {n: m for n, m in self.fields.items() if isinstance(m, Schedule)}
+        return schedules if len(schedules) == len(self.fields) else None
 
     def __repr__(self) -> str:
         parts = [repr(self.type)] + ([f"issuer={self.issuer!r}"] if self.issuer else []) + [
@@ -189,7 +189,7 @@ class AnyOf(Template):
         return " | ".join(map(repr, self.templates))
 
 
-def plugin_name(plugin: Any) -> str:
+def plugin_name(plugin: object) -> str:
     """A readable name for any plugin or issuer: its ``name``, else the function's name."""
     name = getattr(plugin, "name", None)
     if isinstance(name, str):
@@ -197,7 +197,7 @@ def plugin_name(plugin: Any) -> str:
     return getattr(plugin, "__name__", type(plugin).__name__)
 
 
-def _issuer_matches(want: Any, issuer: Any) -> bool:
+def _issuer_matches(want: object, issuer: object) -> bool:
     if isinstance(want, type):
         return isinstance(issuer, want)
     if isinstance(want, str):
@@ -205,7 +205,7 @@ def _issuer_matches(want: Any, issuer: Any) -> bool:
     return want is issuer
 
 
-def _field_matches(event: Event, name: str, matcher: Any) -> bool:
+def _field_matches(event: Event, name: str, matcher: object) -> bool:
     if isinstance(matcher, Schedule):
         now = getattr(event.time, name)
         prev = getattr(event.prev_time, name) if event.prev_time is not None else None
@@ -219,11 +219,12 @@ def _field_matches(event: Event, name: str, matcher: Any) -> bool:
     return bool(value == matcher)
 
 
-def check_event_types(listeners: Iterable[tuple[str, Template]], plugins: Iterable[Any]) -> None:
+def check_event_types(listeners: Iterable[tuple[str, Template]],
+                      plugins: Iterable[object]) -> None:
     """Refuses a template whose type nothing registered can fire (``On("stpe")``): known
     are the standard events and those the plugins declare in ``fires``; a template that
     names its ``issuer`` is that issuer's business."""
-    known = set(STANDARD_EVENTS)
+    known: set[str] = set(STANDARD_EVENTS)
     for plugin in plugins:
         fires = getattr(plugin, "fires", ())
         known.update((fires,) if isinstance(fires, str) else fires)
@@ -238,7 +239,7 @@ def check_event_types(listeners: Iterable[tuple[str, Template]], plugins: Iterab
                 f"fires it: On({unknown!r}, issuer=...)")
 
 
-def as_template(value: Any, argument: str) -> Template:
+def as_template(value: object, argument: str) -> Template:
     """``value`` as a template: a Template, or an event type name."""
     if isinstance(value, Template):
         return value
@@ -247,4 +248,4 @@ def as_template(value: Any, argument: str) -> Template:
     raise TypeError(f"{argument}: expected On(...) or an event type name, got {value!r}")
 
 
-EventHandler = Callable[[Event], Any]
+EventHandler = Callable[[Event], object]

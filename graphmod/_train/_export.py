@@ -21,12 +21,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.core import ShapedArray
 
 from graphmod._core._program._program_core import ProgramCore
 from graphmod._records._record import Provenance
 from graphmod._train import _export_loader
-from graphmod.typing import Variables
+from graphmod.typing import JSON, ArrayLike, PyTree, Variables
 
 _FUNCTION, _VARIABLES, _MANIFEST, _PROVENANCE, _LOADER = (
     "function.jaxexport", "variables.npz", "manifest.json", "provenance.json", "load.py")
@@ -63,7 +65,7 @@ class ExportedProgram:
         self.names = list(names)
         self.provenance = provenance
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: ArrayLike) -> Any:
         """Runs the exported function on :attr:`variables` and ``args``."""
         return self.exported.call(self.variables, *args)
 
@@ -94,7 +96,7 @@ class ExportedProgram:
         with open(os.path.join(directory, _MANIFEST), "w", encoding="utf-8") as f:
             json.dump(self._manifest(), f, indent=1)  # last: its presence marks an export
 
-    def _manifest(self) -> dict[str, Any]:
+    def _manifest(self) -> dict[str, JSON]:
         exported, count = self.exported, len(self.variables)
         return {
             "format": _export_loader.FORMAT,
@@ -121,7 +123,7 @@ class ExportedProgram:
         return cls(exported, variables, names, Provenance.from_dict(record) if record else None)
 
 
-def export(program: ProgramCore, variables: Variables, *example_args: Any,
+def export(program: ProgramCore, variables: Variables, *example_args: PyTree,
            batch: str | None = "batch", platforms: Sequence[str] | None = None
            ) -> ExportedProgram:
     """Exports ``program.infer`` with ``variables`` as StableHLO (``jax.export``), with a
@@ -172,7 +174,7 @@ def export(program: ProgramCore, variables: Variables, *example_args: Any,
     impls = [jax.random.key_impl(leaf) if key else None for leaf, key in zip(leaves, keys,
                                                                             strict=True)]
 
-    def infer(stored: list[jax.Array], *args: Any) -> Any:
+    def infer(stored: list[jax.Array], *args: PyTree) -> object:
         # Key arrays travel as their data (a file holds no key type), wrapped back here.
         values = [jax.random.wrap_key_data(v, impl=impl) if impl is not None else v
                   for v, impl in zip(stored, impls, strict=True)]
@@ -193,21 +195,24 @@ def export(program: ProgramCore, variables: Variables, *example_args: Any,
     return ExportedProgram(exported, arrays, names, getattr(program, "provenance", None))
 
 
-def _spec(leaf: Any, *, symbols: tuple, index: int) -> jax.ShapeDtypeStruct:
+def _spec(leaf: object, *, symbols: Sequence[object], index: int) -> jax.ShapeDtypeStruct:
     """The abstract argument for ``leaf``: its shape, the leading axis symbolic."""
-    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
         leaf = np.asarray(leaf)
-    if leaf.dtype == object:
+        shape, dtype = leaf.shape, leaf.dtype
+    if dtype == np.dtype(object):
         raise TypeError(f"graphmod.export: example argument {index} holds {leaf!r}, not an "
                         "array; pass arrays (or jax.ShapeDtypeStruct) shaped like the inputs")
-    shape = tuple(leaf.shape)
+    shape = tuple(shape)
     if symbols and shape:
         shape = (symbols[0], *shape[1:])
-    return jax.ShapeDtypeStruct(shape, leaf.dtype)
+    return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _is_key(leaf: Any) -> bool:
-    return jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key)
+def _is_key(leaf: object) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _storable(array: np.ndarray) -> np.ndarray:
@@ -215,6 +220,6 @@ def _storable(array: np.ndarray) -> np.ndarray:
     return array if array.dtype.isbuiltin else array.view(f"u{array.dtype.itemsize}")
 
 
-def _aval(aval: Any) -> dict[str, Any]:
+def _aval(aval: ShapedArray) -> dict[str, JSON]:
     return {"shape": [d if isinstance(d, int) else str(d) for d in aval.shape],
             "dtype": str(aval.dtype)}

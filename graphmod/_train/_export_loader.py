@@ -70,7 +70,8 @@ def _main(argv: list[str]) -> None:
     with np.load(argv[1]) as inputs:
         args = [inputs[f"arg{i}"] for i in range(len(inputs.files))]
     leaves = jax.tree.leaves(exported.call(variables, *args))
-    np.savez(argv[2], **{f"out{i}": np.asarray(leaf) for i, leaf in enumerate(leaves)})
+    np.savez(argv[2], **{f"out{i}": np.asarray(leaf)  # type: ignore[arg-type]
+                         for i, leaf in enumerate(leaves)})
 
 
 if __name__ == "__main__":

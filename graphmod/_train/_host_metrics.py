@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
 
 import jax
 import numpy as np
+
+from graphmod.typing import ArrayLike
 
 # The most values a one-dimensional metric may have to be read one per index.
 PER_INDEX_AT_MOST = 64
@@ -19,20 +20,20 @@ PER_INDEX_AT_MOST = 64
 _INDEX = re.compile(r"\[\d+\]$")  # the key of one index of a metric: "name[i]"
 
 
-def host_value(value: Any) -> float | np.ndarray:
+def host_value(value: ArrayLike) -> float | np.ndarray:
     """A metric on the host (this syncs the device): a float for a scalar, else an array.
 
     Examples:
         >>> import numpy as np
-        >>> host_value(np.float32(0.5)), host_value([1, 2]).tolist()
+        >>> host_value(np.float32(0.5)), host_value(np.array([1, 2])).tolist()
         (0.5, [1, 2])
     """
     array = np.asarray(value)
     return float(array) if array.ndim == 0 else array
 
 
-def scalars(metrics: Mapping[str, Any], names: tuple[str, ...] = (), *,
-            per_index: bool = False) -> dict[str, Any]:
+def scalars(metrics: Mapping[str, ArrayLike], names: tuple[str, ...] = (), *,
+            per_index: bool = False) -> dict[str, ArrayLike]:
     """The scalar metrics among ``names`` (all when empty), in order, left where they are
     (``np.ndim`` reads no device data); ``per_index``: also the one-dimensional ones of at
     most :data:`PER_INDEX_AT_MOST` values.
@@ -42,7 +43,7 @@ def scalars(metrics: Mapping[str, Any], names: tuple[str, ...] = (), *,
         >>> list(scalars({"loss": 0.5, "mean": np.ones(2)}, per_index=True))
         ['loss', 'mean']
     """
-    def chosen(value: Any) -> bool:
+    def chosen(value: ArrayLike) -> bool:
         ndim = np.ndim(value)
         return ndim == 0 or (per_index and ndim == 1
                              and np.shape(value)[0] <= PER_INDEX_AT_MOST)
@@ -51,8 +52,8 @@ def scalars(metrics: Mapping[str, Any], names: tuple[str, ...] = (), *,
             if name in metrics and chosen(metrics[name])}
 
 
-def copying(metrics: Mapping[str, Any], names: tuple[str, ...] = (), *,
-            per_index: bool = False) -> dict[str, Any]:
+def copying(metrics: Mapping[str, ArrayLike], names: tuple[str, ...] = (), *,
+            per_index: bool = False) -> dict[str, ArrayLike]:
     """:func:`scalars`, with their copies to the host started (nothing waits).
 
     Examples:
@@ -67,17 +68,20 @@ def copying(metrics: Mapping[str, Any], names: tuple[str, ...] = (), *,
     return chosen
 
 
-def on_host(metrics: Mapping[str, Any]) -> bool:
+def on_host(metrics: Mapping[str, ArrayLike]) -> bool:
     """Whether every value of ``metrics`` can be read without waiting on the device.
 
     Examples:
         >>> on_host({"loss": 0.5})
         True
     """
-    return all(not isinstance(v, jax.Array) or v.is_ready() for v in metrics.values())
+    # jax.Array's stub omits is_ready, which every concrete array (ArrayImpl) has.
+    return all(not isinstance(v, jax.Array)
+               or v.is_ready()  # pyright: ignore[reportAttributeAccessIssue]
+               for v in metrics.values())
 
 
-def scalar_metrics(metrics: Mapping[str, Any], names: tuple[str, ...] = (), *,
+def scalar_metrics(metrics: Mapping[str, ArrayLike], names: tuple[str, ...] = (), *,
                    per_index: bool = False) -> dict[str, float]:
     """The scalar metrics among ``names`` (all when empty) as Python floats, in order (one
     transfer for them all); ``per_index``: a one-dimensional one as a float per index,

@@ -213,7 +213,9 @@ def _jax_takes_sigterm() -> bool:
     and replacing it would take the notices away from the coordination service."""
     import jax  # see the module docstring
 
-    return jax.distributed.is_initialized() and bool(jax.config.jax_enable_preemption_service)
+    # JAX's options are attributes it sets at runtime, which its stub does not declare.
+    return jax.distributed.is_initialized() and bool(
+        jax.config.jax_enable_preemption_service)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _guard_of(handler: object) -> SignalGuard | None:

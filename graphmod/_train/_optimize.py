@@ -6,7 +6,7 @@ import functools
 import inspect
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -19,19 +19,33 @@ from graphmod._core._managers._manager import Manager
 from graphmod._core._model._role_tree import select
 from graphmod._core._program._arguments import as_key
 from graphmod._core._selection._selection import as_selectors, selected
-from graphmod._core._sharding import on_mesh, put
+from graphmod._core._sharding import Placement, on_mesh, put
 from graphmod._records._collect import training_provenance
 from graphmod._records._optimizer import optimizer_record
+from graphmod._records._record import Provenance
 from graphmod._records._summary import optimizer_text
 from graphmod._train._batch import step_arguments
 from graphmod._train._optimizer_placement import OptimizerPlacement
 from graphmod._train._program import Program
 from graphmod._train._train_state import TrainState
 from graphmod._train._trainable import check_own_managers, parameter_owners, warn_frozen_managers
-from graphmod.typing import LossScale
+from graphmod.typing import (
+    JSON,
+    KeyLike,
+    LossScale,
+    Metrics,
+    PyTree,
+    ShardingRule,
+    Variables,
+)
+
+_Tree = TypeVar("_Tree")
+
+Loss: TypeAlias = Callable[[Variables], tuple[jax.Array, tuple[Metrics, Variables]]]
+"""The cost at the trained parameters, with the step's metrics and new variables."""
 
 
-def _split_output(out: Any, fn: Any) -> tuple[jax.Array, dict]:
+def _split_output(out: object, fn: Callable[..., object]) -> tuple[object, Metrics]:
     """The cost and metrics of what the function returned: a cost or ``(cost, metrics)``."""
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
         return out[0], dict(out[1])
@@ -72,11 +86,11 @@ class TrainStep:
         (3, (3,))
     """
 
-    def __init__(self, program: Program, tx: optax.GradientTransformation,
-                 skip_nonfinite: bool, config: Mapping[str, Any] | None = None,
-                 trainable: Any = None, grad_norms: bool = False,
-                 optimizer_rules: Sequence[Any] = (), loss_scale: LossScale | None = None
-                 ) -> None:
+    def __init__(self, program: Program, tx: optax.GradientTransformation | optax.MultiSteps,
+                 skip_nonfinite: bool, config: Mapping[str, JSON] | None = None,
+                 trainable: object = None, grad_norms: bool = False,
+                 optimizer_rules: Sequence[ShardingRule] = (),
+                 loss_scale: LossScale | None = None) -> None:
         if not isinstance(program, Program):
             raise TypeError(f"optimize(program, tx): expected a graphmod Program, got "
                             f"{type(program).__name__}")
@@ -101,7 +115,7 @@ class TrainStep:
         self.optimizer_placement = OptimizerPlacement(program.placement, program.layout,
                                                       optimizer_rules)
         self.optimizer_record = optimizer_record(tx, config)
-        self.train_seed: dict | None = None
+        self.train_seed: dict[str, JSON] | None = None
         self._step = jax.jit(on_mesh(self._train_step, program.placement), donate_argnums=0)
         self._steps = jax.jit(on_mesh(self._scanned, program.placement), donate_argnums=0)
 
@@ -120,7 +134,11 @@ class TrainStep:
     # functions: no Python frame and no look at the batch before JAX's C++ dispatch. A small
     # step is bound by its dispatch on a GPU, where a Python ``__call__`` placing the batch
     # cost 2-8% of the digits step (H200, 2026-11-26).
-    __call__ = property(operator.attrgetter("_step"))
+    if TYPE_CHECKING:  # what the property below gives: the jitted step, called
+        def __call__(self, state: TrainState, *batch: object, **kwargs: object
+                     ) -> tuple[TrainState, Metrics]: ...
+    else:
+        __call__ = property(operator.attrgetter("_step"))
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -128,7 +146,7 @@ class TrainStep:
         return inspect.signature(self._step)
 
     @property
-    def provenance(self) -> Any:
+    def provenance(self) -> Provenance:
         """The training record (no data or loop: see ``graphmod.provenance.capture(loop)``).
 
         Examples:
@@ -144,7 +162,7 @@ class TrainStep:
         """
         return training_provenance(self)
 
-    def init(self, variables: dict, rng: Any) -> TrainState:
+    def init(self, variables: Variables, rng: KeyLike) -> TrainState:
         """The first train state (copies ``variables`` and the key, so donation never frees
         yours).
 
@@ -171,15 +189,17 @@ class TrainStep:
         """``state`` put on the program's mesh as :meth:`init` places it (``state`` itself
         for a program on one device): e.g. a state restored from a checkpoint, which holds
         whole arrays whatever mesh saved it. The loop places the state it starts from."""
-        if self.program.placement is None:
+        placement = self.program.placement
+        if placement is None:
             return state
-        return put(state, self._shardings(state))
+        return put(state, self._shardings(state, placement))
 
-    def _shardings(self, state: TrainState) -> TrainState:
-        """The placement of every leaf of ``state`` on the program's mesh: the variables by
-        the program's rules, the optimizer's copies of a parameter (Adam's moments) as that
-        parameter or as :class:`OptimizerPlacement` says, everything else replicated."""
-        placement, layout = self.program.placement, self.program.layout
+    def _shardings(self, state: TrainState, placement: Placement) -> TrainState:
+        """The placement of every leaf of ``state`` on the program's mesh (``placement``):
+        the variables by the program's rules, the optimizer's copies of a parameter (Adam's
+        moments) as that parameter or as :class:`OptimizerPlacement` says, everything else
+        replicated."""
+        layout = self.program.layout
         variables = placement.variables(state.variables, layout)
         whole = placement.replicated()
         copies = self.optimizer_placement.copies(
@@ -187,26 +207,28 @@ class TrainStep:
         opt = optax.tree_map_params(self.tx, lambda _, sharding: sharding, state.opt_state,
                                     copies, transform_non_params=lambda _: whole)
         scale = jax.tree.map(lambda _: whole, state.loss_scale)
-        return TrainState(variables, opt, whole, whole, whole, scale)
+        # The state's tree with a sharding at each leaf, as put and with_sharding_constraint
+        # take it (the fields' annotations describe a state of arrays).
+        return TrainState(variables, opt, whole, whole, whole, scale)  # pyright: ignore[reportArgumentType]
 
-    def abstract_state(self, *example_args: Any, **example_kwargs: Any) -> TrainState:
+    def abstract_state(self, *example_args: object, **example_kwargs: Any) -> TrainState:
         """The shapes and dtypes of this step's train state (no array is computed)."""
         return jax.eval_shape(lambda: self.init(
             self.program.init(*example_args, **example_kwargs), jax.random.key(0)))
 
-    def steps(self, state: TrainState, batches: Any) -> tuple[TrainState, dict]:
+    def steps(self, state: TrainState, batches: object) -> tuple[TrainState, Metrics]:
         """Several steps in one ``lax.scan`` dispatch over ``batches`` stacked on a leading
         axis (a tuple is passed positionally, a dict by name); metrics stacked per step.
         One jitted function per train step, so the loop's fused runs compile once per
         number of steps."""
         return self._steps(state, batches)
 
-    def _train_step(self, state: TrainState, *batch: Any, **kwargs: Any
-                    ) -> tuple[TrainState, dict]:
+    def _train_step(self, state: TrainState, *batch: object, **kwargs: object
+                    ) -> tuple[TrainState, Metrics]:
         return self._traced(state, batch, kwargs)  # the program splits a batch on its mesh
 
-    def _scanned(self, state: TrainState, batches: Any) -> tuple[TrainState, dict]:
-        def one(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+    def _scanned(self, state: TrainState, batches: object) -> tuple[TrainState, Metrics]:
+        def one(state: TrainState, batch: object) -> tuple[TrainState, Metrics]:
             return self._traced(state, *step_arguments(batch))
 
         placement = self.program.placement
@@ -214,7 +236,7 @@ class TrainStep:
             batches = placement.constrain_batch(batches, stacked=True)
         return jax.lax.scan(one, state, batches)
 
-    def _parameters(self, variables: dict) -> tuple[dict, dict]:
+    def _parameters(self, variables: Variables) -> tuple[Variables, Variables]:
         """``(trained, rest)``: the PARAMETER leaves optax sees (those ``trainable``
         selects, when given), and every other leaf."""
         program = self.program
@@ -233,8 +255,8 @@ class TrainStep:
                              f"variables) for what there is{hint}")
         return trained, program.merge(select(params, chosen, bool, False), rest)
 
-    def _loss(self, key: jax.Array, batch: tuple, kwargs: dict, rest: dict, params: dict
-              ) -> tuple[jax.Array, tuple[dict, dict]]:
+    def _loss(self, key: jax.Array, batch: tuple[object, ...], kwargs: dict[str, object],
+              rest: Variables, params: Variables) -> tuple[jax.Array, tuple[Metrics, Variables]]:
         """The cost to differentiate (the function's plus every auxiliary cost), and the
         metrics and new variables."""
         program = self.program
@@ -252,17 +274,20 @@ class TrainStep:
                 f"optimize: the cost returned by {name} must be a float scalar to "
                 f"differentiate; got shape {jnp.shape(cost)} and dtype "
                 f"{jnp.result_type(cost)} (reduce it, e.g. with .mean())")
+        cost = jnp.asarray(cost)  # a traced cost as it is
         owned = {owner: sum(by_key.values()) for owner, by_key in costs.items()}
         total = cost + sum(owned.values()) if owned else cost
         return total, ({**metrics, **owned, **measured, **monitored}, new_variables)
 
-    def _traced(self, state: TrainState, batch: tuple, kwargs: dict) -> tuple[TrainState, dict]:
+    def _traced(self, state: TrainState, batch: tuple[object, ...], kwargs: dict[str, object]
+                ) -> tuple[TrainState, Metrics]:
         program = self.program
         program._unpack(state.variables)  # named errors before split meets a stranger
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         params, rest = self._parameters(state.variables)
-        loss = functools.partial(self._loss, key, batch, kwargs, rest)
+        loss: Loss = functools.partial(self._loss, key, batch, kwargs, rest)
         finite = None  # with a loss scale: whether the gradients are all finite
+        adjusted = None  # and the loss scale's next state
         if self.loss_scale is None:
             (cost, (metrics, new_variables)), grads = jax.value_and_grad(
                 loss, has_aux=True)(params)
@@ -276,11 +301,13 @@ class TrainStep:
                 _scaled(loss, self.loss_scale, state.loss_scale), has_aux=True)(params)
             grads = self.loss_scale.unscale(state.loss_scale, grads)
             finite = _all_finite(grads)
+            adjusted = self.loss_scale.adjust(state.loss_scale, finite)
         if self.grad_norms:
             metrics = {**metrics, **_norms(grads)}
         updates, opt_state = self.tx.update(grads, state.opt_state, params,
                                             **_extra_args(self.tx, cost, grads, loss))
-        new_params = optax.apply_updates(params, updates)
+        # optax returns the parameters' own tree (its stub: any tree).
+        new_params: Variables = optax.apply_updates(params, updates)  # pyright: ignore[reportAssignmentType]
         new_params, opt_state = _keep_frozen(self, state, params, new_params, opt_state)
         _, new_rest = self._parameters(new_variables)
         variables = program.merge(new_params, new_rest)
@@ -296,46 +323,49 @@ class TrainStep:
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(applied, a, b), new, old)
             variables = keep(variables, state.variables)
             opt_state = keep(opt_state, state.opt_state)
-        if self.loss_scale is not None:
-            scale = self.loss_scale.adjust(state.loss_scale, finite)
+        if adjusted is not None:
+            scale = adjusted
             metrics = {**metrics, **{f"loss_scale/{k}": v for k, v in scale.items()}}
         new_state = TrainState(variables, opt_state, state.step + 1, state.rng, skipped, scale)
         if program.placement is not None:  # outputs placed as inputs: nothing moves
-            new_state = jax.lax.with_sharding_constraint(new_state, self._shardings(new_state))
+            new_state = jax.lax.with_sharding_constraint(
+                new_state, self._shardings(new_state, program.placement))
         return new_state, {"loss": cost, **metrics}
 
 
-def _scaled(loss: Callable[[dict], tuple[jax.Array, Any]], loss_scale: LossScale,
-            state: Mapping[str, jax.Array]) -> Callable[[dict], tuple[jax.Array, Any]]:
+def _scaled(loss: Loss, loss_scale: LossScale, state: Mapping[str, jax.Array]
+            ) -> Callable[[Variables], tuple[jax.Array, tuple[jax.Array, tuple[Metrics,
+                                                                               Variables]]]]:
     """``loss`` as a loss-scaled step differentiates it: the scaled cost, with the cost
     itself beside the auxiliary outputs."""
-    def scaled(params: dict) -> tuple[jax.Array, Any]:
+    def scaled(params: Variables) -> tuple[jax.Array, tuple[jax.Array, tuple[Metrics,
+                                                                              Variables]]]:
         cost, aux = loss(params)
         return loss_scale.scale(state, cost), (cost, aux)
 
     return scaled
 
 
-def _all_finite(tree: Any) -> jax.Array:
+def _all_finite(tree: PyTree) -> jax.Array:
     """Whether every element of every leaf of ``tree`` is finite (a bool scalar)."""
     return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def _keep_frozen(step: TrainStep, state: TrainState, params: dict, new_params: dict,
-                 opt_state: Any) -> tuple[dict, Any]:
+def _keep_frozen(step: TrainStep, state: TrainState, params: Variables, new_params: Variables,
+                 opt_state: optax.OptState) -> tuple[Variables, optax.OptState]:
     """The parameters the program's managers freeze this step
     (:meth:`graphmod.Manager.frozen_parameters`) and their optimizer state as they were,
     bitwise; every other as the optimizer moved it."""
     program = step.program
-    frozen: dict[str, Any] = {}
+    frozen: dict[str, jax.Array] = {}
     for manager in program.managers:
         if manager.has_hook("frozen_parameters"):
-            for path, flag in manager.frozen_parameters(program.layout, state.variables).items():
-                frozen[path] = flag if path not in frozen else frozen[path] | flag
+            for path, now in manager.frozen_parameters(program.layout, state.variables).items():
+                frozen[path] = now if path not in frozen else frozen[path] | now
     if not frozen:
         return new_params, opt_state
 
-    def flag(path: tuple[Any, ...], _: Any) -> Any:
+    def flag(path: jax.tree_util.KeyPath, _: object) -> jax.Array | bool:
         keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
         info = program.layout.by_key.get(keys[1:]) if keys[0] == "model" else None
         return False if info is None else frozen.get(info.path, False)
@@ -348,13 +378,13 @@ def _keep_frozen(step: TrainStep, state: TrainState, params: dict, new_params: d
             jax.tree.map(keep, states, opt_state, state.opt_state))
 
 
-def _copied(tree: Any) -> Any:
+def _copied(tree: _Tree) -> _Tree:
     """``tree`` with every array copied into a buffer of its own."""
     return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
 
-def _extra_args(tx: optax.GradientTransformation, cost: jax.Array, grads: dict,
-                loss: Callable[[dict], tuple[jax.Array, Any]]) -> dict[str, Any]:
+def _extra_args(tx: optax.GradientTransformation, cost: jax.Array, grads: Variables,
+                loss: Loss) -> dict[str, object]:
     """What optax's transformations with extra arguments read besides the gradients:
     ``value`` (``optax.contrib.reduce_on_plateau``), and ``grad`` and ``value_fn``, the cost
     at other parameters with the same key and batch (the line searches of
@@ -364,18 +394,18 @@ def _extra_args(tx: optax.GradientTransformation, cost: jax.Array, grads: dict,
     return {"value": cost, "grad": grads, "value_fn": lambda params: loss(params)[0]}
 
 
-def _norms(grads: dict) -> dict[str, jax.Array]:
+def _norms(grads: Variables) -> dict[str, jax.Array]:
     """``{"grad_norm/<path>": L2 norm}`` of each gradient leaf (``model/linear_layers/0/W``)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(grads)
     return {"grad_norm/" + _leaf_name(path): jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32))))
             for path, g in flat}
 
 
-def _leaf_name(path: tuple[Any, ...]) -> str:
+def _leaf_name(path: jax.tree_util.KeyPath) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def _check_differentiable(params: dict) -> None:
+def _check_differentiable(params: Variables) -> None:
     """Raises if a trained parameter is not floating-point (JAX cannot differentiate it)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
     wrong = [f"{_leaf_name(path)} ({jnp.result_type(leaf)})" for path, leaf in flat
@@ -388,10 +418,10 @@ def _check_differentiable(params: dict) -> None:
             "optimize(..., trainable=VariableFilter(...))")
 
 
-def optimize(program: Program, tx: optax.GradientTransformation, *,
-             skip_nonfinite: bool = False, config: Mapping[str, Any] | None = None,
-             trainable: Any = None, grad_norms: bool = False,
-             optimizer_rules: Sequence[Any] = (), loss_scale: LossScale | None = None
+def optimize(program: Program, tx: optax.GradientTransformation | optax.MultiSteps, *,
+             skip_nonfinite: bool = False, config: Mapping[str, JSON] | None = None,
+             trainable: object = None, grad_norms: bool = False,
+             optimizer_rules: Sequence[ShardingRule] = (), loss_scale: LossScale | None = None
              ) -> TrainStep:
     """A jitted, buffer-donating train step for ``program`` with optax optimizer ``tx``.
 

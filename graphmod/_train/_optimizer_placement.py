@@ -20,8 +20,7 @@ Sharp edges
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -29,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from graphmod._core._model._layout import Layout
 from graphmod._core._selection._rules import Rule, checked_rules, first_rule, fitting
 from graphmod._core._sharding import Placement
+from graphmod.typing import ShardingRule
 
 __all__ = ["OptimizerPlacement"]
 
@@ -55,7 +55,7 @@ class OptimizerPlacement:
     """
 
     def __init__(self, placement: Placement | None, layout: Layout,
-                 rules: Sequence[Any] = ()) -> None:
+                 rules: Sequence[ShardingRule] = ()) -> None:
         if placement is None:
             if rules:
                 raise ValueError("optimize(optimizer_rules=...): the program runs on one "
@@ -67,7 +67,7 @@ class OptimizerPlacement:
         self.rules = checked_rules(self.mesh, rules, "optimize", "optimizer_rules")
         for index, (rule_filter, _) in enumerate(self.rules):
             layout.resolve(rule_filter.brick_instances(), f"optimize(optimizer_rules[{index}])")
-        self.annotated = {info.key: PartitionSpec(*annotation)
+        self.annotated = {info.key: _annotated_spec(info.path, annotation)
                           for info, annotation in layout.metadata(_METADATA)}
 
     def lines(self) -> list[str]:
@@ -79,15 +79,16 @@ class OptimizerPlacement:
             rules.append(f"{_METADATA} metadata of {len(self.annotated)} variables")
         return [f"optimizer state placed by {line}" for line in rules]
 
-    def copies(self, variables: Mapping, shardings: dict, layout: Layout) -> dict:
+    def copies(self, variables: Mapping[str, object], shardings: Mapping[str, object],
+               layout: Layout) -> Mapping[str, object]:
         """``shardings`` (the variables' own) with each model parameter's replaced by the
         placement of its optimizer copies. Raises ``ValueError`` naming the parameter, its
         shape and the rule or metadata when the spec does not fit it."""
         if not self.rules and not self.annotated:
             return shardings
 
-        def model(node: Any, placed: Any, key: tuple) -> Any:
-            if isinstance(node, Mapping):
+        def model(node: object, placed: object, key: tuple) -> object:
+            if isinstance(node, Mapping) and isinstance(placed, Mapping):  # the same nesting
                 return {k: model(v, placed[k], (*key, k)) for k, v in node.items()}
             spec = self._spec(layout, key, tuple(jax.typeof(node).shape))
             return placed if spec is None else NamedSharding(self.mesh, spec)
@@ -103,3 +104,12 @@ class OptimizerPlacement:
                            f"{self.annotated[key]}", what, layout.by_key[key].path, shape,
                            self.mesh)
         return spec
+
+
+def _annotated_spec(path: str, annotation: object) -> PartitionSpec:
+    """The ``PartitionSpec`` of a variable's ``optimizer_sharding`` metadata (mesh axes)."""
+    if not isinstance(annotation, Iterable):
+        raise TypeError(f"optimize: the {_METADATA} metadata of parameter {path} is "
+                        f"{annotation!r}, not mesh axes: write it as a PartitionSpec, e.g. "
+                        "nnx.with_metadata(init, optimizer_sharding=P('data'))")
+    return PartitionSpec(*annotation)

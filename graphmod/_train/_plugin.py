@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TypeAlias
 
 from graphmod._core._naming import snake_case
 from graphmod._train._events import Event, Template
-from graphmod.typing import LoopLike
+from graphmod.typing import JSON, ArrayLike, LoopLike, PyTree
+
+StepFunction: TypeAlias = Callable[..., tuple[PyTree, Mapping[str, ArrayLike]]]
+"""A train step, ``step(state, *batch) -> (state, metrics)``."""
 
 
 class Plugin:
@@ -90,18 +93,18 @@ class Plugin:
             [1, 2]
         """
 
-    def wrap_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap_step(self, step: StepFunction) -> StepFunction:
         """Step middleware: return a function with ``step``'s signature (default: ``step``)."""
         return step
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, JSON]:
         """JSON-serialisable state saved in checkpoints (default: nothing)."""
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, JSON]) -> None:
         """Restores what :meth:`state_dict` returned."""
 
-    def provenance_record(self) -> list[dict[str, Any]] | None:
+    def provenance_record(self) -> list[dict[str, JSON]] | None:
         """What this plugin decided that changed the run, as JSON records (population-based
         training's exploits, a layer freezing's steps, a control's commands), which the
         run's provenance lists under ``derived["decisions"][name]``; default None: it

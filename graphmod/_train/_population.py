@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -48,19 +48,25 @@ from graphmod._core._program._arguments import as_key
 from graphmod._train._batch import step_arguments
 from graphmod._train._optimize import TrainStep
 from graphmod._train._train_state import TrainState
-from graphmod.typing import KeyLike, Variables
+from graphmod.typing import ArrayLike, KeyLike, Metrics, PyTree, Variables
 
 Hyperparameter = HParam | str
 """A manager's dynamic hyperparameter (``manager.hparam("rate")``), or the name of an
 optimizer hyperparameter made dynamic by ``optax.inject_hyperparams`` (``"learning_rate"``)."""
 
+Values: TypeAlias = ArrayLike | Sequence[float]
+"""A hyperparameter's values: one per member, or one number for every member."""
+
+_Tree = TypeVar("_Tree")
+
 # Valid ranges of optimizer hyperparameters known by name (a manager's come with its HParam).
 _OPTIMIZER_RANGES: dict[str, tuple[float, float]] = {"learning_rate": (0.0, math.inf)}
 
 _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+_Injected: TypeAlias = optax.InjectHyperparamsState | optax.InjectStatefulHyperparamsState
 
 
-def _is_injected(node: Any) -> bool:
+def _is_injected(node: object) -> bool:
     return isinstance(node, _INJECTED)
 
 
@@ -119,22 +125,23 @@ class PopulationStep(TrainStep):
                 + repr(self.base).replace("\n", "\n  "))
 
     # -- the traced functions -------------------------------------------------------------------
-    def _population_step(self, state: TrainState, *batch: Any, **kwargs: Any
-                         ) -> tuple[TrainState, dict]:
+    def _population_step(self, state: TrainState, *batch: object, **kwargs: object
+                         ) -> tuple[TrainState, Metrics]:
         self._check_stacked(state, "population step")
         return self._vmapped(state, batch, kwargs)
 
-    def _population_steps(self, state: TrainState, batches: Any) -> tuple[TrainState, dict]:
+    def _population_steps(self, state: TrainState, batches: object
+                          ) -> tuple[TrainState, Metrics]:
         self._check_stacked(state, "population step.steps")
         return jax.lax.scan(lambda s, batch: self._vmapped(s, *step_arguments(batch)),
                             state, batches)
 
-    def _vmapped(self, state: TrainState, batch: tuple, kwargs: dict
-                 ) -> tuple[TrainState, dict]:
+    def _vmapped(self, state: TrainState, batch: tuple[object, ...], kwargs: dict[str, object]
+                 ) -> tuple[TrainState, Metrics]:
         """The member step over every member, the batch shared (not mapped)."""
         return jax.vmap(lambda member: self.base._traced(member, batch, kwargs))(state)
 
-    def _check_stacked(self, state: Any, who: str) -> None:
+    def _check_stacked(self, state: object, who: str) -> None:
         """Refuses (at trace time) a state whose leaves are not stacked over the members."""
         if not isinstance(state, TrainState):
             raise TypeError(f"{who}: expected a stacked graphmod.TrainState (from "
@@ -149,7 +156,7 @@ class PopulationStep(TrainStep):
     # -- states ---------------------------------------------------------------------------------
     def init(self, variables: Variables | Sequence[Variables] | Callable[[jax.Array], Variables],
              rng: KeyLike | Sequence[KeyLike], *,
-             hparams: Mapping[Hyperparameter, Any] | None = None) -> TrainState:
+             hparams: Mapping[Hyperparameter, Values] | None = None) -> TrainState:
         """The first stacked train state: member ``i`` is ``step.init(variables_i, keys[i])``.
 
         Args:
@@ -199,7 +206,7 @@ class PopulationStep(TrainStep):
             state = self.set(state, hparam, values)
         return state
 
-    def _keys(self, rng: Any) -> list[jax.Array]:
+    def _keys(self, rng: KeyLike | Sequence[KeyLike]) -> list[jax.Array]:
         """``rng`` as one typed key per member, else an error naming the fix."""
         if isinstance(rng, Sequence) and not isinstance(rng, str):
             keys = [as_key(k, f"population.init(variables, rng[{i}])") for i, k in enumerate(rng)]
@@ -313,9 +320,10 @@ class PopulationStep(TrainStep):
         """
         if isinstance(hparam, HParam):
             return hparam.get(state.variables)
-        return _injected(state.opt_state, _name(hparam), "population.get").hyperparams[hparam]
+        name = _name(hparam)
+        return jnp.asarray(_injected(state.opt_state, name, "population.get").hyperparams[name])
 
-    def set(self, state: TrainState, hparam: Hyperparameter, values: Any) -> TrainState:
+    def set(self, state: TrainState, hparam: Hyperparameter, values: Values) -> TrainState:
         """``state`` with a dynamic hyperparameter set to ``values``, one per member (a number
         sets every member), cast to the stored dtype: the step never retraces.
 
@@ -355,7 +363,7 @@ class PopulationStep(TrainStep):
             return state._replace(variables=hparam.set(state.variables, new))
         return state._replace(opt_state=_with_injected(state.opt_state, hparam, new))
 
-    def abstract_state(self, *example_args: Any, **example_kwargs: Any) -> TrainState:
+    def abstract_state(self, *example_args: object, **example_kwargs: Any) -> TrainState:
         """The shapes and dtypes of the stacked train state (no array is computed), e.g. the
         template ``Loop.resume`` restores a population's checkpoint into.
 
@@ -389,7 +397,7 @@ class PopulationStep(TrainStep):
         """
         return state
 
-    def steps(self, state: TrainState, batches: Any) -> tuple[TrainState, dict]:
+    def steps(self, state: TrainState, batches: object) -> tuple[TrainState, Metrics]:
         """Several population steps in one ``lax.scan`` over ``batches`` stacked on a
         leading axis; metrics stacked per step, then per member.
 
@@ -453,17 +461,17 @@ def valid_range(hparam: Hyperparameter) -> tuple[float, float] | None:
     return _OPTIMIZER_RANGES.get(hparam)
 
 
-def _name(hparam: Any) -> str:
+def _name(hparam: object) -> str:
     if not isinstance(hparam, str):
         raise TypeError(f"expected a graphmod.HParam (manager.hparam(name)) or the name of an "
                         f"optimizer hyperparameter (e.g. 'learning_rate'), got {hparam!r}")
     return hparam
 
 
-def _injected(opt_state: Any, name: str, who: str) -> Any:
+def _injected(opt_state: optax.OptState, name: str, who: str) -> _Injected:
     """The ``optax.inject_hyperparams`` state holding ``name``, else an error with the fix."""
     found = [node for node in jax.tree.leaves(opt_state, is_leaf=_is_injected)
-             if _is_injected(node)]
+             if isinstance(node, _INJECTED)]
     holding = [node for node in found if name in node.hyperparams]
     if len(holding) != 1:
         known = sorted({k for node in found for k in node.hyperparams})
@@ -481,10 +489,10 @@ def _injected(opt_state: Any, name: str, who: str) -> Any:
     return node
 
 
-def _with_injected(opt_state: Any, name: str, value: jax.Array) -> Any:
+def _with_injected(opt_state: optax.OptState, name: str, value: jax.Array) -> optax.OptState:
     """``opt_state`` with the injected hyperparameter ``name`` replaced by ``value``."""
-    def replace(node: Any) -> Any:
-        if _is_injected(node) and name in node.hyperparams:
+    def replace(node: object) -> object:
+        if isinstance(node, _INJECTED) and name in node.hyperparams:
             return node._replace(hyperparams={**node.hyperparams, name: value})
         return node
 
@@ -497,12 +505,12 @@ def _gathered(state: TrainState, index: jax.Array) -> TrainState:
     return state._replace(variables=take(state.variables), opt_state=take(state.opt_state))
 
 
-def _stack(trees: Sequence[Any]) -> Any:
+def _stack(trees: Sequence[_Tree]) -> _Tree:
     """One tree whose leaves stack the trees' leaves on a new leading axis (new buffers)."""
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
-def _check_same_shapes(named: Sequence[tuple[str, Any]], who: str) -> None:
+def _check_same_shapes(named: Sequence[tuple[str, PyTree]], who: str) -> None:
     """Raises naming the first path where a member's tree, shape or dtype differs from
     member 0's."""
     head, first = named[0]
@@ -525,7 +533,7 @@ def _check_same_shapes(named: Sequence[tuple[str, Any]], who: str) -> None:
                     "same shapes and dtypes")
 
 
-def _key_count(rng: Any) -> str:
+def _key_count(rng: KeyLike | Sequence[KeyLike]) -> str:
     if isinstance(rng, Sequence) and not isinstance(rng, str):
         return f"{len(rng)} keys"
     try:

@@ -1,9 +1,25 @@
-"""The public ``Program``: the core's compiled program with its provenance and storage.
+"""The public ``graphmod.compile`` and ``Program``: a model function compiled with its
+managers, and the program's provenance and storage.
 
-The compiler core (``graphmod._core``) knows nothing of provenance records or checkpoints;
-this module joins them: ``program.provenance`` assembles the record from the core's public
-``program.record``, ``save``/``load`` write and read an orbax checkpoint through the
-training layer's checkpointer (which opens orbax on first use).
+Why two layers
+    The compiler core (``graphmod._core``) knows nothing of provenance records, checkpoints
+    or orbax (``tests/test_layers.py``), so the program is split in two classes, one per
+    layer. The core's :class:`~graphmod._core._program._program_core.ProgramCore` is handed
+    the parts ``compile`` built (the function, the model's layout, the placement on a mesh,
+    the checked managers and monitors) and owns what runs: ``init``, the jitted ``train``
+    and ``infer``, ``derive``, ``graph``, and the public ``program.record`` of how it came to
+    be. :class:`Program` adds what needs the training layer: ``program.provenance``
+    (assembled by ``graphmod._records`` from that record), ``save``/``load`` through the
+    training layer's checkpointer (which opens orbax on first use), and the tables.
+
+How ``compile`` builds a program
+    Here, in order: the arguments checked, the model's layout (every variable an identity
+    and a path, unmodified Flax modules' applications found), the modules ``fn`` reads from
+    outside the model warned of, the placement on a mesh (its rules checked against the
+    layout), the managers (those listed, or those active in ``with`` blocks) and monitors
+    checked and frozen; then one :class:`Program` whose constructor (the core's) wraps the
+    traced train and infer functions in ``jax.jit``. The checks are the core's functions
+    (``graphmod._core._program._program_checks``), their errors naming the fix.
 """
 
 from __future__ import annotations
@@ -11,31 +27,49 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
 
+from jax.sharding import Mesh
+
+from graphmod._core._bricks._intercept import interceptor
 from graphmod._core._display._show import VariablesTable, program_html, program_lines
 from graphmod._core._managers._manager import Manager
-from graphmod._core._program._compile import compile_program
+from graphmod._core._model._layout import Layout
+from graphmod._core._program._input_transforms import check_transform_fields
+from graphmod._core._program._program_checks import (
+    check_compile_arguments,
+    check_managers,
+    chosen_managers,
+    monitors,
+    warn_outside_modules,
+)
 from graphmod._core._program._program_core import ProgramCore
+from graphmod._core._program._program_record import Shared
 from graphmod._core._selection._filter import VariableFilter
-from graphmod._core._sharding import put
+from graphmod._core._sharding import Placement, put
 from graphmod._records._collect import program_provenance
 from graphmod._records._record import Provenance
 from graphmod._train._checkpoint import Checkpointer, CheckpointReader
-from graphmod.typing import InputTransforms
+from graphmod.typing import (
+    AxisName,
+    InputTransforms,
+    Model,
+    PathLike,
+    ShardingRule,
+    Variables,
+)
 
 
 def compile(
-    fn: Callable[..., Any],
-    model: Any,
+    fn: Callable[..., object],
+    model: Model,
     *,
     managers: Iterable[Manager] | None = None,
     monitor: VariableFilter | Mapping[str, VariableFilter] | None = None,
-    axis_name: Any = None,
+    axis_name: AxisName | None = None,
     applications: Mapping[type, Sequence[str]] | None = None,
-    mesh: Any = None,
-    rules: Sequence[Any] = (),
-    batch_axis: Any = None,
+    mesh: Mesh | None = None,
+    rules: Sequence[ShardingRule] = (),
+    batch_axis: AxisName | None = None,
     transforms: InputTransforms | None = None,
 ) -> Program:
     """Traces ``fn(model, *args)`` with managers into a :class:`Program`.
@@ -83,9 +117,16 @@ def compile(
         >>> program.infer(variables, x).shape
         ()
     """
-    return compile_program(Program, fn, model, managers=managers, monitor=monitor,
-                           axis_name=axis_name, applications=applications, mesh=mesh,
-                           rules=rules, batch_axis=batch_axis, transforms=transforms)
+    check_compile_arguments(fn, mesh, rules, batch_axis)
+    if transforms is not None:  # before anything else is built: names the field
+        check_transform_fields(transforms, fn)
+    layout = Layout(model, interceptor(applications))
+    warn_outside_modules(fn, layout)
+    placement = None if mesh is None else Placement(mesh, rules, batch_axis, layout=layout)
+    chosen = chosen_managers(managers)
+    labelled = monitors(monitor, layout)
+    return Program(fn, Shared(layout, placement, transforms), check_managers(chosen, layout),
+                   labelled, axis_name, strict=True)
 
 
 class Program(ProgramCore):
@@ -133,7 +174,7 @@ class Program(ProgramCore):
             self._assembled = (inits, program_provenance(self))
         return self._assembled[1]
 
-    def variables_table(self, variables: dict) -> VariablesTable:
+    def variables_table(self, variables: Variables) -> VariablesTable:
         """``variables`` as a table of path, role, shape, dtype and size (never values).
 
         Examples:
@@ -149,7 +190,7 @@ class Program(ProgramCore):
         """
         return VariablesTable(variables, self.roles(variables))
 
-    def sharding(self, variables: dict) -> VariablesTable:
+    def sharding(self, variables: Variables) -> VariablesTable:
         """Where ``variables`` live: the :meth:`variables_table` with each array's
         placement (its ``PartitionSpec``, "replicated" or "one device") and bytes per
         device.
@@ -176,7 +217,7 @@ class Program(ProgramCore):
     def _repr_html_(self) -> str:
         return program_html(self)
 
-    def save(self, directory: Any, variables: dict, *, step: int = 0) -> None:
+    def save(self, directory: PathLike, variables: Variables, *, step: int = 0) -> None:
         """Writes ``variables`` and this program's provenance record to ``directory``.
 
         The directory is an orbax checkpoint like the loop's (``graphmod inspect DIR``
@@ -206,7 +247,7 @@ class Program(ProgramCore):
         finally:
             writer.close()
 
-    def load(self, directory: Any, *, step: int | None = None) -> dict:
+    def load(self, directory: PathLike, *, step: int | None = None) -> Variables:
         """The variables :meth:`save` wrote to ``directory`` (checked against this program's
         layout; ``init`` must have run, to know the shapes), placed as ``init`` places them
         (on the program's mesh, by its rules).
@@ -230,13 +271,14 @@ class Program(ProgramCore):
             variables, placement.variables(variables, self.layout))
 
 
-def _check_transforms(meta: Mapping[str, Any], transforms: InputTransforms | None,
-                      directory: Any) -> None:
+def _check_transforms(meta: Mapping[str, object], transforms: InputTransforms | None,
+                      directory: PathLike) -> None:
     """Refuses saved variables whose recorded transforms differ from ``transforms``, naming
     the differing parts (a record without the field, e.g. a run of several models, is not
     compared)."""
-    inputs = (meta.get("provenance") or {}).get("inputs") or {}
-    if "transforms" not in inputs:
+    provenance = meta.get("provenance")
+    inputs = provenance.get("inputs") if isinstance(provenance, dict) else None
+    if not isinstance(inputs, dict) or "transforms" not in inputs:
         return
     saved = inputs["transforms"]
     mine = None if transforms is None else json.loads(json.dumps(transforms.record()))

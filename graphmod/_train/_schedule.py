@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import math
 import re
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import numpy as np
 
@@ -149,11 +149,11 @@ _GRAMMAR = ("a schedule reads as each(5), at(1, 2), after(3), before(4), always 
 class _Parser:
     """Recursive descent over the schedule grammar of :meth:`Schedule.parse` (never eval)."""
 
-    def __init__(self, text: Any, field: str) -> None:
-        self.text, self.field = text, field
+    def __init__(self, text: object, field: str) -> None:
         if not isinstance(text, str):
             raise TypeError(f"{field}: expected a schedule's description (text), got "
                             f"{type(text).__name__}")
+        self.text, self.field = text, field
         if len(text) > _MAX_TEXT:
             self.fail(f"longer than {_MAX_TEXT} characters")
         self.tokens: list[tuple[str, str, int]] = []
@@ -253,7 +253,7 @@ class _Parser:
         return float(text) if any(c in text for c in ".eE") else int(text)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
@@ -261,20 +261,21 @@ def _integral(value: float) -> bool:
     return float(value).is_integer()
 
 
-def _check(other: Any, op: str) -> Schedule:
+def _check(other: object, op: str) -> Schedule:
     if not isinstance(other, Schedule):
         raise TypeError(f"schedule {op} {other!r}: both sides must be schedules "
                         "(each, at, after, before, always, never)")
     return other
 
 
-def _number(value: Any, argument: str) -> float:
+def _number(value: object, argument: str) -> float:
+    """``value`` as a Python int or float (a NumPy scalar as its Python number), checked."""
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
         raise TypeError(f"{argument} must be a number, got {value!r}: pass an int or a "
                         "float (a bool is no time, though Python counts True as 1)")
     if not math.isfinite(value):
         raise ValueError(f"{argument} must be finite, got {value!r}")
-    return value
+    return value if isinstance(value, int | float) else value.item()
 
 
 @dataclasses.dataclass(frozen=True)

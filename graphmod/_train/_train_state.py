@@ -6,13 +6,19 @@ from __future__ import annotations
 import html
 import operator
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
 import optax
+from jax.core import Tracer
 
 from graphmod._core._display._show import VariablesTable, known_roles, size_text, treescope_tree
+from graphmod.typing import Variables
+
+if TYPE_CHECKING:  # Flax's display, imported where it renders
+    from treescope.renderers import TreescopeSubtreeRenderer
+    from treescope.rendering_parts import RenderableAndLineAnnotations
 
 __all__ = ["TrainState"]
 
@@ -36,15 +42,15 @@ class TrainState(NamedTuple):
         (0, dtype('uint32'))
     """
 
-    variables: dict
-    opt_state: Any
+    variables: Variables
+    opt_state: optax.OptState
     step: jax.Array
     rng: jax.Array
     skipped: jax.Array
-    loss_scale: dict | None = None
+    loss_scale: dict[str, jax.Array] | None = None
 
     @property
-    def evaluation_variables(self) -> dict:
+    def evaluation_variables(self) -> Variables:
         """The variables to evaluate and export: ``variables``, except under a schedule-free
         optimizer (``optax.contrib.schedule_free_adamw``, ...), which trains at one point
         and is evaluated at another: there its parameters are replaced by
@@ -65,7 +71,7 @@ class TrainState(NamedTuple):
         """
         variables = self.variables
         for free in jax.tree.leaves(self.opt_state, is_leaf=_is_schedule_free):
-            if _is_schedule_free(free):
+            if _is_schedule_free(free) and isinstance(free.z, Mapping):  # the parameters'
                 variables = _evaluation_point(variables, free.z, free.b1)
         return variables
 
@@ -87,7 +93,9 @@ class TrainState(NamedTuple):
         return (variables._repr_html_() + f"<details><summary>opt_state: "
                 f"{html.escape(opt.totals)}</summary>{opt._repr_html_()}</details>")
 
-    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    def __treescope_repr__(self, path: str | None,
+                           subtree_renderer: TreescopeSubtreeRenderer
+                           ) -> RenderableAndLineAnnotations:
         """Treescope's rendering (Flax's display): the counters, the variables folded by
         module with their roles, the optimizer state folded."""
         from treescope import rendering_parts as parts  # Flax's display: where it renders
@@ -127,30 +135,35 @@ _KEYS = tuple(map(jax.tree_util.GetAttrKey, _FLAT_FIELDS))
 jax.tree_util.register_pytree_with_keys(
     TrainState,
     lambda state: (tuple(zip(_KEYS, _FLAT(state), strict=True)), None),
-    lambda _, children: tuple.__new__(TrainState, _UNFLAT(children)),
+    # JAX hands the children over as a tuple (its stub says Iterable): indexed as they are.
+    lambda _, children: tuple.__new__(TrainState, _UNFLAT(children)),  # pyright: ignore[reportArgumentType]
     lambda state: (_FLAT(state), None))
 
 
-def _is_schedule_free(node: Any) -> bool:
+def _is_schedule_free(node: object) -> bool:
     return isinstance(node, optax.contrib.ScheduleFreeState)
 
 
-def _evaluation_point(variables: Any, z: Any, b1: Any) -> Any:
+# Nested dicts of arrays, read by key and written back as dicts.
+def _evaluation_point(variables: dict[str, Any], z: Mapping[str, object], b1: jax.Array
+                      ) -> dict[str, Any]:
     """``variables`` with each parameter ``y`` that ``z`` holds (in the trained
     parameters' nesting) replaced by ``(y - (1 - b1) z) / b1``, as
     ``schedule_free_eval_params`` computes it, in the parameter's dtype."""
-    if isinstance(z, Mapping):
-        return {**variables, **{key: _evaluation_point(variables[key], value, b1)
-                                for key, value in z.items()}}
-    if not isinstance(z, jax.Array):  # masked out: another transformation trains it
-        return variables
-    return ((variables - (1.0 - b1) * z) / b1).astype(variables.dtype)
+    point = dict(variables)
+    for key, value in z.items():
+        if isinstance(value, Mapping):
+            point[key] = _evaluation_point(variables[key], value, b1)
+        elif isinstance(value, jax.Array):  # else masked out: another transformation trains it
+            y = variables[key]
+            point[key] = ((y - (1.0 - b1) * value) / b1).astype(y.dtype)
+    return point
 
 
-def _count(value: Any) -> str:
+def _count(value: jax.Array) -> str:
     """A step counter as text (a population's: one value per member unless all agree),
     without a device read inside a trace."""
-    if isinstance(value, jax.core.Tracer):
+    if isinstance(value, Tracer):
         return "traced"
     counts = np.asarray(value)
     return str(int(counts.flat[0])) if (counts == counts.flat[0]).all() else str(counts.tolist())

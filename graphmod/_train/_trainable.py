@@ -14,23 +14,23 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 
 from graphmod import roles as _roles
 from graphmod._core._managers._manager import Manager
+from graphmod._core._selection._selection import Selector
 from graphmod._core._warn import warn
 from graphmod._train._program import Program
+from graphmod.typing import Variables
 
 
-def parameter_owners(program: Program, variables: dict) -> list[str]:
+def parameter_owners(program: Program, variables: Variables) -> list[str]:
     """The names of the program's managers that hold PARAMETER leaves in ``variables``."""
     owned = program.split(variables, _roles.PARAMETER)[0]["managers"]
     return [name for name, leaves in owned.items() if jax.tree.leaves(leaves)]
 
 
-def check_own_managers(selectors: tuple[Any, ...], program: Program) -> None:
+def check_own_managers(selectors: tuple[Selector, ...], program: Program) -> None:
     """Refuses a manager among ``trainable`` that the program was not compiled with (one
     of the same name would otherwise stand in for it)."""
     for selector in selectors:
@@ -42,7 +42,7 @@ def check_own_managers(selectors: tuple[Any, ...], program: Program) -> None:
                 "object the program was compiled with")
 
 
-def warn_frozen_managers(variables: dict, selectors: tuple[Any, ...] | None,
+def warn_frozen_managers(variables: Variables, selectors: tuple[Selector, ...] | None,
                          program: Program) -> None:
     """Warns of managers whose parameters ``trainable=`` leaves out: LoRA's adapters, a
     weight norm's gains stay as initialized (LoRA's zero ``B``: without effect)."""

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from graphmod._core._number_checks import is_whole_number
 
 
-def check_sizes(owner: str, **sizes: Any) -> None:
+def check_sizes(owner: str, **sizes: object) -> None:
     """Raises naming ``owner(argument=value)`` unless every size is a positive int."""
     for argument, value in sizes.items():
         if not is_whole_number(value, least=1):

@@ -45,16 +45,16 @@ def _canonical_padding(padding: Padding, rank: int) -> str | tuple[tuple[int, in
         if upper == "CAUSAL" and rank != 1:
             raise ValueError(f"Conv(padding='CAUSAL') needs a 1-D kernel, got {rank}-D")
         return upper
-    if is_whole_number(padding):
+    if isinstance(padding, int) and is_whole_number(padding):  # an int, not a bool
         return ((padding, padding),) * rank
     pairs: list[tuple[int, int]] = []
     if isinstance(padding, _Sequence) and len(padding) == rank:
         for item in padding:
-            if is_whole_number(item):
+            if isinstance(item, int) and is_whole_number(item):
                 pairs.append((item, item))
             elif (isinstance(item, _Sequence) and len(item) == 2
                   and all(is_whole_number(p) for p in item)):
-                pairs.append((item[0], item[1]))
+                pairs.append((int(item[0]), int(item[1])))
     if len(pairs) != rank:
         raise ValueError(
             f"Conv(padding={padding!r}): give a string, an int, or {rank} ints or (low, high) "
@@ -112,7 +112,7 @@ class Conv(Brick):
     ) -> None:
         check_sizes("Conv", in_features=in_features, out_features=out_features,
                     feature_group_count=feature_group_count)
-        if is_whole_number(kernel_size):
+        if isinstance(kernel_size, int) and is_whole_number(kernel_size):
             kernel_size = (kernel_size,)
         if not isinstance(kernel_size, _Sequence) or not kernel_size:
             raise ValueError(f"Conv(kernel_size={kernel_size!r}): give an int or a non-empty "
@@ -159,7 +159,7 @@ class Conv(Brick):
         batch = shape[: len(shape) - rank - 1]
         x = jnp.reshape(input_, (-1, *shape[len(batch):]))  # exactly one batch axis
         padding = self.padding
-        if padding in _PAD_MODES or padding == "CAUSAL":
+        if isinstance(padding, str) and (padding in _PAD_MODES or padding == "CAUSAL"):
             dilated = [(k - 1) * d + 1 for k, d in zip(self.kernel_size, self.kernel_dilation,
                                                        strict=True)]
             if padding == "CAUSAL":

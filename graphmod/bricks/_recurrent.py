@@ -14,11 +14,12 @@ hidden state ``[batch, time, hidden]``; the scan itself runs time-major.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from graphmod import roles
 from graphmod._core._bricks._application import application
@@ -27,9 +28,10 @@ from graphmod._core._loops._scan import scan
 from graphmod._core._tracing._call import ApplicationCall
 from graphmod._core._tracing._variables import Bias, Weight
 from graphmod.bricks._checks import check_sizes
+from graphmod.typing import ArrayLike
 
 
-def _check_inputs(owner: str, inputs: Any, in_features: int) -> tuple[int, int]:
+def _check_inputs(owner: str, inputs: ArrayLike, in_features: int) -> tuple[int, int]:
     """``(batch, time)`` of batch-major ``inputs``; raises naming the shape otherwise."""
     shape = jnp.shape(inputs)
     if len(shape) != 3 or shape[-1] != in_features:
@@ -40,8 +42,8 @@ def _check_inputs(owner: str, inputs: Any, in_features: int) -> tuple[int, int]:
     return shape[0], shape[1]
 
 
-def _initial(owner: str, argument: str, value: Any, batch: int, hidden: int,
-             dtype: Any, call: ApplicationCall) -> jax.Array:
+def _initial(owner: str, argument: str, value: ArrayLike | None, batch: int, hidden: int,
+             dtype: DTypeLike, call: ApplicationCall) -> jax.Array:
     """The given initial state (checked, cast to ``dtype``) or zeros, tagged
     ``INITIAL_STATE``."""
     if value is None:
@@ -53,7 +55,7 @@ def _initial(owner: str, argument: str, value: Any, batch: int, hidden: int,
     return call.add_auxiliary_variable(value, roles=[roles.INITIAL_STATE], name=argument)
 
 
-def _carry_dtype(inputs: jax.Array, *weights: nnx.Variable) -> Any:
+def _carry_dtype(inputs: jax.Array, *weights: nnx.Variable) -> np.dtype:
     """The dtype of the scan carry: the inputs' and stored weights' (read without a tag)."""
     return jnp.result_type(inputs, *(w.get_raw_value() for w in weights))
 

@@ -42,13 +42,15 @@ class Sequence(Brick):
             layers = tuple(layers[0])
         if not layers:
             raise ValueError("Sequence(*layers): give at least one layer (a brick or callable)")
+        checked: list[Callable[..., Any]] = []
         for index, layer in enumerate(layers):
             if not callable(layer):
                 raise TypeError(
                     f"Sequence(*layers): layers[{index}] = {layer!r} is not callable; give "
                     "bricks, Flax modules or functions"
                 )
-        self.layers = nnx.List(layers)
+            checked.append(layer)
+        self.layers = nnx.List(checked)
 
     @application(inputs=["input_"], outputs=["output"])
     def apply(self, input_: jax.Array) -> jax.Array:

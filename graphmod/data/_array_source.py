@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Iterator
-from typing import Any
 
 import jax
 import numpy as np
@@ -14,6 +13,7 @@ from graphmod._core._codec import hash_array
 from graphmod._core._number_checks import is_whole_number
 from graphmod._records._summary import data_text
 from graphmod.data._metadata import Metadata
+from graphmod.typing import JSON, ArrayTree, Batch
 
 
 class ArraySource:
@@ -37,14 +37,14 @@ class ArraySource:
         ArraySource(arrays, 10 rows, batch 4, shapes [] float64; 2 batches an epoch)
     """
 
-    def __init__(self, arrays: Any, batch_size: int, *, shuffle: bool = False, seed: int = 0,
+    def __init__(self, arrays: ArrayTree, batch_size: int, *, shuffle: bool = False, seed: int = 0,
                  drop_remainder: bool = True, name: str | None = None) -> None:
         leaves, self._treedef = jax.tree.flatten(arrays)
         if not leaves:
             raise ValueError("ArraySource(arrays): no arrays given")
         self._leaves = [np.asarray(leaf) for leaf in leaves]
-        sizes = {leaf.shape[0] if leaf.ndim else None for leaf in self._leaves}
-        if None in sizes or len(sizes) != 1:
+        sizes = {leaf.shape[0] for leaf in self._leaves if leaf.ndim}
+        if any(leaf.ndim == 0 for leaf in self._leaves) or len(sizes) != 1:
             paths = [jax.tree_util.keystr(p) for p, _ in
                      jax.tree_util.tree_flatten_with_path(arrays)[0]]
             rows = "; ".join(
@@ -79,20 +79,20 @@ class ArraySource:
             return np.arange(self.size)
         return np.random.default_rng([self.seed, epoch]).permutation(self.size)
 
-    def _batch(self, rows: np.ndarray) -> Any:
+    def _batch(self, rows: np.ndarray) -> Batch:
         return jax.tree.unflatten(self._treedef, [leaf[rows] for leaf in self._leaves])
 
-    def iter_epoch(self, epoch: int, start: int = 0) -> Iterator[Any]:
+    def iter_epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
         """The batches of ``epoch``, from batch ``start`` on."""
         order = self.order(epoch)
         for index in range(start, len(self)):
             yield self._batch(order[index * self.batch_size:(index + 1) * self.batch_size])
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Batch]:
         epoch, self._epoch = self._epoch, self._epoch + 1
         return self.iter_epoch(epoch)
 
-    def iter_padded(self) -> Iterator[tuple[Any, np.ndarray]]:
+    def iter_padded(self) -> Iterator[tuple[Batch, np.ndarray]]:
         """Every row once, in order, in full batches: ``(batch, mask)``, the last padded by
         repeating its final row, with ``mask`` False on the padding."""
         for begin in range(0, self.size, self.batch_size):
@@ -110,7 +110,7 @@ class ArraySource:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self._epoch = int(state["epoch"])
 
-    def metadata_arrays(self) -> Any:
+    def metadata_arrays(self) -> Batch:
         """The whole arrays, in their structure, for ``Metadata.gather`` to reduce."""
         return jax.tree.unflatten(self._treedef, self._leaves)
 
@@ -126,14 +126,14 @@ class ArraySource:
         """
         return Metadata.gather(self)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, JSON]:
         """Name, size, shapes, dtypes and a content hash (for provenance)."""
         digest = hashlib.sha256()
         for leaf in self._leaves:
             hash_array(digest, leaf, str((leaf.shape, leaf.dtype.str)))
         return {**self._settings(), "sha256": digest.hexdigest()}
 
-    def _settings(self) -> dict[str, Any]:
+    def _settings(self) -> dict[str, JSON]:
         return {
             "name": self.name,
             "size": self.size,

@@ -24,14 +24,38 @@ import hashlib
 import json
 import re
 import sys
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping, Sized
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
 
 import jax
 import numpy as np
 
 from graphmod._core._codec import hash_array
-from graphmod.typing import Batch
+from graphmod.typing import JSON, Batch
+
+if TYPE_CHECKING:  # named in annotations only: Grain is the user's import
+    import grain
+
+    Pipeline: TypeAlias = grain.MapDataset | grain.IterDataset | grain.DataLoader
+    """What :class:`GrainSource` takes: a Grain dataset or loader of batches."""
+
+_State: TypeAlias = "dict[str, JSON] | bytes"
+"""A Grain iterator's state: a dict of JSON values, or a ``DataLoader``'s JSON bytes."""
+_T = TypeVar("_T")
+
+
+class _Iterator(Protocol):
+    """What :class:`GrainSource` uses of a pipeline's iterator (``grain.DatasetIterator``,
+    ``grain.DataLoaderIterator``)."""
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def __next__(self) -> Batch: ...
+
+    def get_state(self) -> _State: ...
+
+    # Any: each kind of iterator takes the kind of state it returns (a dict or bytes).
+    def set_state(self, state: Any) -> None: ...
 
 _KINDS = ("MapDataset", "IterDataset", "DataLoader")
 _KEPT_STATES = 1024  # states by position: far more than the loop ever reads ahead
@@ -45,13 +69,14 @@ def is_grain(obj: object) -> bool:
         obj, tuple(getattr(grain, kind) for kind in _KINDS)))
 
 
-def as_source(data: Any) -> Any:
+def as_source(data: _T) -> _T | GrainSource:
     """``data`` as loop, ``fit``, ``evaluate`` and ``Validation`` data: a Grain pipeline
     wrapped in a :class:`GrainSource`, anything else as it is."""
-    return GrainSource(data) if is_grain(data) else data
+    # Any Grain object: GrainSource refuses one that is no pipeline (an iterator), naming it.
+    return GrainSource(data) if is_grain(data) else data  # pyright: ignore[reportArgumentType]
 
 
-def _kind(pipeline: Any) -> str:
+def _kind(pipeline: object) -> str:
     """The kind of Grain pipeline ``pipeline`` is; raises naming any other object."""
     grain = sys.modules.get("grain")
     for kind in _KINDS:
@@ -70,9 +95,11 @@ def _kind(pipeline: Any) -> str:
         "a grain.DataLoader")
 
 
-def _length(pipeline: Any) -> int | None:
+def _length(pipeline: object) -> int | None:
     """The batches of one pass, where the pipeline knows them (not for one repeated
     forever: Grain gives those ``sys.maxsize``)."""
+    if not isinstance(pipeline, Sized):
+        return None
     try:
         length = len(pipeline)
     except TypeError:
@@ -80,7 +107,7 @@ def _length(pipeline: Any) -> int | None:
     return None if length >= sys.maxsize else length
 
 
-def _text(obj: Any) -> str:
+def _text(obj: object) -> str:
     """How Grain prints a dataset or transformation, without what differs from one process
     to another (an object's address, a function's file and line, which move as a script is
     edited): provenance compares it on resume."""
@@ -90,10 +117,12 @@ def _text(obj: Any) -> str:
     return re.sub(r" @ [^)\s]+", "", text)
 
 
-def _lineage(pipeline: Any) -> list[str]:
+def _lineage(pipeline: object) -> list[str]:
     """A pipeline's transformations, from its source to itself: a dataset's parents, a
     ``DataLoader``'s data source, operations and sampler."""
-    if hasattr(pipeline, "_sampler"):  # a DataLoader: its settings, not its inner datasets
+    import grain  # loaded: the pipeline is Grain's
+
+    if isinstance(pipeline, grain.DataLoader):  # its settings, not its inner datasets
         source = pipeline._data_source  # Grain's sources print their files; a list, itself
         parts = [f"data_source={_text(source) if is_grain(source) else type(source).__name__}",
                  *(_text(op) for op in pipeline._operations), _text(pipeline._sampler)]
@@ -104,7 +133,7 @@ def _lineage(pipeline: Any) -> list[str]:
     return [*out, _text(pipeline)]
 
 
-def _seeds(pipeline: Any) -> list[int]:
+def _seeds(pipeline: object) -> list[int]:
     """The seeds a pipeline's random transformations (or a ``DataLoader``'s sampler) were
     given, where Grain keeps them."""
     node = getattr(pipeline, "_sampler", pipeline)
@@ -124,7 +153,7 @@ class _Cursor:
     batch, and its latest batch (kept so that the loop's first-batch check and the epoch
     it then runs read the pipeline once)."""
 
-    def __init__(self, iterator: Any, epoch: int, position: int) -> None:
+    def __init__(self, iterator: _Iterator, epoch: int, position: int) -> None:
         self.iterator, self.epoch, self.position = iterator, epoch, position
         self.last: tuple[int, Batch] | None = None
 
@@ -155,31 +184,33 @@ class GrainSource:
         (2, ['SourceMapDataset(source=list)', 'BatchMapDataset(batch_size=4, drop_remainder=True)'])
     """
 
-    def __new__(cls, pipeline: Any, **kwargs: Any) -> GrainSource:
+    def __new__(cls, pipeline: Pipeline, *, name: str | None = None) -> GrainSource:
         # A pipeline of known length has len(), one without has none (a loop asks hasattr).
-        sized = cls is GrainSource and _length(pipeline) is not None
-        return super().__new__(_SizedGrainSource if sized else cls)
+        if cls is GrainSource and _length(pipeline) is not None:
+            return object.__new__(_SizedGrainSource)  # GrainSource's base is object
+        return super().__new__(cls)
 
-    def __init__(self, pipeline: Any, *, name: str | None = None) -> None:
+    def __init__(self, pipeline: Pipeline, *, name: str | None = None) -> None:
         self.kind = _kind(pipeline)
         self.pipeline = pipeline
         self.name = name or self.kind
         self.length = _length(pipeline)
-        self._states: collections.OrderedDict[tuple[int, int], Any] = \
+        self._states: collections.OrderedDict[tuple[int, int], _State] = \
             collections.OrderedDict()  # the state before each batch handed out, by position
-        self._resume: tuple[int, int, Any] | None = None  # a checkpoint's (epoch, position)
-        self._description: dict[str, Any] | None = None
+        # A checkpoint's (epoch, position) and the state there.
+        self._resume: tuple[int, int, _State | None] | None = None
+        self._description: dict[str, JSON] | None = None
         self._epoch = 0  # of plain iteration
         self._cursor: _Cursor | None = _Cursor(self._fresh(), 0, 0)
         self._reader: object | None = None  # the generator reading the cursor
         self._check_state(self._cursor.iterator)
 
-    def _fresh(self) -> Any:
+    def _fresh(self) -> _Iterator:
         """A new iterator of the pipeline, at its start."""
         _parse_flags()
         return iter(self.pipeline)
 
-    def _check_state(self, iterator: Any) -> None:
+    def _check_state(self, iterator: _Iterator) -> None:
         """Refuses a pipeline whose iterator cannot report and restore its state."""
         try:
             if not callable(getattr(iterator, "set_state", None)):
@@ -249,7 +280,7 @@ class GrainSource:
         epoch, self._epoch = self._epoch, self._epoch + 1
         return self.iter_epoch(epoch)
 
-    def state_at(self, epoch: int, position: int) -> dict[str, Any]:
+    def state_at(self, epoch: int, position: int) -> dict[str, JSON]:
         """The pipeline iterator's state before batch ``position`` of ``epoch`` (the loop's
         consumed position, behind what it read ahead), as JSON for a checkpoint."""
         state = self._states.get((epoch, position))
@@ -258,7 +289,7 @@ class GrainSource:
         return {"epoch": epoch, "position": position,
                 **(_encoded(state) if state is not None and position else {"state": None})}
 
-    def load_state_dict(self, record: dict[str, Any]) -> None:
+    def load_state_dict(self, record: Mapping[str, Any]) -> None:
         """Continues from :meth:`state_at`'s record: the next epoch read at its position
         starts from its state."""
         try:
@@ -292,7 +323,7 @@ class GrainSource:
             yield batch, mask
 
     # -- provenance -------------------------------------------------------------------------
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, JSON]:
         """Name, kind, length (None: unknown), the pipeline's transformations as Grain
         prints them, the seeds it was given, and the first batch's shapes, dtypes and a
         content hash (for provenance; JSON)."""
@@ -302,12 +333,14 @@ class GrainSource:
             digest = hashlib.sha256()
             for leaf in leaves:
                 hash_array(digest, leaf, str((leaf.shape, leaf.dtype.str)))
-            self._description = {
+            description: dict[str, JSON] = {
                 "name": self.name, "kind": self.kind, "length": self.length,
-                "pipeline": _lineage(self.pipeline), "seeds": _seeds(self.pipeline),
+                # Lists of JSON values (a list of str is no list of JSON to the checker).
+                "pipeline": list(_lineage(self.pipeline)), "seeds": list(_seeds(self.pipeline)),
                 "shapes": [list(leaf.shape) for leaf in leaves],
                 "dtypes": [leaf.dtype.name for leaf in leaves],
                 "first_batch_sha256": digest.hexdigest()}
+            self._description = description
         return dict(self._description)
 
     def __repr__(self) -> str:
@@ -323,7 +356,7 @@ class _SizedGrainSource(GrainSource):
         return self.length
 
 
-def _encoded(state: Any) -> dict[str, Any]:
+def _encoded(state: _State) -> dict[str, str]:
     """A Grain iterator state as JSON text (bytes: a ``DataLoader``'s JSON already)."""
     if isinstance(state, bytes):
         return {"state": state.decode(), "encoding": "json-bytes"}

@@ -24,9 +24,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from numpy.typing import DTypeLike
 
 from graphmod._core._display._table import html_table, text_table
+from graphmod.typing import JSON, Batch
 
 LabelValue = int | float | bool | str
 
@@ -54,9 +57,9 @@ class FieldInfo:
     std: tuple[float, ...] | None = None
     labels: tuple[tuple[LabelValue, int], ...] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         """This info as JSON-safe lists and numbers."""
-        out: dict[str, Any] = {"shape": list(self.shape), "dtype": self.dtype,
+        out: dict[str, JSON] = {"shape": list(self.shape), "dtype": self.dtype,
                                "count": self.count}
         for name in ("min", "max", "mean", "std"):
             value = getattr(self, name)
@@ -93,13 +96,14 @@ def field_text(field: str | int) -> str:
     return f"field {field!r}" if isinstance(field, str) else f"positional field {field}"
 
 
-def batch_fields(batch: Any, where: str) -> dict[str | int, np.ndarray]:
+def batch_fields(batch: object, where: str) -> dict[str | int, np.ndarray]:
     """The fields of one batch (or of a source's whole arrays) as NumPy arrays."""
+    items: Iterable[tuple[str | int, object]]
     if isinstance(batch, Mapping):
         bad = [k for k in batch if not isinstance(k, str)]
         if bad:
             raise ValueError(f"{where}: a dict batch needs str keys (the fields), got {bad!r}")
-        items: Iterable[tuple[str | int, Any]] = batch.items()
+        items = batch.items()
     elif isinstance(batch, tuple | list):
         items = enumerate(batch)
     else:
@@ -109,7 +113,7 @@ def batch_fields(batch: Any, where: str) -> dict[str | int, np.ndarray]:
         array = np.asarray(value)
         if array.dtype == object or array.ndim == 0:
             raise ValueError(f"{where}: {field_text(field)} is {type(value).__name__} "
-                             f"{np.shape(value)}, not an array with a batch axis; give each "
+                             f"{array.shape}, not an array with a batch axis; give each "
                              "field as one array whose first axis runs over the examples")
         out[field] = array
     return out
@@ -118,8 +122,8 @@ def batch_fields(batch: Any, where: str) -> dict[str | int, np.ndarray]:
 def is_numeric(dtype: np.dtype) -> bool:
     """Whether a field of ``dtype`` gets min/max/mean/std."""
     # JAX's issubdtype: bfloat16 and the other ml_dtypes floats count as floating.
-    return bool(jax.dtypes.issubdtype(dtype, np.integer)
-                or jax.dtypes.issubdtype(dtype, np.floating) or dtype == np.bool_)
+    return bool(jnp.issubdtype(dtype, np.integer)
+                or jnp.issubdtype(dtype, np.floating) or dtype == np.bool_)
 
 
 def _stored(dtype: np.dtype) -> str:
@@ -129,7 +133,7 @@ def _stored(dtype: np.dtype) -> str:
                                                                                 dtype.str)
 
 
-def _held(dtype: Any) -> str:
+def _held(dtype: DTypeLike) -> str:
     """A dtype as JAX holds it (float64 is float32 without x64): what checks compare."""
     dtype = np.dtype(dtype)
     return _stored(np.dtype(jax.dtypes.canonicalize_dtype(dtype)) if is_numeric(dtype)
@@ -145,19 +149,22 @@ def _label_pairs(values: np.ndarray, counts: np.ndarray) -> tuple[tuple[LabelVal
     return tuple((v.item(), int(c)) for v, c in zip(values, counts, strict=True))
 
 
+def _floats(values: np.ndarray) -> tuple[float, ...]:
+    return tuple(float(v) for v in np.atleast_1d(values))
+
+
 def field_info(array: np.ndarray, labels: bool) -> FieldInfo:
     """The exact info of a field's whole ``array`` (batch axis first)."""
-    stats: dict[str, Any] = {}
+    low = high = mean = std = None
     if is_numeric(array.dtype) and array.size:
         wide = array.astype(np.float64)
         axes = _feature_axes(array)
-        for name, reduce in (("min", np.min), ("max", np.max), ("mean", np.mean),
-                             ("std", np.std)):
-            stats[name] = tuple(float(v) for v in np.atleast_1d(reduce(wide, axis=axes)))
-    if labels:
-        stats["labels"] = _label_pairs(*np.unique(array, return_counts=True))
+        low, high, mean, std = (_floats(reduce(wide, axis=axes))
+                                for reduce in (np.min, np.max, np.mean, np.std))
+    pairs = _label_pairs(*np.unique(array, return_counts=True)) if labels else None
     return FieldInfo(shape=tuple(array.shape[1:]), dtype=_stored(array.dtype),
-                     count=int(array.shape[0]), **stats)
+                     count=int(array.shape[0]), min=low, max=high, mean=mean, std=std,
+                     labels=pairs)
 
 
 class _Moments:
@@ -168,7 +175,7 @@ class _Moments:
         self.count, self.n = 0, 0
         self.numeric = is_numeric(first.dtype)
         self.mean = self.m2 = self.low = self.high = np.zeros(0)
-        self.labels: dict[Any, int] | None = {} if labels else None
+        self.labels: dict[LabelValue, int] | None = {} if labels else None
 
     def add(self, array: np.ndarray) -> None:
         self.count += array.shape[0]
@@ -194,15 +201,14 @@ class _Moments:
         self.n = total
 
     def info(self) -> FieldInfo:
-        stats: dict[str, Any] = {}
+        low = high = mean = std = None
         if self.n:
-            as_floats = lambda a: tuple(float(v) for v in a)
-            stats = {"min": as_floats(self.low), "max": as_floats(self.high),
-                     "mean": as_floats(self.mean), "std": as_floats(np.sqrt(self.m2 / self.n))}
-        if self.labels is not None:
-            stats["labels"] = tuple((v, self.labels[v]) for v in sorted(self.labels))
+            low, high, mean, std = (_floats(a) for a in (self.low, self.high, self.mean,
+                                                         np.sqrt(self.m2 / self.n)))
+        labels = None if self.labels is None else tuple(
+            (v, self.labels[v]) for v in sorted(self.labels))
         return FieldInfo(shape=tuple(self.shape), dtype=_stored(self.dtype), count=self.count,
-                         **stats)
+                         min=low, max=high, mean=mean, std=std, labels=labels)
 
 
 def _is_default_label(array: np.ndarray) -> bool:
@@ -227,13 +233,13 @@ def _label_fields(fields: Mapping[str | int, np.ndarray], labels: Sequence[str |
     return chosen | (set(also) & set(fields))
 
 
-def source_arrays(source: Any) -> Any | None:
+def source_arrays(source: object) -> Batch | None:
     """A source's whole arrays when it offers them (``metadata_arrays()``), else None."""
     offer = getattr(source, "metadata_arrays", None)
     return None if offer is None else offer()
 
 
-def gather(source: Any, labels: Sequence[str | int] | None,
+def gather(source: Iterable[Batch], labels: Sequence[str | int] | None,
            also: Iterable[str | int] = ()) -> Metadata:
     """:meth:`Metadata.gather`, also gathering the label sets of the fields in ``also``."""
     where = "Metadata.gather(source)"
@@ -267,6 +273,12 @@ def gather(source: Any, labels: Sequence[str | int] | None,
     if not moments or not sum(m.count for m in moments.values()):
         raise ValueError(f"{where}: the source is empty (no examples); nothing to gather")
     return Metadata({f: m.info() for f, m in moments.items()})
+
+
+def _shape(value: object) -> tuple[int, ...]:
+    """``np.shape(value)``, of an array or of an abstract ``jax.ShapeDtypeStruct``."""
+    shape = getattr(value, "shape", None)
+    return tuple(np.asarray(value).shape if shape is None else shape)
 
 
 def _batched(shape: tuple[int, ...]) -> str:
@@ -315,11 +327,12 @@ class Metadata:
     def __init__(self, infos: Mapping[str | int, FieldInfo]) -> None:
         object.__setattr__(self, "_infos", dict(infos))
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"Metadata is immutable: cannot set {name!r}")
 
     @classmethod
-    def gather(cls, source: Any, *, labels: Sequence[str | int] | None = None) -> Metadata:
+    def gather(cls, source: Iterable[Batch], *, labels: Sequence[str | int] | None = None
+               ) -> Metadata:
         """The metadata of ``source``'s training examples, in one pass.
 
         Args:
@@ -355,7 +368,7 @@ class Metadata:
     def __contains__(self, field: object) -> bool:
         return field in self._infos
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         """JSON-safe: ``{"fields": {key: info}}``, int fields written ``"#0"``.
 
         Examples:
@@ -379,7 +392,7 @@ class Metadata:
         """
         return cls({key_field(k): FieldInfo.from_dict(v) for k, v in d["fields"].items()})
 
-    def check(self, arguments: Mapping[str | int, Any], where: str) -> None:
+    def check(self, arguments: Mapping[str | int, object], where: str) -> None:
         """Refuses values that do not fit the training data's fields (``ValueError``).
 
         Args:
@@ -402,7 +415,7 @@ class Metadata:
                 raise ValueError(f"{where}: {field_text(field)} is not in the training data's "
                                  f"metadata (fields {list(self._infos)}); pass only those "
                                  "fields, or fit the transforms on data that has it")
-            info, shape = self._infos[field], tuple(np.shape(value))
+            info, shape = self._infos[field], _shape(value)
             if len(shape) < 1:
                 raise ValueError(f"{where}: {field_text(field)} is a scalar; pass a batch, "
                                  f"shaped {_batched(info.shape)}")
@@ -412,7 +425,9 @@ class Metadata:
                     f"training data had {info.shape}; pass inputs shaped "
                     f"{_batched(info.shape)}, as in training, or fit the transforms on data "
                     "like these")
-            dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
+            dtype = getattr(value, "dtype", None)
+            if dtype is None:
+                dtype = np.asarray(value).dtype
             got, expected = _held(dtype), _held(info.dtype)
             if got != expected:
                 raise ValueError(
@@ -420,7 +435,7 @@ class Metadata:
                     f"the training data had {info.dtype}; convert it (x.astype({expected!r})) "
                     "or fit the transforms on data of this dtype")
 
-    def check_labels(self, arguments: Mapping[str | int, Any], where: str) -> None:
+    def check_labels(self, arguments: Mapping[str | int, object], where: str) -> None:
         """Refuses label values the training data never held (``ValueError``), on the host.
 
         Examples:

@@ -26,12 +26,13 @@ import copy
 import dataclasses
 import itertools
 import types
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpy.typing import ArrayLike
 
 from graphmod._core._display._table import html_table, text_table
 from graphmod._core._number_checks import is_real_number, is_whole_number
@@ -48,10 +49,22 @@ from graphmod.data._metadata import (
     numbers_text,
     source_arrays,
 )
+from graphmod.typing import JSON, Batch
 
-Array = jax.Array | np.ndarray
-Fitted = dict[str, Any]
+Array: TypeAlias = jax.Array | np.ndarray
+Fitted: TypeAlias = dict[str, JSON]
 """The fitted numbers of one transformation: JSON lists and numbers."""
+Transformed: TypeAlias = dict[str | int, Array] | tuple[Array, ...] | list[Array] | Array
+"""A batch with its fields transformed, in the batch's structure."""
+
+
+class _Numbers(NamedTuple):
+    """A numeric field's per-feature statistics (:class:`FieldInfo`'s)."""
+
+    min: tuple[float, ...]
+    max: tuple[float, ...]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
 
 
 def _float_dtype(x: Array) -> np.dtype:
@@ -60,11 +73,11 @@ def _float_dtype(x: Array) -> np.dtype:
     return np.dtype(jax.dtypes.canonicalize_dtype(np.float64 if wide else np.float32))
 
 
-def _per_feature(info: FieldInfo, values: Sequence[Any]) -> Any:
+def _per_feature(info: FieldInfo, values: ArrayLike) -> JSON:
     """Per-feature fitted numbers: a list, or one number for a per-example scalar field, so
     that they broadcast against one example as against a batch (under ``jax.vmap``)."""
-    values = np.asarray(values, np.float64).tolist()
-    return values[0] if info.shape == () else values
+    numbers = np.asarray(values, np.float64).tolist()
+    return numbers[0] if info.shape == () else numbers
 
 
 class Transformation(abc.ABC):
@@ -93,8 +106,12 @@ class Transformation(abc.ABC):
         """The name a record stores."""
         return type(self).__name__
 
-    def config(self) -> dict[str, Any]:
+    def config(self) -> dict[str, JSON]:
         """The configuration as JSON (the dataclass fields)."""
+        if not dataclasses.is_dataclass(self):
+            raise TypeError(f"{self.kind}: a Transformation is a frozen dataclass, its fields "
+                            "the configuration; decorate the class with "
+                            "@dataclasses.dataclass(frozen=True)")
         return {f.name: _json(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @abc.abstractmethod
@@ -106,19 +123,24 @@ class Transformation(abc.ABC):
     def _run(self, xp: types.ModuleType, x: Array, p: Mapping[str, np.ndarray]) -> Array:
         """The arithmetic, with ``xp`` NumPy or ``jax.numpy``."""
 
-    def apply(self, x: Array, fitted: Mapping[str, Any]) -> jax.Array:
+    # The asarray calls return ``_run``'s array as it is (no copy, no traced operation):
+    # they say which kind of array ``xp`` made.
+    def apply(self, x: Array, fitted: Mapping[str, JSON]) -> jax.Array:
         """``x`` transformed with ``jax.numpy`` (traceable)."""
-        return self._run(jnp, jnp.asarray(x), _params(fitted))
+        return jnp.asarray(self._run(jnp, jnp.asarray(x), _params(fitted)))
 
-    def apply_host(self, x: Array, fitted: Mapping[str, Any]) -> np.ndarray:
+    def apply_host(self, x: Array, fitted: Mapping[str, JSON]) -> np.ndarray:
         """``x`` transformed with NumPy, the same arithmetic as :meth:`apply`."""
-        return self._run(np, np.asarray(x), _params(fitted))
+        return np.asarray(self._run(np, np.asarray(x), _params(fitted)))
 
-    def _numeric(self, info: FieldInfo) -> None:
-        if info.mean is None:
+    def _numeric(self, info: FieldInfo) -> _Numbers:
+        """The field's per-feature statistics; raises unless it is numeric."""
+        if info.min is None or info.max is None or info.mean is None or info.std is None:
             raise ValueError(f"{self.kind} takes numbers, but the field is {info.dtype}")
+        return _Numbers(info.min, info.max, info.mean, info.std)
 
-    def _integers(self, info: FieldInfo) -> None:
+    def _integers(self, info: FieldInfo) -> list[JSON]:
+        """The field's label values, sorted; raises unless it is an integer label field."""
         dtype = np.dtype(info.dtype)
         if not (np.issubdtype(dtype, np.integer) or dtype == np.bool_):
             raise ValueError(f"{self.kind} takes integer or bool values (labels, tokens), but "
@@ -126,13 +148,14 @@ class Transformation(abc.ABC):
         if info.labels is None:
             raise ValueError(f"{self.kind} needs the field's label set, which its metadata "
                              "lacks; gather it with labels=(field,)")
+        return [value for value, _ in info.labels]
 
 
-def _json(value: Any) -> Any:
+def _json(value: JSON | tuple[JSON, ...]) -> JSON:
     return list(value) if isinstance(value, tuple) else value
 
 
-def _params(fitted: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def _params(fitted: Mapping[str, JSON]) -> dict[str, np.ndarray]:
     return {name: np.asarray(value) for name, value in fitted.items()}
 
 
@@ -158,8 +181,8 @@ class Standardize(Transformation):
                              "the smallest std divided by, e.g. eps=1e-8")
 
     def fit(self, info: FieldInfo) -> Fitted:
-        self._numeric(info)
-        return {"mean": _per_feature(info, info.mean), "std": _per_feature(info, info.std)}
+        numbers = self._numeric(info)
+        return {"mean": _per_feature(info, numbers.mean), "std": _per_feature(info, numbers.std)}
 
     def _run(self, xp: types.ModuleType, x: Array, p: Mapping[str, np.ndarray]) -> Array:
         dt = _float_dtype(x)
@@ -192,8 +215,8 @@ class MinMax(Transformation):
                              "with low < high, e.g. MinMax(0.0, 1.0)")
 
     def fit(self, info: FieldInfo) -> Fitted:
-        self._numeric(info)
-        return {"min": _per_feature(info, info.min), "max": _per_feature(info, info.max)}
+        numbers = self._numeric(info)
+        return {"min": _per_feature(info, numbers.min), "max": _per_feature(info, numbers.max)}
 
     def _run(self, xp: types.ModuleType, x: Array, p: Mapping[str, np.ndarray]) -> Array:
         dt = _float_dtype(x)
@@ -229,16 +252,12 @@ class Clip(Transformation):
                              "None for the training min/max) with low <= high")
 
     def fit(self, info: FieldInfo) -> Fitted:
-        self._numeric(info)
-        return {"low": self.low if self.low is not None else _per_feature(info, info.min),
-                "high": self.high if self.high is not None else _per_feature(info, info.max)}
+        numbers = self._numeric(info)
+        return {"low": self.low if self.low is not None else _per_feature(info, numbers.min),
+                "high": self.high if self.high is not None else _per_feature(info, numbers.max)}
 
     def _run(self, xp: types.ModuleType, x: Array, p: Mapping[str, np.ndarray]) -> Array:
         return xp.clip(x, p["low"].astype(x.dtype), p["high"].astype(x.dtype))
-
-
-def _label_values(info: FieldInfo) -> list[Any]:
-    return [value for value, _ in info.labels]
 
 
 def _integer_view(x: Array) -> Array:
@@ -266,15 +285,14 @@ class Vocabulary(Transformation):
     needs_labels: ClassVar[bool] = True
 
     def fit(self, info: FieldInfo) -> Fitted:
-        self._integers(info)
-        return {"values": _label_values(info)}
+        return {"values": self._integers(info)}
 
     def _run(self, xp: types.ModuleType, x: Array, p: Mapping[str, np.ndarray]) -> Array:
         x = _integer_view(x)
         values = p["values"].astype(x.dtype)
         return xp.clip(xp.searchsorted(values, x), 0, len(values) - 1).astype(np.int32)
 
-    def inverse(self, indices: Array, fitted: Mapping[str, Any]) -> np.ndarray:
+    def inverse(self, indices: Array, fitted: Mapping[str, JSON]) -> np.ndarray:
         """The values at ``indices`` (NumPy, on the host)."""
         return np.asarray(fitted["values"])[np.asarray(indices)]
 
@@ -296,8 +314,7 @@ class OneHot(Transformation):
     needs_labels: ClassVar[bool] = True
 
     def fit(self, info: FieldInfo) -> Fitted:
-        self._integers(info)
-        return {"values": _label_values(info)}
+        return {"values": self._integers(info)}
 
     def _run(self, xp: types.ModuleType, x: Array, p: Mapping[str, np.ndarray]) -> Array:
         x = _integer_view(x)
@@ -339,11 +356,12 @@ class Bin(Transformation):
             raise ValueError(f"Bin(bins={self.bins!r}): must be a positive int, e.g. bins=10")
 
     def fit(self, info: FieldInfo) -> Fitted:
-        self._numeric(info)
+        numbers = self._numeric(info)
         if self.edges is not None:
             return {"edges": list(self.edges)}
-        inner = [np.linspace(lo, hi, self.bins + 1)[1:-1] for lo, hi in zip(info.min, info.max,
-                                                                            strict=True)]
+        assert self.bins is not None  # __post_init__: edges or bins, exactly one
+        inner = [np.linspace(lo, hi, self.bins + 1)[1:-1]
+                 for lo, hi in zip(numbers.min, numbers.max, strict=True)]
         return {"edges": _per_feature(info, inner)}
 
     def _run(self, xp: types.ModuleType, x: Array, p: Mapping[str, np.ndarray]) -> Array:
@@ -386,15 +404,16 @@ class Transforms:
             if isinstance(field, bool) or not isinstance(field, str | int):
                 raise TypeError(f"Transforms(spec): the key {field!r} is not a field; name a "
                                 "dict batch's key (str) or a tuple batch's index (int)")
-            chain = tuple(value) if isinstance(value, list | tuple) else (value,)
-            bad = [t for t in chain if not isinstance(t, Transformation)]
-            if bad or not chain:
+            given: tuple[object, ...] = (
+                tuple(value) if isinstance(value, list | tuple) else (value,))
+            chain = tuple(t for t in given if isinstance(t, Transformation))
+            if len(chain) != len(given) or not chain:
                 raise TypeError(f"Transforms(spec): {field_text(field)} maps to {value!r}, not "
                                 "a transformation or a sequence of them; use e.g. "
                                 "graphmod.data.Standardize()")
             self._spec[field] = chain
 
-    def fit(self, source: Any, *, labels: Sequence[str | int] | None = None
+    def fit(self, source: Iterable[Batch], *, labels: Sequence[str | int] | None = None
             ) -> FittedTransforms:
         """Gathers ``source``'s metadata (one pass) and fits every chain on it.
 
@@ -437,7 +456,7 @@ class Transforms:
         return FittedTransforms(chains, metadata, describe() if describe else None)
 
     def __repr__(self) -> str:
-        spec = {f: list(c) if len(c) > 1 else c[0] for f, c in self._spec.items()}
+        spec = {f: c[0] if len(c) == 1 else list(c) for f, c in self._spec.items()}
         return f"Transforms({spec!r})"
 
 
@@ -447,21 +466,22 @@ def _fit_chain(field: str | int, chain: tuple[Transformation, ...], info: FieldI
     fitted = []
     for index, link in enumerate(chain):
         if index:
+            assert values is not None  # Transforms.fit: a chain of several has the arrays
             info = field_info(values, labels=link.needs_labels)
         try:
             numbers = link.fit(info)
         except ValueError as error:
             raise ValueError(f"Transforms.fit: {field_text(field)}: {error}") from None
-        bad = sorted(name for name, number in numbers.items()
-                     if np.issubdtype(np.asarray(number).dtype, np.floating)
-                     and not np.isfinite(number).all())
+        arrays = {name: np.asarray(number) for name, number in numbers.items()}
+        bad = sorted(name for name, array in arrays.items()
+                     if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all())
         if bad:  # NaN or inf in the training data: every transformed value would be NaN
             raise ValueError(
                 f"Transforms.fit: {field_text(field)} holds non-finite values (NaN or inf), so "
                 f"{link.kind}'s fitted {', '.join(bad)} would not be finite; clean or impute "
                 "the training data first (e.g. np.nan_to_num), or leave the field untransformed")
         fitted.append((link, numbers))
-        if index + 1 < len(chain):
+        if values is not None and index + 1 < len(chain):
             values = link.apply_host(values, numbers)
     return tuple(fitted)
 
@@ -489,9 +509,13 @@ class FittedTransforms:
     """
 
     __slots__ = ("_chains", "_params", "_source", "metadata")
+    _chains: dict[str | int, Chain]
+    _params: dict[str | int, tuple[dict[str, np.ndarray], ...]]
+    _source: dict[str, JSON] | None
+    metadata: Metadata
 
     def __init__(self, chains: Mapping[str | int, Chain], metadata: Metadata,
-                 source: Mapping[str, Any] | None = None) -> None:
+                 source: Mapping[str, JSON] | None = None) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)
         # Copies, so that nothing handed in or out can change the numbers applied.
         set_("_chains", {f: tuple((t, copy.deepcopy(dict(n))) for t, n in c)
@@ -500,11 +524,11 @@ class FittedTransforms:
         set_("_source", copy.deepcopy(None if source is None else dict(source)))
         set_("metadata", metadata)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"FittedTransforms is immutable: cannot set {name!r}")
 
     @property
-    def source(self) -> dict[str, Any] | None:
+    def source(self) -> dict[str, JSON] | None:
         """The training source's ``describe()`` (name, size, sha256, ...), or None."""
         return copy.deepcopy(self._source)
 
@@ -516,16 +540,16 @@ class FittedTransforms:
         """The fields a chain of transformations changes (a part of :meth:`fields`)."""
         return tuple(self._chains)
 
-    def check(self, arguments: Mapping[str | int, Any], where: str) -> None:
+    def check(self, arguments: Mapping[str | int, object], where: str) -> None:
         """:meth:`Metadata.check` of the training data's metadata."""
         self.metadata.check(arguments, where)
 
-    def apply(self, arguments: Mapping[str | int, Any]) -> dict[str | int, Any]:
+    def apply(self, arguments: Mapping[str | int, Array]) -> dict[str | int, Array]:
         """The fields given, each transformed by its chain (``jax.numpy``; traceable); fields
         without one pass through."""
         return {f: self._run(jnp, f, v) for f, v in arguments.items()}
 
-    def apply_host(self, batch: Any) -> Any:
+    def apply_host(self, batch: Batch) -> Transformed:
         """``batch`` (a dict, tuple, list or one array, as a source yields it) with its fields
         transformed by NumPy, the same arithmetic as :meth:`apply`."""
         fields = batch_fields(batch, "FittedTransforms.apply_host(batch)")
@@ -536,7 +560,7 @@ class FittedTransforms:
             return type(batch)(out.values())
         return out[0]
 
-    def _run(self, xp: types.ModuleType, field: str | int, value: Any) -> Any:
+    def _run(self, xp: types.ModuleType, field: str | int, value: Array) -> Array:
         if field not in self._chains:
             return value
         value = xp.asarray(value)
@@ -548,13 +572,13 @@ class FittedTransforms:
         """The values that ``field``'s chain, ending in :class:`Vocabulary`, mapped to
         ``indices`` (NumPy)."""
         chain = self._chains.get(field)
-        if not chain or not isinstance(chain[-1][0], Vocabulary):
+        link, numbers = chain[-1] if chain else (None, {})
+        if not isinstance(link, Vocabulary):
             raise ValueError(f"FittedTransforms.inverse: {field_text(field)} has no chain "
                              "ending in Vocabulary, so its indices have no inverse")
-        link, numbers = chain[-1]
         return link.inverse(indices, numbers)
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> dict[str, JSON]:
         """JSON: ``{"transforms": {field: [{"kind", "config", "fitted"}]}, "metadata": ...,
         "source": <the training source's describe() or None>}``."""
         return {
@@ -593,10 +617,10 @@ class FittedTransforms:
             chains[key_field(key)] = tuple(chain)
         return cls(chains, Metadata.from_dict(record["metadata"]), record.get("source"))
 
+    # Equal by value, holding dicts: unhashable (Python sets __hash__ to None for a class
+    # that defines __eq__ alone).
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FittedTransforms) and other.record() == self.record()
-
-    __hash__ = None  # type: ignore[assignment]  # equal by value, holding dicts
 
     def _rows(self) -> list[list[str]]:
         return [[repr(f), " → ".join(_link_text(t) for t, _ in chain),

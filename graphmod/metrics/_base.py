@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from graphmod._core._bricks._construction import class_path
+from graphmod.typing import PyTree
 
 
 class Metric:
@@ -53,9 +54,10 @@ class Metric:
         """Raises if the targets of one batch (its real rows, on the host; ``first`` the
         index of its first example in the source) hold values the metric cannot score."""
 
-    def statistics(self, predictions: jax.Array, targets: jax.Array | None,
+    def statistics(self, predictions: jax.Array, targets: PyTree,
                    weights: jax.Array) -> dict[str, jax.Array]:
-        """Sums over one batch (traced)."""
+        """Sums over one batch (traced). ``targets``: the batch's targets (an array; None
+        for a metric that needs none), or the whole batch for one that ``takes_batch``."""
         raise NotImplementedError
 
     def result(self, totals: dict[str, np.ndarray]) -> Any:

@@ -23,7 +23,8 @@ import numpy as np
 from graphmod.metrics._base import Metric, weights_like
 
 
-def check_classification(name: str, predictions: Any, targets: Any, field: str) -> None:
+def check_classification(name: str, predictions: jax.ShapeDtypeStruct, targets: Any,
+                         field: str) -> None:
     """Raises unless predictions are class scores ``(batch, ..., classes)`` and targets are
     integer labels ``(batch, ...)`` or class probabilities ``(batch, ..., classes)``."""
     shape = tuple(predictions.shape)
@@ -94,10 +95,10 @@ class _Classification(Metric):
     """Scores of classes against integer labels or class probabilities: shapes checked
     before the first batch, labels on the host per batch and in the sums on the device."""
 
-    def check(self, predictions: Any, targets: Any, field: str) -> None:
+    def check(self, predictions: jax.ShapeDtypeStruct, targets: Any, field: str) -> None:
         check_classification(self.name, predictions, targets, field)
 
-    def check_batch(self, predictions: Any, targets: np.ndarray, field: str,
+    def check_batch(self, predictions: jax.ShapeDtypeStruct, targets: np.ndarray, field: str,
                     first: int) -> None:
         if np.issubdtype(targets.dtype, np.integer):
             check_labels(self.name, targets, predictions.shape[-1], field, first)
@@ -143,7 +144,7 @@ class Accuracy(_Classification):
         if top_k > 1:
             self.name = f"top_{top_k}_accuracy"
 
-    def check(self, predictions: Any, targets: Any, field: str) -> None:
+    def check(self, predictions: jax.ShapeDtypeStruct, targets: Any, field: str) -> None:
         super().check(predictions, targets, field)
         if self.top_k >= predictions.shape[-1]:
             raise ValueError(

@@ -20,9 +20,10 @@ import numpy as np
 
 from graphmod._records._collect import function_record
 from graphmod.metrics._base import Metric
+from graphmod.typing import ArrayLike
 
 
-def per_example_sums(name: str, value: Any, weights: jax.Array, *,
+def per_example_sums(name: str, value: ArrayLike, weights: jax.Array, *,
                      scalars: bool) -> dict[str, jax.Array]:
     """``{"sum", "count"}`` of per-example ``value`` (further axes averaged per example)
     over the real rows; a scalar counts once per real row where ``scalars``, else raises."""
@@ -72,7 +73,7 @@ class Mean(Metric):
     takes_batch = True
     scalars = False
 
-    def __init__(self, fn: Callable[[Any, Any], Any], *, name: str = "mean") -> None:
+    def __init__(self, fn: Callable[[Any, Any], ArrayLike], *, name: str = "mean") -> None:
         if not callable(fn):
             raise TypeError(f"metrics.Mean(fn): fn must be callable as fn(outputs, batch), "
                             f"got {fn!r}")
@@ -81,7 +82,7 @@ class Mean(Metric):
         self.fn = fn
         self.name = name
 
-    def statistics(self, predictions: Any, targets: Any,
+    def statistics(self, predictions: object, targets: object,
                    weights: jax.Array) -> dict[str, jax.Array]:
         return per_example_sums(self.name, self.fn(predictions, targets), weights,
                                 scalars=self.scalars)
@@ -112,7 +113,7 @@ class Output(Mean):
     def __init__(self, key: str) -> None:  # no fn to hold: the key picks the output
         self.name = key
 
-    def fn(self, outputs: Any, batch: Any) -> Any:
+    def fn(self, outputs: object, batch: object) -> Any:  # the program's output, as it is
         """The output named like this metric."""
         return named_outputs(outputs)[self.name]
 

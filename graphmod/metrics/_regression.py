@@ -29,7 +29,7 @@ class MeanSquaredError(Metric):
     name = "mean_squared_error"
     error = staticmethod(jnp.square)  # of each element's difference
 
-    def check(self, predictions: Any, targets: Any, field: str) -> None:
+    def check(self, predictions: jax.ShapeDtypeStruct, targets: Any, field: str) -> None:
         if tuple(predictions.shape) != tuple(targets.shape):
             raise ValueError(
                 f"metric {self.name!r}: predictions of shape {tuple(predictions.shape)} and "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol, Self, TypeGuard, runtime_checkable
 
 import numpy as np
 
@@ -12,8 +12,12 @@ from graphmod._core._managers._manager import HParam
 from graphmod._train._events import Event, On, Template, Time
 from graphmod._train._loop._models import model_state, with_model_state
 from graphmod._train._plugin import Plugin
-from graphmod.plugins._common import template_or
-from graphmod.typing import LoopLike
+from graphmod.plugins._common import loop_time, template_or
+from graphmod.typing import ArrayLike, LoopLike, PyTree, Variables
+
+HParamValue = ArrayLike
+"""A hyperparameter's value as ``fn(time)`` returns it: a Python or NumPy number (checked
+against the valid range), or a ``jax.Array`` (written unchecked)."""
 
 
 class Anneal(Plugin):
@@ -61,7 +65,7 @@ class Anneal(Plugin):
         0.0
     """
 
-    def __init__(self, hparam: HParam, fn: Callable[[Time], Any], *,
+    def __init__(self, hparam: HParam, fn: Callable[[Time], HParamValue | None], *,
                  every: Template | str | None = None, name: str | None = None,
                  model: str | None = None) -> None:
         if not isinstance(hparam, HParam):
@@ -74,7 +78,7 @@ class Anneal(Plugin):
         self.hparam = hparam
         self.fn = fn
         self.model = model
-        self.value: Any = None
+        self.value: HParamValue | None = None
 
     def setup(self, loop: LoopLike) -> None:
         # A fresh run's first step uses fn(start). A resumed run keeps the value its
@@ -83,7 +87,7 @@ class Anneal(Plugin):
         self.value = None  # this run's state may hold another value: write the first one
         model_state(loop, loop.state, self.model, "Anneal")  # a model named, if need be
         if loop.time.step == 0:
-            self.set(loop, loop.time)
+            self.set(loop, loop_time(loop))
 
     def __call__(self, event: Event) -> None:
         self.set(event.loop, event.time)
@@ -97,7 +101,8 @@ class Anneal(Plugin):
         if _host_number(value) and _host_number(self.value) and value == self.value:
             return  # the state holds it already
         self._check_range(value, time)
-        def write(state: Any) -> Any:
+
+        def write(state: PyTree) -> PyTree:
             own = model_state(loop, state, self.model, "Anneal")
             new = _with_variables(own, self.hparam.set(_variables(own, self.name), value))
             return with_model_state(loop, state, self.model, new)
@@ -106,7 +111,7 @@ class Anneal(Plugin):
         self.value = value
 
 
-    def _check_range(self, value: Any, time: Time) -> None:
+    def _check_range(self, value: HParamValue, time: Time) -> None:
         """Raises if the host number ``value`` lies outside the hyperparameter's range."""
         valid = self.hparam.valid
         if valid is None or not _host_number(value) or valid[0] <= value <= valid[1]:
@@ -119,12 +124,19 @@ class Anneal(Plugin):
             f"them: min(max(value, {low}), {high}))")
 
 
-def _host_number(value: Any) -> bool:
+def _host_number(value: object) -> TypeGuard[int | float | np.number]:
     # Comparing these never waits for the device (a jax.Array would).
     return isinstance(value, int | float | np.number) and not isinstance(value, bool)
 
 
-def _variables(state: Any, who: str) -> dict:
+@runtime_checkable
+class _Replaces(Protocol):
+    """A NamedTuple state (a graphmod.TrainState): a copy with fields replaced."""
+
+    def _replace(self, **fields: object) -> Self: ...
+
+
+def _variables(state: PyTree, who: str) -> Variables:
     variables = getattr(state, "variables", state)
     if not isinstance(variables, dict) or "managers" not in variables:
         raise TypeError(f"{who}: the loop's train state has no program variables (expected "
@@ -132,9 +144,9 @@ def _variables(state: Any, who: str) -> dict:
     return variables
 
 
-def _with_variables(state: Any, variables: dict) -> Any:
-    if hasattr(state, "_replace"):  # graphmod.TrainState and other NamedTuples
+def _with_variables(state: PyTree, variables: Variables) -> PyTree:
+    if isinstance(state, _Replaces):  # graphmod.TrainState and other NamedTuples
         return state._replace(variables=variables)
-    if dataclasses.is_dataclass(state):
+    if dataclasses.is_dataclass(state) and not isinstance(state, type):
         return dataclasses.replace(state, variables=variables)
     return variables  # the state is the variables themselves

@@ -6,7 +6,6 @@ import logging
 import os
 import shlex
 import sys
-from typing import Any
 
 import jax
 
@@ -19,7 +18,7 @@ from graphmod._train._loop._models import Models, run_inputs, run_provenance
 from graphmod._train._loop._resume import check_models, newest_meta
 from graphmod._train._optimize import TrainStep
 from graphmod._train._plugin import Plugin
-from graphmod.typing import LoopLike
+from graphmod.typing import JSON, LoopLike
 
 _log = logging.getLogger("graphmod.checkpoint")
 
@@ -88,7 +87,7 @@ class Checkpoint(Plugin):
         self._saved_step: int | None = None
         self._saved_epoch: int | None = None  # a step is saved again once its epoch ended
         self._first_step: int | None = None  # the step this run started from
-        self._inputs: Any = None  # the run's provenance inputs, assembled at the first save
+        self._inputs: dict[str, object] | None = None  # the run's provenance inputs (first save)
         self.due: Event | None = None  # the event to save at, once it has settled
 
     def _wants_resume(self) -> bool:
@@ -127,7 +126,9 @@ class Checkpoint(Plugin):
             loop.state = state
             loop.load_state_dict(meta)
             # The same run goes on (a graphmod 0.1 checkpoint has no id: a new one starts).
-            writer.run_id = self._run_id = meta.get("run_id") or writer.run_id
+            run_id = meta.get("run_id")
+            writer.run_id = self._run_id = run_id if isinstance(run_id, str) and run_id \
+                else writer.run_id
             self._saved_step, self._saved_epoch = loop.time.step, loop.time.epoch
             return
         if self._run_id is not None:
@@ -212,7 +213,7 @@ class Checkpoint(Plugin):
                                                        **self._provenance(loop)})
         self._saved_step, self._saved_epoch = loop.time.step, loop.time.epoch
 
-    def _provenance(self, loop: LoopLike) -> dict[str, Any]:
+    def _provenance(self, loop: LoopLike) -> dict[str, JSON]:
         """``{"provenance": record}`` for a graphmod.optimize step or several models (inputs
         kept from the first save: the data are hashed once); a failure is noted, never
         raised."""
@@ -251,9 +252,10 @@ class Checkpoint(Plugin):
             if lock is not None:
                 lock.release()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, JSON]:
         return {"directory": self.directory, "run_id": self._run_id}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, JSON]) -> None:
         # Loop.resume restores this before setup: the resumed run keeps its run id.
-        self._run_id = state.get("run_id")
+        run_id = state.get("run_id")
+        self._run_id = run_id if isinstance(run_id, str) else None

@@ -39,11 +39,12 @@ import math
 import os
 import threading
 import time as _time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, TypeAlias, TypeGuard
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from graphmod._core._clock import utc_now
@@ -57,19 +58,30 @@ from graphmod._train._control import (
 )
 from graphmod._train._events import Event, Time
 from graphmod._train._host_metrics import copying, on_host, scalar_metrics
-from graphmod._train._loop._dispatch import Dispatch
+from graphmod._train._loop._dispatch import Dispatch, DispatchTrace
 from graphmod._train._loop._models import Models, model_state, with_model_state
 from graphmod._train._optimize import TrainStep
 from graphmod._train._plugin import Plugin
-from graphmod.plugins._anneal import _variables, _with_variables
+from graphmod.plugins._anneal import _Replaces, _variables, _with_variables
 from graphmod.plugins._checkpoint import Checkpoint
-from graphmod.plugins._common import planned_steps
-from graphmod.typing import LoopLike
+from graphmod.plugins._common import planned_steps, registered
+from graphmod.typing import JSON, ArrayLike, LoopLike, PyTree
+
+
+class _Startable(LoopLike, Protocol):
+    """A loop that :class:`BackgroundRun` runs in its thread: a :class:`graphmod.Loop`
+    (which imports this module to start one)."""
+
+    @property
+    def plugins(self) -> Sequence[object]: ...
+
+    def run(self, state: PyTree) -> object: ...
 
 _log = logging.getLogger("graphmod.control")
 _PAUSE_POLL_S = 0.5  # a paused loop looks for a stop signal this often
 _METRICS_WAIT_S = 1.0  # status waits this long for the latest step's metrics
 _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+_Injected: TypeAlias = optax.InjectHyperparamsState | optax.InjectStatefulHyperparamsState
 
 
 @dataclasses.dataclass
@@ -77,9 +89,9 @@ class _Pending:
     """A checked command on its way to the loop thread, and its answer to come."""
 
     command: str
-    args: dict[str, Any]
+    args: dict[str, JSON]
     origin: str
-    answer: concurrent.futures.Future = dataclasses.field(
+    answer: concurrent.futures.Future[dict[str, JSON]] = dataclasses.field(
         default_factory=concurrent.futures.Future)
 
 
@@ -100,7 +112,7 @@ class _Setting:
             raise Refused(f"set: {self.name}={value!r} is outside its valid range [{low}, "
                           f"{high}]")
 
-    def _own(self, loop: LoopLike, state: Any) -> Any:
+    def _own(self, loop: LoopLike, state: PyTree) -> PyTree:
         return model_state(loop, state, self.model, "Control")
 
     def get(self, loop: LoopLike) -> float:
@@ -108,34 +120,45 @@ class _Setting:
         own = self._own(loop, loop.state)
         if self.hparam is not None:
             return float(self.hparam.get(_variables(own, "Control")))
-        return float(next(n.hyperparams[self.key] for n in _injected(own.opt_state)
-                          if self.key in n.hyperparams))
+        return float(np.asarray(next(n.hyperparams[key] for n in _injected(_opt_state(own))
+                                     if (key := self.key) is not None
+                                     and key in n.hyperparams)))
 
     def apply(self, loop: LoopLike, value: float) -> None:
         """Writes ``value`` into the train state (cast to the stored dtype: no retrace)."""
-        def write(state: Any) -> Any:
+        def write(state: PyTree) -> PyTree:
             own = self._own(loop, state)
             if self.hparam is not None:
                 new = _with_variables(own, self.hparam.set(_variables(own, "Control"), value))
-            else:
+            elif isinstance(own, _Replaces):  # a graphmod.TrainState, another NamedTuple
                 new = own._replace(opt_state=jax.tree.map(
-                    lambda node: self._replace(node, value), own.opt_state,
+                    lambda node: self._replace(node, value), _opt_state(own),
                     is_leaf=_is_injected))
+            else:
+                raise TypeError(f"set {self.name}: the train state ({type(own).__name__}) "
+                                "is no NamedTuple such as a graphmod.TrainState, whose "
+                                "opt_state could be replaced")
             return with_model_state(loop, state, self.model, new)
 
         loop.update_state(write)
 
-    def _replace(self, node: Any, value: float) -> Any:
-        if _is_injected(node) and self.key in node.hyperparams:
-            return node._replace(hyperparams={**node.hyperparams, self.key: value})
+    def _replace(self, node: PyTree, value: float) -> PyTree:
+        key = self.key
+        if _is_injected(node) and key is not None and key in node.hyperparams:
+            return node._replace(hyperparams={**node.hyperparams, key: value})
         return node
 
 
-def _is_injected(node: Any) -> bool:
+def _is_injected(node: object) -> TypeGuard[_Injected]:
     return isinstance(node, _INJECTED)
 
 
-def _injected(opt_state: Any) -> list[Any]:
+def _opt_state(state: PyTree) -> PyTree:
+    """The optimizer state of a train state (None: it has none)."""
+    return getattr(state, "opt_state", None)
+
+
+def _injected(opt_state: PyTree) -> list[_Injected]:
     """The ``optax.inject_hyperparams`` states inside an optimizer state."""
     return [n for n in jax.tree.leaves(opt_state, is_leaf=_is_injected) if _is_injected(n)]
 
@@ -158,10 +181,10 @@ def settings_of(loop: LoopLike) -> dict[str, _Setting]:
                     key = f"{prefix}{manager.name}/{name}"
                     found[key] = _Setting(key, model, hparam=hparam, valid=hparam.valid)
         own = model_state(loop, loop.state, model, "Control")
-        for node in _injected(getattr(own, "opt_state", None)):
+        for node in _injected(_opt_state(own)):
             for key, value in node.hyperparams.items():
-                if getattr(value, "ndim", None) == 0 and jnp.issubdtype(value.dtype,
-                                                                        jnp.floating):
+                if isinstance(value, jax.Array | np.ndarray | np.generic) and value.ndim == 0 \
+                        and jnp.issubdtype(value.dtype, jnp.floating):
                     valid = (0.0, math.inf) if key == "learning_rate" else None
                     found[prefix + key] = _Setting(prefix + key, model, key=key, valid=valid)
         if prefix + "learning_rate" in found:
@@ -248,7 +271,7 @@ class Control(Plugin):
                              "a positive number")
         self.serve = serve
         self.requests_per_second = float(requests_per_second)
-        self.commands: list[dict[str, Any]] = []  # every applied command (state_dict)
+        self.commands: list[dict[str, JSON]] = []  # every applied command (state_dict)
         self._queue: collections.deque[_Pending] = collections.deque()
         self._lock = threading.Lock()  # between a sender queueing and the teardown
         self._wakeup = threading.Event()  # set when a command is queued
@@ -270,7 +293,7 @@ class Control(Plugin):
                              "leave Control out of such a run")
         self._loop = loop
         self._first = None
-        self._checkpoints = [p for p in loop.plugins if isinstance(p, Checkpoint)]
+        self._checkpoints = [p for p in registered(loop) if isinstance(p, Checkpoint)]
         self._settings = settings_of(loop)
         self._paused = False
         if self.serve:
@@ -307,24 +330,24 @@ class Control(Plugin):
         if self._queue:  # with the check above, the loop's whole cost when nothing was sent
             self._apply_queued(event)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, JSON]:
         return {"commands": list(self.commands)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, JSON]) -> None:
         commands = state.get("commands", [])
         self.commands = [dict(c) for c in commands if isinstance(c, dict)] \
             if isinstance(commands, list) else []
 
-    def provenance_record(self) -> list[dict[str, Any]]:
+    def provenance_record(self) -> list[dict[str, JSON]]:
         """Every command applied so far (:attr:`commands`), for the run's record."""
         return list(self.commands)
 
     # -- commands, from any thread ----------------------------------------------------------
-    def _request(self, request: Request) -> dict[str, Any]:
+    def _request(self, request: Request) -> dict[str, JSON]:
         return self.command(request.command, request.args, wait=request.wait, origin="socket")
 
-    def command(self, command: str, args: Mapping[str, Any] | None = None, *,
-                wait: float | None = None, origin: str = "python") -> dict[str, Any]:
+    def command(self, command: str, args: Mapping[str, JSON] | None = None, *,
+                wait: float | None = None, origin: str = "python") -> dict[str, JSON]:
         """Sends ``command`` with ``args`` to the running loop and returns its answer (a
         dict with a ``message``); ``status`` is answered at once, the others once the loop
         applied them, or after ``wait`` seconds (None: however long it takes) with
@@ -356,7 +379,7 @@ class Control(Plugin):
             return {"queued": True, "message": f"{command}: queued; the loop applies it after "
                                                f"the step in progress (step {step} done)"}
 
-    def _check(self, command: str, args: dict[str, Any]) -> None:
+    def _check(self, command: str, args: dict[str, JSON]) -> None:
         """Refuses what cannot be applied, before it is queued."""
         if command in ("save", "stop") and args.get("save", True) and not self._checkpoints:
             raise Refused(f"{command}: the loop has no Checkpoint plugin to save with; add "
@@ -364,15 +387,15 @@ class Control(Plugin):
                               ", or stop without saving (stop --no-save; "
                               "run.stop(save=False))" if command == "stop" else ""))
         if command == "set":
-            setting = self._settings.get(args["name"])
+            setting = self._settings.get(_name(args))
             if setting is None:
                 known = ", ".join(sorted(self._settings)) or "none (no dynamic manager " \
                     "hyperparameter, no optimizer made with optax.inject_hyperparams)"
                 raise Refused(f"set: {args['name']!r} is not a hyperparameter of this run; "
                               f"it has: {known}")
-            setting.check(args["value"])
+            setting.check(_value(args))
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, JSON]:
         """Where the run is: ``step``, ``epoch``, ``examples``, ``seconds``, ``running``,
         ``paused``, ``steps_per_second`` (since this run's first step: its compile left
         out), ``planned_steps`` and ``seconds_left`` (None when the run's length is
@@ -402,7 +425,7 @@ class Control(Plugin):
                 "seconds": now.seconds, "running": self._accepting, "paused": self._paused,
                 "steps_per_second": rate, "planned_steps": planned, "seconds_left": left,
                 "metrics": metrics, "metrics_pending": metrics is None,
-                "pending": len(self._queue), "settable": sorted(self._settings),
+                "pending": len(self._queue), "settable": [*sorted(self._settings)],
                 "message": f"step {now.step}"}
 
     # -- commands, in the loop thread -------------------------------------------------------
@@ -434,30 +457,32 @@ class Control(Plugin):
             return
         name = pending.args["name"] if pending.command == "event" else pending.command
         loop.fire("command", name=name, arguments=dict(pending.args), origin=pending.origin)
-        loop.trace.append(Dispatch("command", step, self.name, 0,
-                                   _time.perf_counter() - begin))
+        if isinstance(loop.trace, DispatchTrace):  # a graphmod.Loop's
+            loop.trace.append(Dispatch("command", step, self.name, 0,
+                                       _time.perf_counter() - begin))
         pending.answer.set_result({"step": step, **answer})
 
-    def _pause(self, event: Event, args: dict[str, Any]) -> dict[str, Any]:
+    def _pause(self, event: Event, args: dict[str, JSON]) -> dict[str, JSON]:
         self._paused = True
         return {"paused": True, "message": f"paused at step {event.time.step}"}
 
-    def _resume(self, event: Event, args: dict[str, Any]) -> dict[str, Any]:
+    def _resume(self, event: Event, args: dict[str, JSON]) -> dict[str, JSON]:
         was, self._paused = self._paused, False
         return {"paused": False, "message": f"resumed at step {event.time.step}" if was
                 else f"was not paused (step {event.time.step})"}
 
-    def _stop(self, event: Event, args: dict[str, Any]) -> dict[str, Any]:
+    def _stop(self, event: Event, args: dict[str, JSON]) -> dict[str, JSON]:
         saved = self._save_now(event) if args.get("save", True) else []
         self._paused = False
         step = event.time.step
         event.loop.terminate(f"stopped by a control command at step {step}")
         where = f", saved to {', '.join(saved)}" if saved else ", not saved"
-        return {"stopping": True, "saved": saved, "message": f"stopping at step {step}{where}"}
+        return {"stopping": True, "saved": [*saved],
+                "message": f"stopping at step {step}{where}"}
 
-    def _save(self, event: Event, args: dict[str, Any]) -> dict[str, Any]:
+    def _save(self, event: Event, args: dict[str, JSON]) -> dict[str, JSON]:
         saved = self._save_now(event)
-        return {"saved": saved, "message": f"saved step {event.time.step} to "
+        return {"saved": [*saved], "message": f"saved step {event.time.step} to "
                                            f"{', '.join(saved)}"}
 
     def _save_now(self, event: Event) -> list[str]:
@@ -467,17 +492,33 @@ class Control(Plugin):
             checkpoint.wait()
         return [c.directory for c in self._checkpoints]
 
-    def _set(self, event: Event, args: dict[str, Any]) -> dict[str, Any]:
-        setting, value = self._settings[args["name"]], args["value"]
+    def _set(self, event: Event, args: dict[str, JSON]) -> dict[str, JSON]:
+        setting, value = self._settings[_name(args)], _value(args)
         previous = setting.get(event.loop)
         setting.apply(event.loop, value)
         return {"name": setting.name, "value": value, "previous": _json_number(previous),
                 "message": f"{setting.name} = {value:g} from step {event.time.step + 1} "
                            f"(was {previous:g})"}
 
-    def _event(self, event: Event, args: dict[str, Any]) -> dict[str, Any]:
+    def _event(self, event: Event, args: dict[str, JSON]) -> dict[str, JSON]:
         return {"message": f"fired the command event {args['name']!r} at step "
                            f"{event.time.step}"}
+
+
+def _name(args: Mapping[str, JSON]) -> str:
+    """The ``name`` argument of ``set`` or ``event`` (``check_arguments`` made it a string)."""
+    name = args["name"]
+    if not isinstance(name, str):
+        raise Refused(f"name must be a string, got {name!r}")
+    return name
+
+
+def _value(args: Mapping[str, JSON]) -> float:
+    """The ``value`` argument of ``set`` (``check_arguments`` made it a number)."""
+    value = args["value"]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise Refused(f"value must be a number, got {value!r}")
+    return value
 
 
 def _stop_requested(loop: LoopLike) -> bool:
@@ -487,7 +528,7 @@ def _stop_requested(loop: LoopLike) -> bool:
     return guard is not None and guard.requested
 
 
-def _read_metrics(metrics: Mapping[str, Any]) -> dict[str, float | str] | None:
+def _read_metrics(metrics: Mapping[str, ArrayLike]) -> dict[str, JSON] | None:
     """The latest scalar metrics as floats, waiting at most ``_METRICS_WAIT_S`` for the
     step computing them (None if it has not finished)."""
     chosen = copying(metrics)
@@ -529,14 +570,14 @@ class BackgroundRun:
         (True, False)
     """
 
-    def __init__(self, loop: Any, state: Any) -> None:
+    def __init__(self, loop: _Startable, state: PyTree) -> None:
         controls = [p for p in loop.plugins if isinstance(p, Control)]
         control = controls[0] if controls else loop.on(None, Control(serve=False))
         if control._ready.is_set():
             raise RuntimeError("loop.start: this loop is running already (one run at a time)")
         self.loop = loop
         self.control: Control = control
-        self._state: Any = None
+        self._state: PyTree = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, args=(state,), name="graphmod-loop")
         setups = control._setups
@@ -546,7 +587,7 @@ class BackgroundRun:
         if control._setups == setups and self._error is not None:
             raise self._error  # it could not start (a plugin's setup refused, say)
 
-    def _main(self, state: Any) -> None:
+    def _main(self, state: PyTree) -> None:
         try:
             self._state = self.loop.run(state)
         except BaseException as error:  # given to whoever asks for the result
@@ -557,33 +598,33 @@ class BackgroundRun:
         """Whether the loop still runs (paused included)."""
         return self._thread.is_alive()
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, JSON]:
         """Where the run is (see :meth:`Control.status`); after its end, where it ended."""
         return self.control.status()
 
-    def pause(self, timeout: float | None = None) -> dict[str, Any]:
+    def pause(self, timeout: float | None = None) -> dict[str, JSON]:
         """Holds the loop still after the step in progress; returns once it is held (or,
         after ``timeout`` seconds, with ``queued``)."""
         return self.control.command("pause", wait=timeout)
 
-    def resume(self, timeout: float | None = None) -> dict[str, Any]:
+    def resume(self, timeout: float | None = None) -> dict[str, JSON]:
         """Lets a paused loop go on."""
         return self.control.command("resume", wait=timeout)
 
-    def set(self, name: str, value: float, timeout: float | None = None) -> dict[str, Any]:
+    def set(self, name: str, value: float, timeout: float | None = None) -> dict[str, JSON]:
         """Sets hyperparameter ``name`` (``"dropout/rate"``, ``"lr"``: see ``status()``'s
         ``settable``) to ``value`` from the next step on, without recompiling."""
         return self.control.command("set", {"name": name, "value": value}, wait=timeout)
 
-    def save(self, timeout: float | None = None) -> dict[str, Any]:
+    def save(self, timeout: float | None = None) -> dict[str, JSON]:
         """Saves a checkpoint now, through the loop's Checkpoint plugins."""
         return self.control.command("save", wait=timeout)
 
-    def event(self, name: str, timeout: float | None = None) -> dict[str, Any]:
+    def event(self, name: str, timeout: float | None = None) -> dict[str, JSON]:
         """Fires a ``command`` event named ``name`` (``On("command", name=name)``)."""
         return self.control.command("event", {"name": name}, wait=timeout)
 
-    def stop(self, save: bool = True, timeout: float | None = None) -> dict[str, Any]:
+    def stop(self, save: bool = True, timeout: float | None = None) -> dict[str, JSON]:
         """Ends the run after the step in progress, saving it first (``save=False``: not);
         :meth:`result` then returns the final state."""
         return self.control.command("stop", {"save": save}, wait=timeout)

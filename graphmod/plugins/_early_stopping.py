@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from graphmod._core._naming import did_you_mean
 from graphmod._core._number_checks import is_real_number, is_whole_number
@@ -14,8 +14,8 @@ from graphmod._core._warn import warn
 from graphmod._train._events import AnyOf, Event, On, Template
 from graphmod._train._host_metrics import host_value
 from graphmod._train._plugin import Plugin
-from graphmod.plugins._common import event_metrics, template_or
-from graphmod.typing import LoopLike
+from graphmod.plugins._common import event_metrics, saved_field, template_or
+from graphmod.typing import JSON, LoopLike, PyTree
 
 
 class EarlyStopping(Plugin):
@@ -85,7 +85,7 @@ class EarlyStopping(Plugin):
         self.best_step: int | None = None
         self.wait = 0  # evaluations since the last improvement
         self.stopped_step: int | None = None
-        self.best_state: Any = None
+        self.best_state: PyTree = None
         self._restored = False
 
     def setup(self, loop: LoopLike) -> None:
@@ -151,16 +151,16 @@ class EarlyStopping(Plugin):
         result = host_value(value)
         if not isinstance(result, float):
             raise ValueError(f"{self.name}: metric {self.metric!r} is not a scalar "
-                             f"(shape {result.shape})")
+                             f"(shape {np.shape(result)})")
         return result
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, JSON]:
         return {"best": self.best, "best_step": self.best_step, "wait": self.wait,
                 "stopped_step": self.stopped_step}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best = state["best"]
-        self.best_step = state["best_step"]
-        self.wait = int(state["wait"])
-        self.stopped_step = state["stopped_step"]
+    def load_state_dict(self, state: dict[str, JSON]) -> None:
+        self.best = saved_field(state, "best", float, self.name)
+        self.best_step = saved_field(state, "best_step", int, self.name)
+        self.wait = saved_field(state, "wait", int, self.name) or 0
+        self.stopped_step = saved_field(state, "stopped_step", int, self.name)
         self.best_state = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import numpy as np
@@ -13,8 +12,8 @@ from graphmod._train._events import Event, On, Template
 from graphmod._train._loop._models import model_state, with_model_state
 from graphmod._train._plugin import Plugin
 from graphmod.plugins._anneal import _variables, _with_variables
-from graphmod.plugins._common import template_or
-from graphmod.typing import LoopLike
+from graphmod.plugins._common import registered, template_or
+from graphmod.typing import JSON, LoopLike, PyTree
 
 
 class FreezeLayers(Plugin):
@@ -86,7 +85,7 @@ class FreezeLayers(Plugin):
         own = model_state(loop, loop.state, self.model, "FreezeLayers")
         self.frozen = int(np.asarray(jax.device_get(self.hparam.get(_variables(own,
                                                                                self.name)))))
-        if not any(plugin is self._handler for plugin in loop.plugins):
+        if not any(plugin is self._handler for plugin in registered(loop)):
             loop.on(On("layers_frozen", issuer=self), self._handler)  # a plugin never gets
             # the events it fires: its handler does, with a row of its own in loop.trace
 
@@ -107,18 +106,25 @@ class FreezeLayers(Plugin):
         self.frozen = frozen
         self.history.append({"step": step, "frozen": frozen})
 
-    def _written(self, loop: LoopLike, frozen: int, state: Any) -> Any:
+    def _written(self, loop: LoopLike, frozen: int, state: PyTree) -> PyTree:
         """The loop's ``state`` with the manager's ``frozen`` hyperparameter set."""
         own = model_state(loop, state, self.model, "FreezeLayers")
         own = _with_variables(own, self.hparam.set(_variables(own, self.name), frozen))
         return with_model_state(loop, state, self.model, own)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"history": [dict(entry) for entry in self.history]}
+    def state_dict(self) -> dict[str, JSON]:
+        return {"history": [{**entry} for entry in self.history]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.history = [{"step": int(e["step"]), "frozen": int(e["frozen"])}
-                        for e in state.get("history", [])]
+    def load_state_dict(self, state: dict[str, JSON]) -> None:
+        history = state.get("history", [])
+        self.history = []
+        for entry in history if isinstance(history, list) else [history]:
+            step, frozen = (entry.get("step"), entry.get("frozen")) if isinstance(entry, dict) \
+                else (None, None)
+            if not isinstance(step, int) or not isinstance(frozen, int):
+                raise ValueError(f"{self.name}: the checkpoint's history holds {entry!r}, not "
+                                 "a {'step': ..., 'frozen': ...} record")
+            self.history.append({"step": step, "frozen": frozen})
 
     def provenance_record(self) -> list[dict[str, int]]:
         """When how many layers froze (:attr:`history`), for the run's record."""
@@ -133,4 +139,8 @@ class _Freeze:
         self.name = f"{plugin.name}.freeze"
 
     def __call__(self, event: Event) -> None:
-        self.plugin.freeze(event.loop, int(event.data["frozen"]), event.time.step)
+        frozen = event.data["frozen"]
+        if not isinstance(frozen, int):  # as FreezeLayers fires it
+            raise TypeError(f"{self.name}: a layers_frozen event's frozen is {frozen!r}, not "
+                            "a number of layers")
+        self.plugin.freeze(event.loop, frozen, event.time.step)

@@ -12,7 +12,7 @@ import io
 import os
 import sys
 import time as _time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,6 +23,10 @@ from graphmod._train._plugin import Plugin
 from graphmod._train._schedule import each
 from graphmod.plugins._common import event_metrics, metric_names, template_or
 from graphmod.typing import LoopLike
+
+if TYPE_CHECKING:  # matplotlib and IPython are optional: imported when drawing
+    from IPython.display import DisplayHandle
+    from matplotlib.figure import Figure
 
 
 class LivePlot(Plugin):
@@ -79,7 +83,7 @@ class LivePlot(Plugin):
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.draws = 0
         self._drawn_at: float | None = None
-        self._handle: Any = None
+        self._handle: DisplayHandle | None = None
 
     def setup(self, loop: LoopLike) -> None:
         self._drawn_at = None
@@ -118,7 +122,7 @@ class LivePlot(Plugin):
         self.draws += 1
         self._drawn_at = _time.perf_counter()
 
-    def figure(self) -> Any:
+    def figure(self) -> Figure:
         """A new ``matplotlib.figure.Figure`` of the recorded curves, one panel a metric."""
         from matplotlib.figure import Figure
 
@@ -146,7 +150,7 @@ class LivePlot(Plugin):
         return {name: panels[name] for name in (self.metric_names or tuple(panels))
                 if name in panels}
 
-    def _display(self, figure: Any) -> None:
+    def _display(self, figure: Figure) -> None:
         from IPython.display import Image, display
 
         buffer = io.BytesIO()

@@ -19,7 +19,7 @@ import io
 import json
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypeAlias
 
 from graphmod._core._warn import warn
 from graphmod._train._events import TIMELINES, Event, On, Template
@@ -27,8 +27,13 @@ from graphmod._train._host_metrics import copying, on_host, scalar_metrics
 from graphmod._train._plugin import Plugin
 from graphmod._train._schedule import each
 from graphmod.plugins._common import event_metrics, metric_names, template_or
-from graphmod.plugins._wandb import WandbRun
-from graphmod.typing import LoopLike
+from graphmod.plugins._wandb import LogRow, WandbRun
+from graphmod.typing import JSON, ArrayLike, LoopLike
+
+if TYPE_CHECKING:  # tensorboardX is optional: imported at the first TensorBoard row
+    from tensorboardX import SummaryWriter
+
+_Row: TypeAlias = dict[str, float | str]  # a row of the log: see LogRow
 
 _FORMATS = {".csv": "csv", ".jsonl": "jsonl"}
 
@@ -85,7 +90,8 @@ class Logger(Plugin):
 
     def __init__(self, directory_or_path: str | os.PathLike, *, format: str | None = None,
                  metrics: Iterable[str] | None = None, every: Template | str | None = None,
-                 tensorboard: bool = False, wandb: bool | Mapping[str, Any] = False,
+                 tensorboard: bool = False,
+                 wandb: bool | Mapping[str, Any] = False,  # wandb.init's arguments
                  log_checkpoints: bool = False, name: str = "logger") -> None:
         super().__init__(name=name,
                          every=template_or(every, On("step", step=each(100)), "Logger"))
@@ -126,8 +132,8 @@ class Logger(Plugin):
         self._opened = False  # whether this logger wrote its file already (then it appends)
         self._file: TextIO | None = None
         self._columns: list[str] = []
-        self._writer: Any = None
-        self._pending: list[tuple[dict[str, Any], dict[str, Any]]] = []  # rows in transit
+        self._writer: SummaryWriter | None = None
+        self._pending: list[tuple[_Row, dict[str, ArrayLike]]] = []  # rows in transit
 
     # -- plugin protocol ------------------------------------------------------------------------
     def __call__(self, event: Event) -> None:
@@ -146,15 +152,19 @@ class Logger(Plugin):
             if self.wandb is not None:
                 self.wandb.close(loop)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, JSON]:
         self.flush()  # the row count a resumed run cuts back to includes every due event
-        state: dict[str, Any] = {"rows": self.rows, "file": os.path.basename(self.path)}
+        state: dict[str, JSON] = {"rows": self.rows, "file": os.path.basename(self.path)}
         if self.wandb is not None and self.wandb.id is not None:
             state["wandb_id"] = self.wandb.id
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._keep = int(state["rows"])
+    def load_state_dict(self, state: dict[str, JSON]) -> None:
+        rows = state["rows"]
+        if isinstance(rows, bool) or not isinstance(rows, int):
+            raise ValueError(f"Logger: the checkpoint's row count is {rows!r}, not a count; "
+                             "was it written by a Logger?")
+        self._keep = rows
         if self.wandb is not None and "wandb_id" in state:
             self.wandb.id = str(state["wandb_id"])  # the resumed run continues it
         if "file" in state:  # the run's own file, in this logger's directory
@@ -166,7 +176,7 @@ class Logger(Plugin):
         self.close()  # reopened (and cut back) at the next row
 
     # -- rows -----------------------------------------------------------------------------------
-    def _start(self, event: Event) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _start(self, event: Event) -> tuple[_Row, dict[str, ArrayLike]]:
         """The row's times, and its scalar metrics on their way to the host."""
         return ({"event": event.type, **event.time.to_dict()},
                 copying(event_metrics(event), self.metrics, per_index=True))
@@ -176,7 +186,7 @@ class Logger(Plugin):
         while self._pending:
             self.write(_finish(*self._pending.pop(0)))
 
-    def write(self, row: dict[str, Any]) -> None:
+    def write(self, row: LogRow) -> None:
         """Appends ``row`` to the log (and TensorBoard) and flushes it."""
         if self._file is None:
             self._open()
@@ -234,14 +244,14 @@ class Logger(Plugin):
         _write_lines(self.path, [_csv_line(self._columns), *body])
         self._file = open(self.path, "a", encoding="utf-8", newline="")  # noqa: SIM115
 
-    def _tensorboard(self, row: dict[str, Any]) -> None:
+    def _tensorboard(self, row: LogRow) -> None:
         if self._writer is None:
             from tensorboardX import SummaryWriter
 
             self._writer = SummaryWriter(logdir=os.path.splitext(self.path)[0] + ".tensorboard")
         for key, value in row.items():
             if key != "event" and key not in TIMELINES:
-                self._writer.add_scalar(key, value, global_step=row["step"])
+                self._writer.add_scalar(key, value, global_step=int(row["step"]))
         self._writer.flush()
 
 
@@ -259,11 +269,11 @@ def _free_path(path: str) -> str:
     return free
 
 
-def _finish(head: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
+def _finish(head: _Row, metrics: dict[str, ArrayLike]) -> _Row:
     return {**head, **scalar_metrics(metrics, per_index=True)}
 
 
-def _csv_line(values: list[Any]) -> str:
+def _csv_line(values: list[float | str] | list[str]) -> str:
     text = io.StringIO()
     csv.writer(text, lineterminator="\n").writerow(values)
     return text.getvalue()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -12,8 +12,8 @@ from graphmod._train._events import Event, On, Template
 from graphmod._train._loop._models import Models
 from graphmod._train._plugin import Plugin
 from graphmod._train._schedule import each
-from graphmod.plugins._common import template_or
-from graphmod.typing import LoopLike
+from graphmod.plugins._common import saved_field, template_or
+from graphmod.typing import JSON, ArrayLike, LoopLike
 
 SKIPPED = "skipped_steps"
 
@@ -98,7 +98,7 @@ class NaNGuard(Plugin):
                 and self._checked_step != loop.time.step:
             self._check(loop, loop.metrics, loop.time.step)
 
-    def _check(self, loop: LoopLike, metrics: Any, step: int) -> bool:
+    def _check(self, loop: LoopLike, metrics: Mapping[str, ArrayLike], step: int) -> bool:
         """Reads the count; warns and returns True when too many steps were skipped."""
         if SKIPPED not in metrics:
             raise ValueError(f"{self.name}: the step's metrics have no {SKIPPED!r}; make the "
@@ -115,9 +115,9 @@ class NaNGuard(Plugin):
             return True
         return False
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, JSON]:
         return {"baseline": self.baseline, "skipped": self.skipped}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.baseline = state["baseline"]
-        self.skipped = int(state["skipped"])
+    def load_state_dict(self, state: dict[str, JSON]) -> None:
+        self.baseline = saved_field(state, "baseline", int, self.name)
+        self.skipped = saved_field(state, "skipped", int, self.name) or 0

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TypeAlias
 
 import jax
 import numpy as np
@@ -45,11 +45,11 @@ from graphmod._train._events import Event, On, Template
 from graphmod._train._plugin import Plugin
 from graphmod._train._population import Hyperparameter, PopulationStep, label, valid_range
 from graphmod._train._train_state import TrainState
-from graphmod.plugins._common import event_metrics, template_or
+from graphmod.plugins._common import event_metrics, is_json_object, registered, template_or
 from graphmod.plugins._validation import Validation
-from graphmod.typing import LoopLike
+from graphmod.typing import JSON, ArrayLike, LoopLike, Metrics, PyTree, Variables
 
-Score = str | Callable[[TrainState], Any]
+Score: TypeAlias = str | Callable[[TrainState], ArrayLike]
 """A metric name read from the due event's metrics, or ``fn(state) -> (N,) scores``."""
 
 
@@ -132,7 +132,7 @@ class PBT(Plugin):
         self.seed = int(seed)
         self.perturb = tuple(factors)
         self.ranges = {k: (float(lo), float(hi)) for k, (lo, hi) in (ranges or {}).items()}
-        self.decisions: list[dict[str, Any]] = []
+        self.decisions: list[dict[str, JSON]] = []
         self._exploit = _Exploit(self)
         self._step: PopulationStep | None = None
 
@@ -146,10 +146,11 @@ class PBT(Plugin):
         if step.members < 2:
             raise ValueError(f"{self.name}: a population of {step.members} member has no one "
                              "to copy; use at least 2 members")
+        state = _train_state(loop.state, self.name)
         for hparam in self.hparams:  # each one found in the state, before the first step
-            step.get(loop.state, hparam)
+            step.get(state, hparam)
         self._step = step
-        if not any(plugin is self._exploit for plugin in loop.plugins):
+        if not any(plugin is self._exploit for plugin in registered(loop)):
             loop.on(On("exploit", issuer=self), self._exploit)
 
     def __call__(self, event: Event) -> None:
@@ -157,7 +158,7 @@ class PBT(Plugin):
         for decision in self._decide(event):
             event.loop.fire("exploit", **decision)
 
-    def _decide(self, event: Event) -> list[dict[str, Any]]:
+    def _decide(self, event: Event) -> list[dict[str, JSON]]:
         """The decisions of ``event``'s step (nothing is changed): who copies whom, and the
         new hyperparameters."""
         step = self._population(event.loop)
@@ -166,14 +167,15 @@ class PBT(Plugin):
                                      else scores), kind="stable")  # best first, NaN last
         count = max(1, int(step.members * self.fraction))
         best, worst = ranked[:count], sorted(ranked[-count:].tolist())
+        state = _train_state(event.state, self.name)
         values = {label(h): np.asarray(v, np.float64) for h, v in zip(
-            self.hparams, jax.device_get([step.get(event.state, h) for h in self.hparams]),
+            self.hparams, jax.device_get([step.get(state, h) for h in self.hparams]),
             strict=True)}
         draw = np.random.default_rng([self.seed, event.time.step])
-        decisions = []
+        decisions: list[dict[str, JSON]] = []
         for member in worst:
             source = int(draw.choice(best))
-            changes = {}
+            changes: dict[str, JSON] = {}
             for hparam in self.hparams:
                 name, factor = label(hparam), float(draw.choice(self.perturb))
                 changes[name] = {"old": float(values[name][member]),
@@ -184,31 +186,43 @@ class PBT(Plugin):
                               "source_score": _number(scores[source]), "hparams": changes})
         return decisions
 
-    def _apply(self, loop: LoopLike, decision: Mapping[str, Any]) -> None:
+    def _apply(self, loop: LoopLike, decision: Mapping[str, JSON]) -> None:
         """Carries ``decision`` out in the loop's state: its member gets an exact copy of its
         source's variables and optimizer state, then its new hyperparameters."""
         step = self._population(loop)
-        member = int(decision["member"])
+        member, source, hparams = decision["member"], decision["source"], decision["hparams"]
+        if not (isinstance(member, int) and isinstance(source, int)
+                and isinstance(hparams, dict)):
+            raise TypeError(f"{self.name}: an exploit decision holds a member, a source and "
+                            f"hparams as PBT makes them, got {dict(decision)}")
         sources = np.arange(step.members)
-        sources[member] = int(decision["source"])
+        sources[member] = source
 
-        def exploit(state: TrainState) -> TrainState:
-            state = step.copy(state, sources)
+        def exploit(state: PyTree) -> PyTree:
+            state = step.copy(_train_state(state, self.name), sources)
             for hparam in self.hparams:
                 values = step.get(state, hparam)
-                new = decision["hparams"][label(hparam)]["new"]
+                change = hparams[label(hparam)]
+                new = change["new"] if isinstance(change, dict) else None
+                if not isinstance(new, int | float):
+                    raise TypeError(f"{self.name}: the exploit decision's {label(hparam)} "
+                                    f"holds {change!r}, not its new value")
                 state = step.set(state, hparam, values.at[member].set(new))
             return state
 
         loop.update_state(exploit)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, JSON]:
         return {"decisions": [dict(d) for d in self.decisions]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.decisions = [dict(d) for d in state.get("decisions", [])]
+    def load_state_dict(self, state: dict[str, JSON]) -> None:
+        decisions = state.get("decisions", [])
+        if not isinstance(decisions, list) or not all(map(is_json_object, decisions)):
+            raise ValueError(f"{self.name}: the checkpoint's decisions are not the list of "
+                             "records PBT writes")
+        self.decisions = [dict(d) for d in decisions if is_json_object(d)]
 
-    def provenance_record(self) -> list[dict[str, Any]]:
+    def provenance_record(self) -> list[dict[str, JSON]]:
         """Every exploit/explore decision so far (:attr:`decisions`), for the run's record."""
         return self.decisions
 
@@ -220,7 +234,8 @@ class PBT(Plugin):
     def _scores(self, event: Event, members: int) -> np.ndarray:
         """The members' scores on the host (float64), checked to be one per member."""
         if callable(self.score):
-            value, what = self.score(event.state), f"score function {self.score!r}"
+            value = self.score(_train_state(event.state, self.name))
+            what = f"score function {self.score!r}"
         else:
             metrics = event_metrics(event)
             if self.score not in metrics:
@@ -258,6 +273,9 @@ class _Exploit:
     def __call__(self, event: Event) -> None:
         decision = {key: event.data[key] for key in
                     ("step", "member", "source", "score", "source_score", "hparams")}
+        if not is_json_object(decision):  # as PBT fired it: numbers, names, None
+            raise TypeError(f"{self.name}: the exploit event's data are no JSON record: "
+                            f"{decision}")
         self.pbt._apply(event.loop, decision)
         self.pbt.decisions.append(decision)
 
@@ -295,7 +313,7 @@ class PopulationValidation(Validation):
         if self._engine is None:
             self._engine = self._prepare(_first(self._variables(loop, loop.state)))
 
-    def evaluate(self, variables: dict) -> dict[str, Any]:
+    def evaluate(self, variables: Variables) -> Metrics:
         """``{prefix + name: (N,) values}`` over every row of the source, for a population's
         stacked ``variables`` (``state.variables``).
 
@@ -327,7 +345,7 @@ class PopulationValidation(Validation):
         return {self.prefix + m.name: _per_member(engine, m.name, totals) for m in engine.metrics}
 
 
-def _per_member(engine: Engine, name: str, totals: dict) -> np.ndarray:
+def _per_member(engine: Engine, name: str, totals: Mapping[str, PyTree]) -> np.ndarray:
     """Metric ``name``'s result for each member, from sums stacked over the members."""
     metric = next(m for m in engine.metrics if m.name == name)
     members = jax.tree.leaves(totals[name])[0].shape[0]
@@ -335,11 +353,20 @@ def _per_member(engine: Engine, name: str, totals: dict) -> np.ndarray:
                        for i in range(members)])
 
 
-def _first(variables: dict) -> dict:
+def _first(variables: Variables) -> Variables:
     """Member 0's variables (the shapes one member's program is checked with)."""
     return jax.tree.map(lambda leaf: leaf[0], variables)
 
 
-def _number(value: float) -> float | None:
+def _number(value: float | np.ndarray) -> float | None:
     """A score as JSON holds it (NaN as None)."""
-    return None if math.isnan(value) else float(value)
+    number = float(value)
+    return None if math.isnan(number) else number
+
+
+def _train_state(state: PyTree, who: str) -> TrainState:
+    """The loop's state, checked to be a population's train state."""
+    if not isinstance(state, TrainState):
+        raise TypeError(f"{who}: the loop's state is a {type(state).__name__}, not the "
+                        "graphmod.TrainState of a population")
+    return state

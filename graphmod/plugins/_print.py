@@ -104,4 +104,4 @@ class Print(Plugin):
 def _format(value: float | np.ndarray) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
-    return np.array2string(value, precision=4, threshold=8)
+    return np.array2string(np.asarray(value), precision=4, threshold=8)

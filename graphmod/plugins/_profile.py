@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Any
 
 import jax
 import numpy as np
@@ -28,9 +27,11 @@ from graphmod._core._number_checks import is_whole_number
 from graphmod._train._events import Event, On, Template
 from graphmod._train._plugin import Plugin
 from graphmod._train._schedule import Schedule, at
-from graphmod.plugins._common import template_or
+from graphmod.plugins._common import directory_argument, template_or
 from graphmod.plugins._logger import Logger
-from graphmod.typing import LoopLike
+from graphmod.typing import LoopLike, PyTree
+
+_HOLDS = "pass a directory to hold the traces (plugins/profile/...)"
 
 
 class Profile(Plugin):
@@ -77,7 +78,8 @@ class Profile(Plugin):
         # Receives the starts, and the step that ends a trace (a schedule: planned ahead).
         super().__init__(name=name, every=self.start | On("step", step=_Ends(self)))
         self.steps = int(steps)
-        self.directory = None if directory is None else _directory(directory, "directory")
+        self.directory = None if directory is None else directory_argument(
+            directory, "Profile", "directory", "directory", _HOLDS)
         self.traces: list[str] = []
         self._into: str | None = None  # the directory of this run's traces
 
@@ -90,7 +92,8 @@ class Profile(Plugin):
             raise ValueError(f"Profile {self.name!r}: no directory to write traces to; pass "
                              "Profile(directory=...) or add a Logger to the loop (its "
                              "directory is then used)")
-        self._into = _directory(os.path.dirname(loggers[0].path), "the Logger's directory")
+        self._into = directory_argument(os.path.dirname(loggers[0].path), "Profile",
+                                        "the Logger's directory", "directory", _HOLDS)
 
     def __call__(self, event: Event) -> None:
         if self._last is not None and event.type == "step" and event.time.step >= self._last:
@@ -113,7 +116,7 @@ class Profile(Plugin):
                                "runs at a time: stop the other one first") from None
         self._last = event.time.step + self.steps
 
-    def _stop(self, state: Any) -> None:
+    def _stop(self, state: PyTree) -> None:
         assert self._into is not None
         self._last = None
         try:
@@ -149,15 +152,3 @@ def _newest_run(directory: str) -> str | None:
     traces = glob.glob(os.path.join(glob.escape(directory), "plugins", "profile", "*",
                                     "*.xplane.pb"))
     return os.path.dirname(max(traces, key=os.path.getmtime)) if traces else None
-
-
-def _directory(path: str | os.PathLike, what: str) -> str:
-    """``path`` made absolute; refused (naming ``what``) when it is a file."""
-    try:
-        location = os.path.abspath(os.fspath(path))
-    except TypeError:
-        raise TypeError(f"Profile({what}): expected a path, got {path!r}") from None
-    if os.path.exists(location) and not os.path.isdir(location):
-        raise NotADirectoryError(f"Profile({what}={location!r}): is a file, not a directory; "
-                                 "pass a directory to hold the traces (plugins/profile/...)")
-    return location

@@ -6,8 +6,8 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -17,7 +17,10 @@ from graphmod._train._events import Event, On, Template
 from graphmod._train._host_metrics import copying, on_host, scalar_metrics, scalars
 from graphmod._train._plugin import Plugin
 from graphmod.plugins._common import metric_names, per_model, planned_steps, template_or
-from graphmod.typing import LoopLike
+from graphmod.typing import ArrayLike, LoopLike
+
+if TYPE_CHECKING:  # tqdm.auto chooses a subclass (a notebook's widget, a terminal's line)
+    from tqdm import tqdm
 
 
 class ProgressBar(Plugin):
@@ -70,7 +73,7 @@ class ProgressBar(Plugin):
 
     def __init__(self, total: int | None = None, metrics: Iterable[str] | str = ("loss",), *,
                  every: Template | str | None = None, name: str = "progress_bar",
-                 **tqdm_kwargs: Any) -> None:
+                 **tqdm_kwargs: Any) -> None:  # tqdm's, passed on as they are
         # The bar sees every step event (a catch-all step template never blocks fusing
         # steps); ``every`` only decides when the metrics are read.
         super().__init__(name=name, every=On("step") | On("epoch_end") | On("terminate"))
@@ -88,9 +91,9 @@ class ProgressBar(Plugin):
         self.postfix: dict[str, float] = {}
         self.stopped: str | None = None  # why the run stopped early, once it did
         self._requested_total = total
-        self._bar: Any = None
+        self._bar: tqdm | None = None
         self._shown_at = -math.inf
-        self._copying: dict[str, Any] | None = None  # metrics on their way to the host
+        self._copying: dict[str, ArrayLike] | None = None  # metrics on their way to the host
         self._shown = self.metrics  # the names shown: per model in a loop of several
         self._epochs: int | None = None
         self._compiled = threading.Event()  # set by the first step: the status line ends
@@ -123,10 +126,10 @@ class ProgressBar(Plugin):
 
     def _compiling(self) -> None:
         """The status line, with the seconds since it began, until the first step."""
-        began = time.monotonic()
-        while True:
+        began, bar = time.monotonic(), self._bar
+        while bar is not None:  # opened before this thread starts
             text = f"compiling the train step… {time.monotonic() - began:.0f} s"
-            self._bar.set_description_str(text, refresh=True)
+            bar.set_description_str(text, refresh=True)
             if self._compiled.wait(STATUS_EVERY_S):
                 return
 
@@ -141,14 +144,14 @@ class ProgressBar(Plugin):
             who = getattr(event.issuer, "name", type(event.issuer).__name__)
             self.stopped = getattr(event, "reason", None) or f"terminated by {who}"
             return
-        if self._bar is None:
-            self._bar = self._open(event.loop.start_time.step)
+        bar = self._bar if self._bar is not None else self._open(event.loop.start_time.step)
+        self._bar = bar
         self._end_status()
-        self._advance(event.time.step, event.time.epoch)
+        self._advance(bar, event.time.step, event.time.epoch)
         if event.type != "step":  # epoch_end: the epoch's count only
             return
         if self._copying is not None and on_host(self._copying):
-            self._show(self._copying)
+            self._show(bar, self._copying)
             self._copying = None
         if self._shown and self._copying is None and self._due(event):
             self._copying = copying(event.metrics, self._shown, per_index=True)
@@ -162,41 +165,42 @@ class ProgressBar(Plugin):
         self._shown_at = now
         return True
 
-    def _open(self, start: int) -> Any:
+    def _open(self, start: int) -> tqdm:
         from tqdm.auto import tqdm
 
         options = {"unit": "step", "dynamic_ncols": True, **self.tqdm_kwargs}
         self.position = start
         return tqdm(total=self.total, initial=start, **options)
 
-    def _advance(self, step: int, epoch: int | None) -> None:
+    def _advance(self, bar: tqdm, step: int, epoch: int | None) -> None:
         if step > self.position:
-            self._bar.update(step - self.position)
+            bar.update(step - self.position)
             self.position = step
         if epoch is not None and "desc" not in self.tqdm_kwargs:
             # The loop's count (epochs done: 0 through the first), as Print, a checkpoint,
             # ``graphmod inspect`` and ``graphmod resume`` say it.
             desc = f"{epoch}/{self._epochs} epochs" if self._epochs else f"epoch {epoch}"
-            if self._bar.desc != desc:
-                self._bar.set_description_str(desc, refresh=False)
+            if bar.desc != desc:
+                bar.set_description_str(desc, refresh=False)
 
-    def _show(self, metrics: Any) -> None:
+    def _show(self, bar: tqdm, metrics: Mapping[str, ArrayLike]) -> None:
         # On the host already (or at the end); a one-dimensional metric (a population's:
         # one value per member) as its mean, min and max.
         values = {**scalar_metrics(metrics, self._shown), **_spread(metrics, self._shown)}
         if values:
             self.postfix = values
-            self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()})
+            bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()})
 
     def teardown(self, loop: LoopLike, error: BaseException | None) -> None:
         self._end_status()
-        if self._bar is None:
+        bar = self._bar
+        if bar is None:
             return
         try:
             if error is None:  # not when stopping on an error: reading could raise again
-                self._advance(loop.time.step, loop.time.epoch)
+                self._advance(bar, loop.time.step, loop.time.epoch)
                 if self._shown and loop.metrics:
-                    self._show(loop.metrics)  # the run is over: this read waits for nothing
+                    self._show(bar, loop.metrics)  # the run is over: it waits for nothing
             elif isinstance(error, KeyboardInterrupt):
                 signal = getattr(error, "signal", None)  # a SignalInterrupt's: SIGTERM
                 self.stopped = "interrupted" if signal is None else f"stopped by {signal.name}"
@@ -204,17 +208,16 @@ class ProgressBar(Plugin):
                 self.stopped = f"stopped by {type(error).__name__}"
             if self.stopped is not None:
                 self.stopped = f"{self.stopped} (at step {loop.time.step})"
-                self._bar.set_description_str(f"{self._bar.desc}: {self.stopped}",
-                                              refresh=True)
+                bar.set_description_str(f"{bar.desc}: {self.stopped}", refresh=True)
         finally:
-            self._bar.close()
+            bar.close()
             self._bar = None
 
 
 STATUS_EVERY_S = 1.0  # how often the compile status line counts its seconds
 
 
-def _spread(metrics: Any, names: tuple[str, ...]) -> dict[str, float]:
+def _spread(metrics: Mapping[str, ArrayLike], names: tuple[str, ...]) -> dict[str, float]:
     """Each one-dimensional metric among ``names`` (a population's, one value per member)
     as ``name mean``, ``name min`` and ``name max``."""
     rows = {name: value for name, value in scalars(metrics, names, per_index=True).items()

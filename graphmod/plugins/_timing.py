@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import time as _time
-from typing import Any
+from collections.abc import Iterable, Reversible
 
 from graphmod._core._display._table import html_table, text_table
 from graphmod._train._events import Event
+from graphmod._train._loop._dispatch import Dispatch
 from graphmod._train._plugin import Plugin
 from graphmod.typing import LoopLike
 
@@ -72,7 +73,7 @@ class Timing(Plugin):
         self.steps = 0
         self.wall_seconds = 0.0
         self.train_seconds = 0.0
-        self._last: Any = None
+        self._last: object = None  # the newest trace record seen
         self._start: tuple[float, float, int] | None = None
 
     def setup(self, loop: LoopLike) -> None:
@@ -93,14 +94,14 @@ class Timing(Plugin):
         if self.show:
             print(self)
 
-    def _collect(self, trace: Any) -> None:
+    def _collect(self, trace: Iterable[object]) -> None:
         fresh = []
-        for record in reversed(trace):
+        for record in reversed(_readable(trace)):
             if record is self._last:
                 break
             fresh.append(record)
         for record in reversed(fresh):
-            if record.kind != "plugin":
+            if not isinstance(record, Dispatch) or record.kind != "plugin":
                 continue  # a model's step (several models): training, not a plugin's time
             self.totals.setdefault((record.plugin, record.event), Tally()).add(record.seconds)
         if fresh:
@@ -137,8 +138,16 @@ class Timing(Plugin):
                           self.summary())
 
 
-def _newest(trace: Any) -> Any:
-    return next(reversed(trace), None)
+def _newest(trace: Iterable[object]) -> object:
+    return next(reversed(_readable(trace)), None)
+
+
+def _readable(trace: Iterable[object]) -> Reversible[object]:
+    """The loop's trace, read newest first (a graphmod.Loop's ``DispatchTrace``)."""
+    if not isinstance(trace, Reversible):
+        raise TypeError(f"Timing: the loop's trace ({type(trace).__name__}) cannot be read "
+                        "newest first, as a graphmod.Loop's DispatchTrace is")
+    return trace
 
 
 def _group(totals: dict[tuple[str, str], Tally], index: int) -> dict[str, Tally]:

@@ -25,13 +25,13 @@ Padding
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
 from graphmod import metrics as _metrics
 from graphmod._train._data_checks import check_evaluation_data, transformed_targets
-from graphmod._train._engine import Engine, metric_list, output_shapes, prepare
+from graphmod._train._engine import Engine, PaddedSource, metric_list, output_shapes, prepare
 from graphmod._train._events import Event, On, Template
 from graphmod._train._loop._models import model_state
 from graphmod._train._plugin import Plugin
@@ -39,9 +39,9 @@ from graphmod._train._program import Program
 from graphmod.data._grain import as_source
 from graphmod.metrics._per_example import Output, named_outputs
 from graphmod.plugins._common import template_or
-from graphmod.typing import LoopLike
+from graphmod.typing import JSON, ArrayLike, Batch, LoopLike, Metrics, PyTree, Variables
 
-MetricFn = Callable[[Any, Any], Any]
+MetricFn: TypeAlias = Callable[[Any, Batch], ArrayLike]  # outputs: what the program returns
 """``fn(outputs, batch) -> per-example array``, traced with ``jax.jit`` (use ``jnp``)."""
 
 _HINT = " (or validate a program derived over a function of these fields)"
@@ -100,15 +100,15 @@ class Validation(Plugin):
         ['valid/mse']
     """
 
-    def __init__(self, program: Program, source: Any, *,
-                 metrics: Mapping[str, MetricFn] | Sequence[Any] | None = None,
+    def __init__(self, program: Program, source: object, *,
+                 metrics: Mapping[str, MetricFn] | Sequence[str | _metrics.Metric] | None = None,
                  every: Template | str | None = None, prefix: str | None = None,
                  name: str = "validation", model: str | None = None) -> None:
         if not isinstance(program, Program):
             raise TypeError(f"Validation(program): expected a graphmod Program (e.g. "
                             f"program.derive(lambda m, x: m(x))), got {type(program).__name__}")
         source = as_source(source)  # a Grain pipeline of batches: a GrainSource
-        if not hasattr(source, "iter_padded"):
+        if not isinstance(source, PaddedSource):
             raise TypeError(f"Validation(source): expected a graphmod.data.ArraySource (it "
                             f"pads and masks the final batch), got {type(source).__name__}")
         chosen = None if metrics is None else _protocol(metrics)
@@ -123,7 +123,7 @@ class Validation(Plugin):
         self.metrics = chosen
         self.prefix = prefix
         self.model = model
-        self.history: list[tuple[int, dict[str, Any]]] = []
+        self.history: list[tuple[int, Metrics]] = []
         self._engine: Engine | None = None
 
     def setup(self, loop: LoopLike) -> None:
@@ -137,18 +137,20 @@ class Validation(Plugin):
         self.history.append((event.time.step, results))
         event.loop.fire("validated", metrics=results)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, JSON]:
         """The history, as JSON (arrays as lists): a resumed run's holds every validation."""
         return {"history": [[step, {name: np.asarray(value).tolist()
                                     for name, value in results.items()}]
                             for step, results in self.history]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.history = [(int(step), {name: np.asarray(value) if isinstance(value, list)
-                                     else value for name, value in results.items()})
-                        for step, results in state.get("history", [])]
+    def load_state_dict(self, state: dict[str, JSON]) -> None:
+        history = state.get("history", [])
+        if not isinstance(history, list):
+            raise ValueError(f"{self.name}: the checkpoint's history is a "
+                             f"{type(history).__name__}, not a list of validations")
+        self.history = [_validation(entry, self.name) for entry in history]
 
-    def evaluate(self, variables: dict) -> dict[str, Any]:
+    def evaluate(self, variables: Variables) -> Metrics:
         """``{prefix + name: value}`` over every row of the source, for ``variables``."""
         if self._engine is None:
             self._engine = self._prepare(dict(variables))
@@ -156,11 +158,11 @@ class Validation(Plugin):
                                               for batch, mask in self.source.iter_padded()))
         return {self.prefix + key: value for key, value in totals.values.items()}
 
-    def _variables(self, loop: LoopLike, state: Any) -> dict:
+    def _variables(self, loop: LoopLike, state: PyTree) -> Variables:
         """The variables to evaluate: ``model``'s, in a loop over several models."""
         return _variables(model_state(loop, state, self.model, "Validation"), self.name)
 
-    def _prepare(self, variables: dict) -> Engine:
+    def _prepare(self, variables: Variables) -> Engine:
         """The engine, checked on the first batch: the metrics given or the outputs'."""
         source = str(getattr(self.source, "name", None) or type(self.source).__name__)
         first = next(iter(self.source.iter_padded()), None)
@@ -179,7 +181,25 @@ class Validation(Plugin):
                        source=source, hint=_HINT)
 
 
-def _protocol(metrics: Any) -> list[_metrics.Metric]:
+def _validation(entry: JSON, who: str) -> tuple[int, Metrics]:
+    """One validation of a checkpoint's history, ``[step, {name: value}]`` (arrays as lists)."""
+    step, results = entry if isinstance(entry, list) and len(entry) == 2 else (None, None)
+    if isinstance(step, bool) or not isinstance(step, int) or not isinstance(results, dict):
+        raise ValueError(f"{who}: the checkpoint's history holds {str(entry)[:100]}, not a "
+                         "[step, {metric: value}] validation")
+    values: Metrics = {}
+    for name, value in results.items():
+        if isinstance(value, list):
+            values[name] = np.asarray(value)
+        elif isinstance(value, int | float):
+            values[name] = value
+        else:
+            raise ValueError(f"{who}: the checkpoint's validation at step {step} holds "
+                             f"{name}={value!r}, not a number or an array")
+    return step, values
+
+
+def _protocol(metrics: object) -> list[_metrics.Metric]:
     """``metrics=`` as metrics of the one protocol: functions as :class:`Mean`."""
     if isinstance(metrics, Mapping) and metrics:
         for key, fn in metrics.items():
@@ -193,7 +213,7 @@ def _protocol(metrics: Any) -> list[_metrics.Metric]:
                     f"{{name: fn(outputs, batch)}} or list of metrics, got {metrics!r}")
 
 
-def _variables(state: Any, who: str) -> dict:
+def _variables(state: PyTree, who: str) -> Variables:
     # a TrainState's: for a schedule-free optimizer, not the point it trains at
     variables = getattr(state, "evaluation_variables", getattr(state, "variables", state))
     if not isinstance(variables, Mapping) or "model" not in variables:

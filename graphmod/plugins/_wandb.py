@@ -16,12 +16,19 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from graphmod._train._checkpoint import CheckpointReader
 from graphmod._train._loop._models import run_inputs, run_provenance
 from graphmod.plugins._checkpoint import Checkpoint
-from graphmod.typing import LoopLike
+from graphmod.plugins._common import registered
+from graphmod.typing import JSON, LoopLike
+
+if TYPE_CHECKING:  # wandb is optional: imported when a run opens
+    from wandb import Run
+
+LogRow: TypeAlias = Mapping[str, float | str]
+"""A logged row: the event's type, its time on every timeline, its scalar metrics."""
 
 # wandb.init's arguments Logger sets itself.
 _OWN = {"config": "the run's provenance goes there (config['provenance'])",
@@ -32,7 +39,8 @@ _OWN = {"config": "the run's provenance goes there (config['provenance'])",
 class WandbRun:
     """A logger's W&B side: ``settings`` are ``wandb.init`` keyword arguments."""
 
-    def __init__(self, settings: Mapping[str, Any], log_checkpoints: bool) -> None:
+    def __init__(self, settings: Mapping[str, Any],  # wandb.init's, passed on as they are
+                 log_checkpoints: bool) -> None:
         if importlib.util.find_spec("wandb") is None:
             raise ImportError("Logger(wandb=...) needs the wandb package: pip install "
                               "'graphmod[wandb]' (or pip install wandb), or leave wandb off")
@@ -43,29 +51,29 @@ class WandbRun:
         self.settings = dict(settings)
         self.log_checkpoints = bool(log_checkpoints)
         self.id: str | None = None  # the W&B run's, kept in the logger's state
-        self._run: Any = None
+        self._run: Run | None = None
         self._where: tuple[str, LoopLike] | None = None  # the directory and loop of a run
         self._logged: set[str] = set()  # checkpoint folders already given as artifacts
-        self._inputs: dict[str, Any] | None = None  # the run's provenance inputs (hashed once)
+        self._inputs: dict[str, object] | None = None  # the run's provenance inputs (hashed once)
 
     def start(self, directory: str, loop: LoopLike) -> None:
         """Makes ready to open the run in ``directory`` at the first row: after every
         plugin's setup, so a run a ``Checkpoint`` resumes knows its W&B id by then."""
         self._where = (directory, loop)
 
-    def _open(self) -> Any:
+    def _open(self) -> Run:
         import wandb
 
         assert self._where is not None, "start() comes first (the logger's setup)"
         directory, loop = self._where
         os.makedirs(directory, exist_ok=True)
         settings = {"dir": directory, **self.settings}
-        self._run = wandb.init(config={"provenance": self._provenance(loop)}, id=self.id,
-                               resume="allow", **settings)
-        self.id = self._run.id
-        return self._run
+        run = wandb.init(config={"provenance": self._provenance(loop)}, id=self.id,
+                         resume="allow", **settings)
+        self._run, self.id = run, run.id
+        return run
 
-    def log(self, row: Mapping[str, Any]) -> None:
+    def log(self, row: LogRow) -> None:
         run = self._run if self._run is not None else self._open()
         run.log({k: v for k, v in row.items() if k not in ("event", "step")},
                 step=int(row["step"]))
@@ -82,7 +90,7 @@ class WandbRun:
         finally:
             run.finish()
 
-    def _provenance(self, loop: LoopLike) -> dict[str, Any]:
+    def _provenance(self, loop: LoopLike) -> dict[str, JSON]:
         """The run's provenance record as a dict; for a step not made by graphmod.optimize
         (no record), what says so: the metrics matter more than their record."""
         try:
@@ -92,12 +100,12 @@ class WandbRun:
         except TypeError as error:
             return {"unrecorded": str(error)}
 
-    def _artifacts(self, run: Any, loop: LoopLike) -> None:
+    def _artifacts(self, run: Run, loop: LoopLike) -> None:
         """This run's kept checkpoints, oldest first, each a version of ``<run>-checkpoint``
         aliased ``step-N`` (the newest also ``latest``, as W&B aliases a new version)."""
         import wandb
 
-        for plugin in getattr(loop, "plugins", ()):
+        for plugin in registered(loop):
             if not isinstance(plugin, Checkpoint):
                 continue
             plugin.wait()  # the last save is on disk

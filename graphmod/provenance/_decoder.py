@@ -10,8 +10,8 @@ signatures; a ``$class`` must be a brick, manager or Flax module class.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Literal
 
 from flax import nnx
 
@@ -36,22 +36,27 @@ class RecordDecoder(Decoding):
     error = RebuildError
     classes = (Manager, nnx.Module)
 
-    def __init__(self, rules: Rules, bricks: Mapping[str, Any] | None, *, dry: bool) -> None:
+    def __init__(self, rules: Rules, bricks: Mapping[str, nnx.Pytree] | None, *,
+                 dry: bool) -> None:
         super().__init__(dry=dry)
         self.rules = rules
         self.bricks = bricks
 
-    def check(self, path: Any, kind: Kind, where: str) -> None:
+    def check(self, path: object, kind: Kind, where: str) -> None:
         self.rules.check(path, kind, where)
 
-    def lookup(self, path: Any, kind: Kind, where: str) -> Any:
+    def lookup(self, path: object, kind: Kind, where: str
+               ) -> type | Callable[..., object] | None:  # typed by Decoding's overloads
         if self.dry:
             self.rules.check(path, kind, where)
             return None
-        return self.rules.resolve(path, kind, where)
+        found = self.rules.resolve(path, kind, where)
+        if kind == "class" and not isinstance(found, type):  # resolve refuses it: unreached
+            raise RebuildError(f"rebuild: {where} names {path!r}, which is not a class")
+        return found
 
-    def build(self, cls: type, path: str, arguments: dict[str, Any], where: str,
-              kind: str) -> Any:
+    def build(self, cls: type, path: str, arguments: dict[str, object], where: str,
+              kind: Literal["brick", "manager"]) -> object:
         if kind == "brick" and not getattr(cls, "__graphmod_brick__", False):
             raise RebuildError(f"rebuild: {where}.class names {path!r}, which is not a "
                                "graphmod Brick")
@@ -65,7 +70,7 @@ class RecordDecoder(Decoding):
             raise RebuildError(f"rebuild: constructing {where} ({path}) failed: "
                                f"{type(error).__name__}: {error}") from error
 
-    def optimizer(self, name: str, arguments: dict[str, Any], where: str) -> Any:
+    def optimizer(self, name: str, arguments: dict[str, object], where: str) -> object:
         args, kwargs = call_arguments(optax_factory(name), arguments, where)
         try:
             return optimizer(name, *args, **kwargs)
@@ -73,17 +78,20 @@ class RecordDecoder(Decoding):
             raise RebuildError(f"rebuild: {where}: optax.{name}(...) failed: "
                                f"{type(error).__name__}: {error}") from error
 
-    def dynamic(self, value: Any) -> Any:
+    def dynamic(self, value: object) -> object:
+        if not isinstance(value, int | float):  # graphmod records its float (tagged() names
+            raise TypeError(f"dynamic(value): expected a float, got {value!r}")  # the entry)
         return dynamic(value)
 
-    def brick_at(self, path: str, where: str) -> Any:
+    def brick_at(self, path: str, where: str) -> nnx.Pytree:
         if self.bricks is None or path not in self.bricks:
             raise RebuildError(f"rebuild: {where} names the brick at {path!r}, which the "
                                "rebuilt model does not have")
         return self.bricks[path]
 
 
-def call_arguments(target: Any, arguments: dict[str, Any], where: str) -> tuple[tuple, dict]:
+def call_arguments(target: Callable[..., object], arguments: Mapping[str, object], where: str
+                   ) -> tuple[tuple[object, ...], dict[str, object]]:
     """Positional and keyword arguments for ``target`` from recorded named arguments."""
     init = target.__init__ if isinstance(target, type) else target
     signature = inspect.signature(init)
@@ -91,7 +99,7 @@ def call_arguments(target: Any, arguments: dict[str, Any], where: str) -> tuple[
                                                                else 0:]
     names = {p.name for p in parameters}
     var_keyword = next((p.name for p in parameters if p.kind is p.VAR_KEYWORD), None)
-    bound: dict[str, Any] = {}
+    bound: dict[str, object] = {}
     extra = {k: v for k, v in arguments.items() if k not in names}
     if extra and var_keyword is None:
         raise RebuildError(f"rebuild: {where}: {getattr(target, '__qualname__', target)} no "

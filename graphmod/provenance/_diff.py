@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 from graphmod._core._display._table import WIDTH, html_table, shorten, text_table
+from graphmod._records._frozen import Frozen, FrozenDict
 from graphmod._records._record import Provenance, is_record
 from graphmod._records._summary import readable
 
@@ -22,13 +22,14 @@ def _join(prefix: str, key: str) -> str:
     return f"{prefix}[{key!r}]"
 
 
-def _is_leaf_tag(value: Any) -> bool:
+def _is_leaf_tag(value: object) -> bool:
     return (isinstance(value, Mapping) and len(value) == 1 and next(iter(value)).startswith("$")
             and "$dict" not in value)
 
 
-def _flatten(value: Any, prefix: str, derived: bool, out: dict[str, tuple[bool, Any]]) -> None:
-    if is_record(value):
+def _flatten(value: Frozen, prefix: str, derived: bool,
+             out: dict[str, tuple[bool, Frozen]]) -> None:
+    if isinstance(value, FrozenDict) and is_record(value):
         out[_join(prefix, "kind")] = (derived, value["kind"])
         _flatten(value["inputs"], prefix, derived, out)
         _flatten(value["derived"], prefix, True, out)
@@ -44,9 +45,9 @@ def _flatten(value: Any, prefix: str, derived: bool, out: dict[str, tuple[bool, 
         out[prefix] = (derived, value)
 
 
-def flatten(prov: Provenance) -> dict[str, tuple[bool, Any]]:
+def flatten(prov: Provenance) -> dict[str, tuple[bool, Frozen]]:
     """Field path → ``(is derived, value)`` for every leaf of a record."""
-    out: dict[str, tuple[bool, Any]] = {}
+    out: dict[str, tuple[bool, Frozen]] = {}
     _flatten(prov._frozen(), "", False, out)
     out.pop("format", None)
     return out
@@ -64,8 +65,8 @@ class Difference:
     """
 
     field: str
-    a: Any
-    b: Any
+    a: Frozen
+    b: Frozen
     derived: bool
     in_a: bool = True
     in_b: bool = True

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any
 
 from graphmod._records._record import Provenance, ProvenanceError
 from graphmod._train._checkpoint import Checkpointer
@@ -33,7 +32,7 @@ def read(path: str | os.PathLike, *, step: int | None = None) -> Provenance:
 
     reader = Checkpointer(path, keep=None)
     try:
-        meta: dict[str, Any] = reader.meta(step)
+        meta = reader.meta(step)
     finally:
         reader.close()
     if "provenance" not in meta:

@@ -350,7 +350,7 @@ class Rules:
             "(constructors and pure functions, graphmod.provenance.default_names()); nothing "
             f"was imported. If you trust this record, {_own(path)}{also}")
 
-    def resolve(self, path: object, kind: Kind, where: str) -> object:
+    def resolve(self, path: object, kind: Kind, where: str) -> Callable[..., object]:
         """The object at ``path`` once :meth:`check` passes; raises :class:`RebuildError` if
         it is missing, lies outside the allowed packages or is not a ``kind``."""
         path = self.check(path, kind, where)
@@ -376,6 +376,8 @@ class Rules:
                                "function")
         if kind in ("function", "partial") and not _is_function(obj):
             raise RebuildError(f"rebuild: {where} names {path!r}, which is not a function")
+        if not callable(obj):  # unreached: each kind's check above leaves a class or function
+            raise RebuildError(f"rebuild: {where} names {path!r}, which is not callable")
         return obj
 
 

@@ -30,21 +30,29 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
+import jax
 import numpy as np
+import optax
 from flax import nnx
 
 from graphmod._core._codec import construct
+from graphmod._core._managers._manager import Manager
 from graphmod._core._model._layout import Layout
 from graphmod._core._selection._filter import VariableFilter
-from graphmod._records._collect import brick_records, modules, parameter_records
+from graphmod._records._collect import Described, brick_records, modules, parameter_records
+from graphmod._records._frozen import Frozen
 from graphmod._records._record import Provenance, several_models
-from graphmod._train._program import compile
+from graphmod._train._program import Program, compile
+from graphmod.data import FittedTransforms
 from graphmod.provenance._decoder import RecordDecoder
 from graphmod.provenance._names import RebuildError, Rules
 from graphmod.provenance._transforms import transforms as read_transforms
+from graphmod.typing import ArrayTree
+
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +89,12 @@ class Rebuilt:
         ((4, 2), (), None, ())
     """
 
-    model: Any
-    managers: tuple[Any, ...]
-    optimizer: Any
-    monitor: Mapping[str, Any]
-    seeds: Mapping[str, Any]
-    trainable: tuple[Any, ...] | None
+    model: nnx.Module
+    managers: tuple[Manager, ...]
+    optimizer: optax.GradientTransformation | None
+    monitor: Mapping[str, VariableFilter]
+    seeds: Mapping[str, jax.Array]
+    trainable: tuple[VariableFilter | Manager, ...] | None
     provenance: Provenance
     allowed: tuple[str, ...] = ()
 
@@ -102,12 +110,12 @@ class Rebuilt:
                 + (f"; allowed: {', '.join(self.allowed)}" if self.allowed else "") + ")")
 
     @property
-    def transforms(self) -> Any:
+    def transforms(self) -> FittedTransforms | None:
         """The fitted transforms the record holds (a ``graphmod.data.FittedTransforms``;
         None without), which :meth:`compile` passes on."""
         return read_transforms(self.provenance)
 
-    def compile(self, fn: Any, **kwargs: Any) -> Any:
+    def compile(self, fn: Callable[..., object], **kwargs: Any) -> Program:
         """``graphmod.compile(fn, model, managers=managers, monitor=..., transforms=...)``."""
         kwargs.setdefault("managers", self.managers)
         if "transforms" not in kwargs and (fitted := self.transforms) is not None:
@@ -120,18 +128,21 @@ class Rebuilt:
             kwargs.setdefault("axis_name", axis)
         return compile(fn, self.model, **kwargs)
 
-    def example_arguments(self) -> tuple[tuple, dict]:
+    def example_arguments(self) -> tuple[tuple[ArrayTree, ...], dict[str, ArrayTree]]:
         """Zeros of the recorded example shapes: ``(args, kwargs)`` for ``program.init``."""
         examples = self.provenance.inputs.get("example_shapes")
         if examples is None:
             raise RebuildError("rebuild: the record holds no example shapes (its program's "
                                "init had not run)")
 
-        def make(node: Any) -> Any:
+        def make(node: Frozen) -> ArrayTree:
             if isinstance(node, Mapping) and set(node) == {"shape", "dtype"}:
                 return np.zeros(node["shape"], np.dtype(node["dtype"]))
             if isinstance(node, Mapping):
                 return {k: make(v) for k, v in node.items()}
+            if not isinstance(node, tuple):
+                raise TypeError(f"rebuild: example_shapes holds {node!r}, not a shape, list "
+                                "or mapping; the record is damaged")
             return [make(v) for v in node]
 
         arguments = examples["arguments"]
@@ -140,15 +151,14 @@ class Rebuilt:
         kwargs = {k: make(v) for k, v in arguments.items() if k not in positional}
         return args, kwargs
 
-    def check_data(self, source: Any, *, name: str = "data") -> None:
+    def check_data(self, source: object, *, name: str = "data") -> None:
         """Raises unless ``source`` describes itself as the recorded data (same content
         hash, size and shapes)."""
         recorded = self.provenance.inputs.get(name)
-        describe = getattr(source, "describe", None)
-        if recorded is None or not callable(describe):
+        if recorded is None or not (isinstance(source, Described) and callable(source.describe)):
             raise RebuildError(f"check_data: the record has no {name!r} description, or the "
                                "source cannot describe itself")
-        actual = describe()
+        actual = source.describe()
         differing = [k for k in ("sha256", "size", "shapes", "dtypes")
                      if k in recorded and _thaw(recorded[k]) != actual.get(k)]
         if differing:
@@ -156,13 +166,13 @@ class Rebuilt:
                                f"{', '.join(differing)}")
 
 
-def _thaw(value: Any) -> Any:
+def _thaw(value: object) -> object:
     if isinstance(value, tuple):
         return [_thaw(v) for v in value]
     return value
 
 
-def _verify(record: Provenance, model: Any, decoder: RecordDecoder) -> None:
+def _verify(record: Provenance, model: nnx.Module, decoder: RecordDecoder) -> None:
     """Raises if the rebuilt model's modules or parameters differ from the record's."""
     recorded_bricks = decoder.mapping(record.inputs.get("bricks") or {}, "bricks")
     recorded_params = decoder.mapping(record.inputs.get("parameters") or {}, "parameters")
@@ -173,8 +183,8 @@ def _verify(record: Provenance, model: Any, decoder: RecordDecoder) -> None:
         a, b = recorded_bricks.get(path), bricks.get(path)
         if a is None or b is None:
             problems.append(f"module {path}: {'only rebuilt' if a is None else 'missing'}")
-        elif decoder.mapping(a, f"bricks[{path!r}]").get("class") != b["class"]:
-            problems.append(f"module {path}: recorded {a.get('class')}, rebuilt {b['class']}")
+        elif (recorded := decoder.mapping(a, f"bricks[{path!r}]").get("class")) != b["class"]:
+            problems.append(f"module {path}: recorded {recorded}, rebuilt {b['class']}")
     for path in sorted(set(recorded_params) | set(params)):
         a, b = recorded_params.get(path), params.get(path)
         if a is None or b is None:
@@ -353,7 +363,7 @@ def rebuild_models(provenance: Provenance | str, *,
     return built
 
 
-def _record(provenance: Any, who: str) -> Provenance:
+def _record(provenance: object, who: str) -> Provenance:
     """``provenance`` as a record (JSON text read), or a TypeError."""
     if isinstance(provenance, str | bytes):
         provenance = Provenance.from_json(provenance)
@@ -362,7 +372,7 @@ def _record(provenance: Any, who: str) -> Provenance:
     return provenance
 
 
-def _module(model: Any, argument: str) -> nnx.Module | None:
+def _module(model: object, argument: str) -> nnx.Module | None:
     if model is not None and not isinstance(model, nnx.Module):
         raise TypeError(f"{argument}: expected the flax.nnx.Module the record describes, got "
                         f"{type(model).__name__}")
@@ -399,29 +409,39 @@ class _Plan:
         """Constructs what the record describes (checked again as it is resolved)."""
         inputs, model = self.provenance.inputs, self.model
         if model is None:
-            model = construct(self.root, RecordDecoder(self.rules, None, dry=False),
-                              "bricks['/']", "brick")
+            model = _built(nnx.Module, construct(self.root, RecordDecoder(
+                self.rules, None, dry=False), "bricks['/']", "brick"), "bricks['/']")
         if verify:
             _verify(self.provenance, model, self.check)
-        built, monitor, tx, seeds = _the_rest(inputs, RecordDecoder(self.rules, modules(model),
-                                                                    dry=False))
-        return Rebuilt(model, built, tx, monitor, seeds, _trainable(inputs, built),
-                       self.provenance, self.rules.added)
+        made, monitor, tx, seeds = _the_rest(inputs, RecordDecoder(self.rules, modules(model),
+                                                                   dry=False))
+        built = tuple(_built(Manager, manager, "managers") for manager in made)
+        return Rebuilt(
+            model, built,
+            None if tx is None else _built(optax.GradientTransformation, tx, "optimizer"),
+            {k: _built(VariableFilter, f, f"monitor[{k!r}]") for k, f in monitor.items()},
+            {k: _built(jax.Array, key, f"seeds.{k}") for k, key in seeds.items()},
+            _trainable(inputs, built), self.provenance, self.rules.added)
 
 
-def _trainable(inputs: Mapping[str, Any], managers: tuple[Any, ...]) -> tuple[Any, ...] | None:
+def _built(kind: type[_T], value: object, where: str) -> _T:
+    """``value`` as the decoder constructed it from ``where``: a ``kind`` (the decoder
+    makes nothing else there)."""
+    if not isinstance(value, kind):
+        raise RebuildError(f"rebuild: {where} was rebuilt as a {type(value).__name__}, not "
+                           f"a {kind.__name__}")
+    return value
+
+
+def _trainable(inputs: Mapping[str, Frozen], managers: Sequence[Manager]
+               ) -> tuple[VariableFilter | Manager, ...] | None:
     """``trainable=`` selectors from a training record's ``trainable`` entry (paths and
     manager names: data only), refused by field if malformed."""
     record = inputs.get("trainable")
     if record is None:
         return None
     by_name = {manager.name: manager for manager in managers}
-    paths, names = (record.get(part) if isinstance(record, Mapping) else None
-                    for part in ("model", "managers"))
-    for part, items in (("model", paths), ("managers", names)):
-        if not (isinstance(items, list | tuple) and all(isinstance(item, str) for item in items)):
-            raise RebuildError(f"rebuild: trainable.{part} is not a list of strings; the "
-                               "record is damaged")
+    paths, names = (_strings(record, part) for part in ("model", "managers"))
     unknown = sorted(set(names) - set(by_name))
     if unknown:
         raise RebuildError(f"rebuild: trainable.managers names {unknown}, which are not among "
@@ -431,18 +451,30 @@ def _trainable(inputs: Mapping[str, Any], managers: tuple[Any, ...]) -> tuple[An
             *(by_name[name] for name in names))
 
 
-def _the_rest(inputs: Mapping[str, Any], decoder: RecordDecoder
-              ) -> tuple[tuple[Any, ...], dict[str, Any], Any, dict[str, Any]]:
+def _strings(record: Frozen, part: str) -> Sequence[str]:
+    """``record[part]``: a list of strings, or a RebuildError naming ``trainable.<part>``."""
+    items = record.get(part) if isinstance(record, Mapping) else None
+    if not (isinstance(items, list | tuple) and all(isinstance(item, str) for item in items)):
+        raise RebuildError(f"rebuild: trainable.{part} is not a list of strings; the "
+                           "record is damaged")
+    return items
+
+
+def _the_rest(inputs: Mapping[str, Frozen], decoder: RecordDecoder
+              ) -> tuple[tuple[object, ...], dict[str, object], object, dict[str, object]]:
     """The managers, monitor filters, optimizer and seeds of a record (Nones when dry)."""
     managers = decoder.mapping(inputs.get("managers") or {}, "managers")
+    orders: dict[str, int] = {}
     for name, record in managers.items():
-        if not isinstance(decoder.mapping(record, f"managers.{name}").get("order", 0), int):
+        order = decoder.mapping(record, f"managers.{name}").get("order", 0)
+        if not isinstance(order, int):
             raise RebuildError(f"rebuild: managers.{name}.order is not an integer")
-    ordered = sorted(managers.items(), key=lambda item: item[1].get("order", 0))
+        orders[name] = order
+    ordered = sorted(managers.items(), key=lambda item: orders[item[0]])
     built = tuple(construct(record, decoder, f"managers.{name}", "manager")
                   for name, record in ordered)
     for (name, _), manager in zip(ordered, built, strict=True):
-        if manager is not None and manager.name != name:
+        if isinstance(manager, Manager) and manager.name != name:
             raise RebuildError(f"rebuild: managers.{name} was rebuilt named {manager.name!r}")
     # Program records write monitor filters in the plain form $filter also reads.
     monitor = {label: decoder.tagged("$filter", decoder.mapping(record, f"monitor[{label!r}]"),

@@ -20,22 +20,41 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar, overload
+
+from flax import nnx
 
 from graphmod._core._bricks._spec import Spec
 from graphmod._core._tracing import _context
 from graphmod._core._tracing._call import ApplicationCall
 from graphmod._core._tracing._chain import Chain
 
+if TYPE_CHECKING:
+    from graphmod._core._managers._manager import Manager
+
+R = TypeVar("R")  # what the method returns: a program's managers rewrite it as such
+
+
+@overload
+def application(method: Callable[..., R], *, inputs: Sequence[str] = (),
+                outputs: Sequence[str] = (), targets: Sequence[str] = (),
+                costs: Sequence[str] = ()) -> Callable[..., R]: ...
+
+
+@overload
+def application(method: None = None, *, inputs: Sequence[str] = (),
+                outputs: Sequence[str] = (), targets: Sequence[str] = (),
+                costs: Sequence[str] = ()) -> Callable[[Callable[..., R]], Callable[..., R]]: ...
+
 
 def application(
-    method: Callable[..., Any] | None = None,
+    method: Callable[..., R] | None = None,
     *,
     inputs: Sequence[str] = (),
     outputs: Sequence[str] = (),
     targets: Sequence[str] = (),
     costs: Sequence[str] = (),
-) -> Any:
+) -> Callable[..., R] | Callable[[Callable[..., R]], Callable[..., R]]:
     """Decorates a brick method as an application with named inputs and outputs.
 
     Args:
@@ -63,16 +82,17 @@ def application(
     return _wrapped(method, _spec(method, inputs, outputs, targets, costs))
 
 
-def _wrapped(method: Callable[..., Any], spec: Spec) -> Callable[..., Any]:
+def _wrapped(method: Callable[..., R], spec: Spec) -> Callable[..., R]:
     """``method`` running as application ``spec`` (see the module docstring)."""
 
     @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, use_manager: Any = None, **kwargs: Any) -> Any:
+    def wrapper(self: nnx.Module, *args: object,
+                use_manager: Manager | list[Manager] | tuple[Manager, ...] | None = None,
+                **kwargs: object) -> R:
         frame = _context.current_frame()
         path = None if frame is None else frame.layout.brick_path(self)
-        if path is None:
+        if frame is None or path is None:
             return _run_plain(spec, method, self, args, kwargs)
-        assert frame is not None
         local = () if use_manager is None else tuple(
             use_manager if isinstance(use_manager, list | tuple) else [use_manager])
         with frame.using(local):
@@ -83,7 +103,7 @@ def _wrapped(method: Callable[..., Any], spec: Spec) -> Callable[..., Any]:
     return wrapper
 
 
-def _spec(method: Callable[..., Any], inputs: Sequence[str], outputs: Sequence[str],
+def _spec(method: Callable[..., object], inputs: Sequence[str], outputs: Sequence[str],
           targets: Sequence[str] = (), costs: Sequence[str] = ()) -> Spec:
     """The checked declaration of application ``method``."""
     named = (("inputs", inputs), ("outputs", outputs), ("targets", targets), ("costs", costs))
@@ -104,7 +124,8 @@ def _spec(method: Callable[..., Any], inputs: Sequence[str], outputs: Sequence[s
                 "application_call" in signature.parameters, tuple(targets), tuple(costs))
 
 
-def _run_plain(spec: Spec, method: Callable, brick: Any, args: tuple, kwargs: dict) -> Any:
+def _run_plain(spec: Spec, method: Callable[..., R], brick: nnx.Module,
+               args: tuple[object, ...], kwargs: dict[str, object]) -> R:
     if spec.takes_call:
         call = ApplicationCall(brick, spec.name, None, 0, False)
         kwargs = {**kwargs, "application_call": call}

@@ -26,23 +26,25 @@ Sharp edges
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeAlias
 
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import graphlib
+from flax.typing import is_key_like
 
 from graphmod import roles
 from graphmod._core._tracing._variables import Tracked, mark_variable, parameter_role, store_raw
+from graphmod.typing import ArrayLike
 
-Key = tuple[Any, ...]
+Key: TypeAlias = tuple[Hashable, ...]  # a path in nnx.state (the layout's, which imports this)
 
 
-def _rebinding(op: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+def _rebinding(op: Callable[..., object]) -> Callable[[Tracked, object], object]:
     # ``self.count += 1`` is ``self.count = self.count.__iadd__(1)``: a new array, which
     # the module's ``__setattr__`` writes to the program (Flax's variables refuse ``+=``).
-    def rebind(self: Any, other: Any) -> Any:
+    def rebind(self: Tracked, other: object) -> object:
         return op(self.get_value(), other)
 
     return rebind
@@ -59,17 +61,19 @@ class ArrayLeaf(Tracked, nnx.Variable):
         [1, 2, 3]
     """
 
-    __iadd__ = _rebinding(operator.add)
-    __isub__ = _rebinding(operator.sub)
-    __imul__ = _rebinding(operator.mul)
-    __itruediv__ = _rebinding(operator.truediv)
-    __ifloordiv__ = _rebinding(operator.floordiv)
-    __imod__ = _rebinding(operator.mod)
-    __ipow__ = _rebinding(operator.pow)
-    __imatmul__ = _rebinding(operator.matmul)
 
 
-def leaf_role(array: Any, name: str) -> roles.Role:
+# Set on the class, not in its body: Flax types a variable's in-place operators as giving back
+# the variable, and these give back the new array.
+for _name, _op in (("__iadd__", operator.add), ("__isub__", operator.sub),
+                   ("__imul__", operator.mul), ("__itruediv__", operator.truediv),
+                   ("__ifloordiv__", operator.floordiv), ("__imod__", operator.mod),
+                   ("__ipow__", operator.pow), ("__imatmul__", operator.matmul)):
+    setattr(ArrayLeaf, _name, _rebinding(_op))
+del _name, _op
+
+
+def leaf_role(array: ArrayLike, name: str) -> roles.Role:
     """The role of array attribute ``name``: by name if floating-point, else ``CARRIED``.
 
     Examples:
@@ -82,18 +86,20 @@ def leaf_role(array: Any, name: str) -> roles.Role:
     return roles.CARRIED
 
 
-def array_leaves(model: nnx.Pytree, flat: list[tuple[Key, Any]]
-                 ) -> dict[Key, tuple[nnx.Module, str, ArrayLeaf]]:
+def array_leaves(model: nnx.Pytree, flat: Sequence[tuple[Key, object]]
+                 ) -> dict[Key, tuple[nnx.Pytree, str, ArrayLeaf]]:
     """``key -> (module, attribute, stand-in)`` for every array leaf of ``model``'s state
     (``flat``: ``nnx.to_flat_state``'s pairs); raises for arrays that are not attributes."""
-    out = {}
+    out: dict[Key, tuple[nnx.Pytree, str, ArrayLeaf]] = {}
     for key, value in flat:
         if isinstance(value, nnx.Variable):
             continue
-        owner = model
+        owner: object = model
         for part in key[:-1]:
-            owner = graphlib.get_node_impl(owner).node_dict(owner)[part]
-        name = key[-1]
+            impl = graphlib.get_node_impl(owner)
+            assert impl is not None and is_key_like(part), "nnx.state's: graph nodes, Flax keys"
+            owner = impl.node_dict(owner)[part]
+        name = str(key[-1])  # an attribute's name (an index is refused below)
         if not isinstance(owner, nnx.Pytree) or vars(owner).get(name) is not value:
             raise TypeError(
                 f"compile(fn, model): the array at {'/'.join(map(str, key))} is inside a "
@@ -104,7 +110,7 @@ def array_leaves(model: nnx.Pytree, flat: list[tuple[Key, Any]]
     return out
 
 
-def mark_array_leaf(module: nnx.Module, name: str, leaf: ArrayLeaf, identity: str
+def mark_array_leaf(module: nnx.Pytree, name: str, leaf: ArrayLeaf, identity: str
                     ) -> Callable[[], None]:
     """Puts ``leaf`` (holding the module's array, marked with ``identity``) in the module's
     attribute for one trace; returns the function that puts the array back."""

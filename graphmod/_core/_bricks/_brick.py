@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 from flax import nnx
 
@@ -35,7 +35,7 @@ class Brick(nnx.Module):
 
     __graphmod_brick__ = True
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Brick:
+    def __new__(cls, *args: object, **kwargs: object) -> Self:
         brick = super().__new__(cls)
         record_construction(brick, args, kwargs, by_path=False)  # for provenance
         return brick
@@ -43,8 +43,8 @@ class Brick(nnx.Module):
     def __init__(self) -> None:
         pass
 
-    def sow(self, variable_type: Any, name: str, value: Any, *args: Any, **kwargs: Any
-            ) -> bool:
+    def sow(self, variable_type: type[nnx.Variable] | str, name: str, value: object,
+            *args: Any, **kwargs: Any) -> bool:  # Flax's reduce_fn, init_fn: forwarded
         """``nnx.Module.sow``; inside a program each array of ``value`` is also a monitorable
         auxiliary variable of the current application call (what the function leaves on
         the brick is dropped when the trace ends).
@@ -66,11 +66,11 @@ class Brick(nnx.Module):
         """
         return sow_in_program(self, variable_type, name, value, *args, **kwargs)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         # A new attribute inside a program's trace: Flax's intermediates idiom (see there).
         assign_in_program(self, nnx.Module.__setattr__, name, value)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:  # what `apply` returns
         apply = getattr(self, "apply", None)
         if apply is None:
             raise TypeError(f"{type(self).__name__} has no `apply` application to call")

@@ -23,20 +23,25 @@ import enum
 import inspect
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.core import Tracer
 
 from graphmod._core._codec import ENCODERS, SKIP, class_path, key_data_record, opaque
 from graphmod._core._program._arguments import is_key
+
+if TYPE_CHECKING:
+    from graphmod.typing import JSON
 
 CONFIG = "_graphmod_config"
 BRICK_REFS = "_graphmod_config_bricks"
 
 
-def key_record(value: Any) -> dict | None:
+def key_record(value: object) -> dict[str, JSON] | None:
     """``{"impl": ..., "data": [...]}`` of a typed key or raw uint32 key data, or None.
 
     Examples:
@@ -45,13 +50,13 @@ def key_record(value: Any) -> dict | None:
         >>> key_record(jax.random.key(0))
         {'impl': 'threefry2x32', 'data': [0, 0]}
     """
-    if value is None or isinstance(value, jax.core.Tracer):
+    if value is None or isinstance(value, Tracer):
         return None
-    if is_key(value):
+    if isinstance(value, jax.Array) and is_key(value):
         return key_data_record(value)
     data = np.asarray(value)
     if data.dtype == np.uint32:
-        return key_data_record(jax.random.wrap_key_data(data))
+        return key_data_record(jax.random.wrap_key_data(jnp.asarray(data)))
     return None
 
 
@@ -70,9 +75,9 @@ class Encoder:
 
     def __init__(self, *, by_path: bool) -> None:
         self.by_path = by_path
-        self.bricks: list[Any] = []
+        self.bricks: list[object] = []
 
-    def __call__(self, value: Any) -> Any:
+    def __call__(self, value: object) -> JSON:
         if value is None or isinstance(value, bool | str):
             return value
         if isinstance(value, int) and not isinstance(value, enum.Enum):
@@ -85,7 +90,7 @@ class Encoder:
                 return encoded
         return opaque("callable" if callable(value) else "value", value)
 
-    def brick(self, brick: Any) -> Any:
+    def brick(self, brick: object) -> JSON:
         """A brick given as a value: by its place (managers) or its recorded construction."""
         if self.by_path:
             for index, seen in enumerate(self.bricks):
@@ -99,12 +104,13 @@ class Encoder:
         return {"$brick": json.loads(config)}
 
 
-def construction_config(cls: type, init: Callable[..., Any], instance: Any, args: tuple,
-                        kwargs: dict, *, by_path: bool) -> tuple[str, tuple[Any, ...]]:
+def construction_config(cls: type, init: Callable[..., object], instance: object,
+                        args: tuple[object, ...], kwargs: dict[str, object], *,
+                        by_path: bool) -> tuple[str, tuple[object, ...]]:
     """``(config JSON, brick instances)`` of the call ``cls(*args, **kwargs)`` whose
     ``__init__`` is ``init``."""
     encode = Encoder(by_path=by_path)
-    record: dict[str, Any] = {"class": class_path(cls)}
+    record: dict[str, JSON] = {"class": class_path(cls)}
     try:
         signature = inspect.signature(init)
         bound = signature.bind(instance, *args, **kwargs)
@@ -117,12 +123,12 @@ def construction_config(cls: type, init: Callable[..., Any], instance: Any, args
 
 
 def encode_arguments(parameters: list[inspect.Parameter], bound: inspect.BoundArguments,
-                     encode: Callable[[Any], Any], encode_default: Callable[[Any], Any]
-                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+                     encode: Callable[[object], JSON], encode_default: Callable[[object], JSON]
+                     ) -> tuple[dict[str, JSON], dict[str, JSON]]:
     """``(arguments, defaults)``: the call's arguments (``*args`` as a list, ``**kwargs``
     spread) and the defaults it left, each encoded for a record."""
-    arguments: dict[str, Any] = {}
-    defaults: dict[str, Any] = {}
+    arguments: dict[str, JSON] = {}
+    defaults: dict[str, JSON] = {}
     for parameter in parameters:
         if parameter.name in bound.arguments:
             value = bound.arguments[parameter.name]
@@ -137,7 +143,8 @@ def encode_arguments(parameters: list[inspect.Parameter], bound: inspect.BoundAr
     return arguments, defaults
 
 
-def record_construction(instance: Any, args: tuple, kwargs: dict, *, by_path: bool) -> None:
+def record_construction(instance: object, args: tuple[object, ...], kwargs: dict[str, object],
+                        *, by_path: bool) -> None:
     """Notes on ``instance`` the configuration of ``type(instance)(*args, **kwargs)``.
 
     Called from ``__new__``, which sees every construction's arguments once, whatever
@@ -157,7 +164,7 @@ def record_construction(instance: Any, args: tuple, kwargs: dict, *, by_path: bo
         object.__setattr__(instance, BRICK_REFS, bricks)
 
 
-def config_of(obj: Any) -> dict[str, Any] | None:
+def config_of(obj: object) -> dict[str, JSON] | None:
     """The configuration recorded when ``obj`` (a brick or manager) was constructed.
 
     Examples:

@@ -48,12 +48,13 @@ from graphmod._core._bricks._spec import MethodSpec, is_array
 from graphmod._core._tracing import _context
 from graphmod._core._tracing._chain import Chain
 from graphmod._core._tracing._container_rebinding import write_rebound
+from graphmod.typing import ArrayLike
 
 # Methods besides ``__call__`` that are applications of every program's Flax modules.
 _DEFAULT_APPLICATIONS: dict[type, tuple[str, ...]] = {nnx.Embed: ("attend",)}
 
 
-def method_applications(applications: Any) -> dict[type, tuple[str, ...]]:
+def method_applications(applications: object) -> dict[type, tuple[str, ...]]:
     """Checks ``compile(..., applications=...)`` and adds the defaults (``Embed.attend``).
 
     Examples:
@@ -89,7 +90,7 @@ def method_applications(applications: Any) -> dict[type, tuple[str, ...]]:
     return out
 
 
-def interceptor(applications: Any) -> Callable[[type], type | None]:
+def interceptor(applications: object) -> Callable[[type], type | None]:
     """For ``compile(..., applications=...)`` (checked here, before anything changes): the
     class a plain Flax module class is switched to while a program traces, None for bricks.
     A module without applications (an ``nnx.List`` of layers) is switched too: its
@@ -113,7 +114,8 @@ def interceptor(applications: Any) -> Callable[[type], type | None]:
 def intercepting_class(cls: type, methods: tuple[str, ...]) -> type:
     """A subclass of Flax module class ``cls`` (same name) whose ``methods`` are
     applications; a module's class is switched to it only while a program traces."""
-    namespace: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+    namespace: dict[str, object] = {"__module__": cls.__module__,
+                                    "__qualname__": cls.__qualname__,
                                  "__graphmod_original__": cls, "__slots__": ()}
     for name in methods:
         namespace[name] = _intercepted(getattr(cls, name), name)
@@ -130,8 +132,8 @@ def intercepting_class(cls: type, methods: tuple[str, ...]) -> type:
     return type(cls.__name__, (cls,), namespace)
 
 
-def assign_in_program(module: nnx.Module, assign: Callable[[Any, str, Any], None], name: str,
-                      value: Any) -> None:
+def assign_in_program(module: nnx.Module, assign: Callable[[nnx.Module, str, object], None],
+                      name: str, value: object) -> None:
     """``module.name = value`` by ``assign`` (the class's own ``__setattr__``); while a
     program traces, a module of its model may gain a new attribute (Flax refuses it from
     inside a trace), which must be gone when the traced function returns (Flax's examples
@@ -145,13 +147,18 @@ def assign_in_program(module: nnx.Module, assign: Callable[[Any, str, Any], None
     frame = _context.current_frame()
     held = vars(module).get(name)
     if frame is not None and isinstance(held, ArrayLeaf):  # also a transform's copy of one
+        if not isinstance(value, ArrayLike):
+            raise TypeError(f"{type(module).__name__}.{name} holds an array, and a program "
+                            f"writes it: it was rebound to a {type(value).__name__}; assign "
+                            "an array (or a number) to it")
         held.set_value(value)
         return
-    if frame is None or frame.layout.brick_path(module) is None:
+    path = None if frame is None else frame.layout.brick_path(module)
+    if frame is None or path is None:
         assign(module, name, value)
         return
     if name in vars(module):
-        owner = f"{frame.layout.brick_path(module).rstrip('/')}/{name}"
+        owner = f"{path.rstrip('/')}/{name}"
         if not write_rebound(frame, owner, held, value):
             assign(module, name, value)
         return
@@ -165,24 +172,25 @@ def assign_in_program(module: nnx.Module, assign: Callable[[Any, str, Any], None
     _context.note_new_attribute(module, name)
 
 
-def _intercepted(method: Callable[..., Any], name: str) -> Callable[..., Any]:
+def _intercepted(method: Callable[..., object], name: str) -> Callable[..., Any]:
     spec = MethodSpec("apply" if name == "__call__" else name, (), (),
                        inspect.signature(method), False)
     in_program = _PROGRAM_CODE.get(method, method)
 
     @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: nnx.Module, *args: object, **kwargs: object) -> Any:
         frame = _context.current_frame()
         path = None if frame is None else frame.layout.brick_path(self)
-        if path is None:  # another thread calling the model eagerly, or a stranger module
+        # no program: another thread calling the model eagerly; or a stranger module
+        if frame is None or path is None:
             return method(self, *args, **kwargs)
         return Chain(frame, spec, self, path).run(in_program, args, kwargs)
 
     return wrapper
 
 
-def sow_in_program(self: nnx.Module, variable_type: Any, name: str, value: Any, *args: Any,
-         **kwargs: Any) -> bool:
+def sow_in_program(self: nnx.Module, variable_type: type[nnx.Variable] | str, name: str,
+                   value: object, *args: Any, **kwargs: Any) -> bool:
     """``Module.sow`` in a program: each array of ``value`` is an auxiliary variable
     ``name`` (``name_0``, ``name_1``, ... for several) of the innermost application call,
     monitorable, and is stored as Flax stores it: into an ``nnx.capture`` in progress in the
@@ -212,7 +220,8 @@ def _innermost() -> Chain:
     return frame.calls[-1]
 
 
-def _draw_key(chain: Chain, stream: Any) -> jax.Array:
+def _draw_key(chain: Chain, stream: nnx.RngStream | Callable[[], jax.Array] | jax.Array | None
+              ) -> jax.Array:
     """The key of a Flax layer's random draw in a program: the step key folded with the
     layer's path and, inside a loop JAX traces once, the iteration; with the layer's own
     stream (stored or passed: an ``RngStream``, a callable or a key) the step key folded
@@ -227,8 +236,8 @@ def _draw_key(chain: Chain, stream: Any) -> jax.Array:
                               jax.random.bits(drawn, (), jnp.uint32))
 
 
-def _dropout(self: nnx.Dropout, inputs: Any, *, deterministic: bool | None = None,
-             rngs: Any = None) -> Any:
+def _dropout(self: nnx.Dropout, inputs: jax.Array, *, deterministic: bool | None = None,
+             rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None) -> jax.Array:
     """``nnx.Dropout.__call__`` in a program: the program's mode, and masks from the
     program's step key (see :func:`_draw_key`); identity in inference or where the user
     set ``deterministic=True`` (at construction or in the call)."""
@@ -257,8 +266,8 @@ def _dropout(self: nnx.Dropout, inputs: Any, *, deterministic: bool | None = Non
     return out
 
 
-def _batch_norm(self: nnx.BatchNorm, x: Any, use_running_average: bool | None = None, *,
-                mask: Any = None) -> Any:
+def _batch_norm(self: nnx.BatchNorm, x: jax.Array, use_running_average: bool | None = None,
+                *, mask: jax.Array | None = None) -> jax.Array:
     """``nnx.BatchNorm.__call__`` in a program: batch statistics (running averages updated)
     in training, running averages in inference or where the user set
     ``use_running_average=True`` (at construction or in the call)."""
@@ -269,9 +278,11 @@ def _batch_norm(self: nnx.BatchNorm, x: Any, use_running_average: bool | None = 
     return _FLAX_BATCH_NORM(self, x, use_running_average=frozen, mask=mask)
 
 
-def _attention(self: nnx.MultiHeadAttention, inputs_q: Any, inputs_k: Any = None,
-               inputs_v: Any = None, *, deterministic: bool | None = None, rngs: Any = None,
-               **kwargs: Any) -> Any:
+def _attention(self: nnx.MultiHeadAttention, inputs_q: jax.Array,
+               inputs_k: jax.Array | None = None, inputs_v: jax.Array | None = None, *,
+               deterministic: bool | None = None,
+               rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
+               **kwargs: Any) -> jax.Array:
     """``nnx.MultiHeadAttention.__call__`` in a program: its attention-weight dropout
     follows the program's mode and draws from its step key (see :func:`_draw_key`),
     unless the user set ``deterministic=True``."""
@@ -290,11 +301,13 @@ def _attention(self: nnx.MultiHeadAttention, inputs_q: Any, inputs_k: Any = None
              jnp.shape(keys)[-2]), jnp.result_type(inputs_q))
         chain.note_rewrite("nnx.Dropout", chain.tag(_roles.AUXILIARY, "attention_weights"),
                           weights, weights)
+    # Flax calls what it is given as rngs= (annotated: an Rngs or an RngStream) for its key.
     return _FLAX_ATTENTION(self, inputs_q, inputs_k, inputs_v, deterministic=frozen,
-                           rngs=None if key is None else (lambda: key), **kwargs)
+                           rngs=None if key is None else (lambda: key),  # pyright: ignore[reportArgumentType]
+                           **kwargs)
 
 
-def _held_off(chain: Chain, by_module: bool, flag: str, value: Any) -> None:
+def _held_off(chain: Chain, by_module: bool, flag: str, value: bool | None) -> None:
     """Notes a Flax layer that a flag set on the module (``by_module``, not in the call)
     keeps in eval mode in a training trace: the program warns (``model.eval()`` before
     compiling switches these layers off in training too). Not in init's trace: a model
@@ -306,7 +319,7 @@ def _held_off(chain: Chain, by_module: bool, flag: str, value: Any) -> None:
 _FLAX_BATCH_NORM = nnx.BatchNorm.__call__
 _FLAX_ATTENTION = nnx.MultiHeadAttention.__call__
 # Flax's own methods whose behaviour follows the program (mode, key) inside one.
-_PROGRAM_CODE: dict[Callable[..., Any], Callable[..., Any]] = {
+_PROGRAM_CODE: dict[Callable[..., object], Callable[..., object]] = {
     nnx.Dropout.__call__: _dropout,
     nnx.BatchNorm.__call__: _batch_norm,
     nnx.MultiHeadAttention.__call__: _attention,

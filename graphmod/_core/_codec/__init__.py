@@ -79,7 +79,7 @@ __all__ = [
     "import_paths", "join", "key_data_record", "opaque", "plain_filter", "short_repr"]
 
 # The order in which tags are offered a value to encode (see "Sharp edges" above).
-ENCODERS: tuple[Tag, ...] = tuple(TAGS[tag.name] for tag in (
+ENCODERS: tuple[Tag[Any], ...] = tuple(TAGS[tag.name] for tag in (
     Enum, Float, Role, Dynamic, Brick, Rngs, Filter, Key, Array, Dtype, Optimizer, Opaque,
     Tuple, Dict, Items, Class, BoundApplicationTag, Application, ClassApplicationTag,
     Partial, Function, Call))
@@ -90,16 +90,16 @@ class _Paths(Decoding):
 
     def __init__(self) -> None:
         super().__init__(dry=True)
-        self.found: list[tuple[str, str, str]] = []
+        self.found: list[tuple[object, Kind, str]] = []  # a crafted path may be no str
 
-    def check(self, path: Any, kind: Kind, where: str) -> None:
+    def check(self, path: object, kind: Kind, where: str) -> None:
         self.found.append((path, kind, where))
 
-    def lookup(self, path: Any, kind: Kind, where: str) -> Any:
+    def lookup(self, path: object, kind: Kind, where: str) -> None:
         self.check(path, kind, where)
 
 
-def import_paths(value: Any, where: str = "value") -> list[tuple[str, str, str]]:
+def import_paths(value: object, where: str = "value") -> list[tuple[object, Kind, str]]:
     """``(path, kind, where)`` of every import path a recorded value names, in the order a
     rebuild checks them (``kind``: ``"class"``, ``"function"``, ``"factory"`` or
     ``"partial"``). Imports nothing; raises ValueError naming the field of a malformed

@@ -10,7 +10,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TypedDict
 
 from flax import nnx
 
@@ -19,6 +19,7 @@ from graphmod._core._codec._tag import (
     SKIP,
     Decoding,
     Encoding,
+    Skip,
     Tag,
     call_text,
     class_path,
@@ -31,9 +32,38 @@ from graphmod._core._selection._filter import (
     bound_application,
     class_application,
 )
+from graphmod.typing import JSON
 
 
-class Role(Tag):
+# The inner records the tags below write (what their text reads).
+class _RoleRecord(TypedDict):
+    name: str
+    parents: list[str]
+
+
+_EnumRecord = TypedDict("_EnumRecord", {"class": str, "name": str})
+
+
+class _CallRecord(TypedDict):
+    function: str
+    kwargs: dict[str, JSON]
+
+
+class _PartialRecord(TypedDict):
+    function: JSON
+    args: list[JSON]
+    kwargs: dict[str, JSON]
+
+
+_ClassApplicationRecord = TypedDict("_ClassApplicationRecord", {"class": JSON, "name": str})
+
+
+class _BoundApplicationRecord(TypedDict):
+    brick: JSON
+    name: str
+
+
+class Role(Tag[_RoleRecord]):
     """``{"$role": {"name": ..., "parents": [...]}}``: a role with its chain of parents, so
     a role of your own is registered again when read back.
 
@@ -46,18 +76,19 @@ class Role(Tag):
 
     name = "$role"
 
-    def encode(self, value: Any, encode: Encoding) -> Any:
+    def encode(self, value: object, encode: Encoding) -> JSON | Skip:
         if not isinstance(value, roles.Role):
             return SKIP
-        chain, role = [], value.parent
+        chain: list[JSON] = []
+        role = value.parent
         while role is not None:
             chain.append(role.name)
             role = role.parent
         return {self.name: {"name": value.name, "parents": chain}}
 
-    def decode(self, inner: Any, decoding: Decoding, where: str) -> Any:
+    def decode(self, inner: object, decoding: Decoding, where: str) -> object:
         name = decoding.field(inner, "name", where, str)
-        parents = decoding.field(inner, "parents", where, tuple | list)
+        parents = decoding.field(inner, "parents", where, (tuple, list))
         if not all(isinstance(p, str) for p in parents):
             decoding.fail(f"rebuild: {where} holds role parents that are not names")
         if decoding.dry:
@@ -67,11 +98,11 @@ class Role(Tag):
             parent = roles.add_role(parent_name, parent)
         return roles.add_role(name, parent)
 
-    def text(self, inner: Any, text: Callable[[Any], str]) -> str:
+    def text(self, inner: _RoleRecord, text: Callable[[JSON], str]) -> str:
         return str(inner["name"])
 
 
-class Enum(Tag):
+class Enum(Tag[_EnumRecord]):
     """``{"$enum": {"class": ..., "name": ...}}``: a member of a public enum class.
 
     Examples:
@@ -83,29 +114,30 @@ class Enum(Tag):
 
     name = "$enum"
 
-    def encode(self, value: Any, encode: Encoding) -> Any:
+    def encode(self, value: object, encode: Encoding) -> JSON | Skip:
         if not isinstance(value, enum.Enum):
             return SKIP
         path = public_path(type(value))
         return {self.name: {"class": path, "name": value.name}} if path else \
             opaque("enum", value)
 
-    def decode(self, inner: Any, decoding: Decoding, where: str) -> Any:
-        cls = decoding.lookup(decoding.field(inner, "class", where, str), "class", where)
+    def decode(self, inner: object, decoding: Decoding, where: str) -> object:
+        path = decoding.field(inner, "class", where, str)
+        cls = decoding.lookup(path, "class", where)
         name = decoding.field(inner, "name", where, str)
         if decoding.dry:
             return None
         if not (isinstance(cls, type) and issubclass(cls, enum.Enum)) \
                 or name not in cls.__members__:
-            decoding.fail(f"rebuild: {where} names {inner['class']}.{name}, which is not a "
+            decoding.fail(f"rebuild: {where} names {path}.{name}, which is not a "
                           "member of an enum")
         return cls.__members__[name]
 
-    def text(self, inner: Any, text: Callable[[Any], str]) -> str:
+    def text(self, inner: _EnumRecord, text: Callable[[JSON], str]) -> str:
         return f"{inner['class']}.{inner['name']}"
 
 
-class Class(Tag):
+class Class(Tag[str]):
     """``{"$class": path}``: a brick, manager or Flax module class by its public path.
 
     Examples:
@@ -117,24 +149,24 @@ class Class(Tag):
 
     name = "$class"
 
-    def encode(self, value: Any, encode: Encoding) -> Any:
+    def encode(self, value: object, encode: Encoding) -> JSON | Skip:
         if not isinstance(value, type):
             return SKIP
         path = public_path(value)
         return {self.name: path} if path else opaque("class", value)
 
-    def decode(self, inner: Any, decoding: Decoding, where: str) -> Any:
+    def decode(self, inner: object, decoding: Decoding, where: str) -> object:
         cls = decoding.lookup(inner, "class", where)
-        if decoding.dry or issubclass(cls, decoding.classes):
+        if cls is None or issubclass(cls, decoding.classes):  # None: dry
             return cls
         decoding.fail(f"rebuild: {where} names {inner!r}, which is not a brick, manager or "
                       "Flax module class")
 
-    def text(self, inner: Any, text: Callable[[Any], str]) -> str:
+    def text(self, inner: str, text: Callable[[JSON], str]) -> str:
         return str(inner)
 
 
-class Function(Tag):
+class Function(Tag[str]):
     """``{"$callable": path}``: a public function passed as a value (``jax.nn.relu``);
     rebuild hands it to the brick that takes it, never calls it.
 
@@ -147,18 +179,18 @@ class Function(Tag):
 
     name = "$callable"
 
-    def encode(self, value: Any, encode: Encoding) -> Any:
+    def encode(self, value: object, encode: Encoding) -> JSON | Skip:
         path = public_path(value) if callable(value) else None
         return SKIP if path is None else {self.name: path}
 
-    def decode(self, inner: Any, decoding: Decoding, where: str) -> Any:
+    def decode(self, inner: object, decoding: Decoding, where: str) -> object:
         return decoding.lookup(inner, "function", where)
 
-    def text(self, inner: Any, text: Callable[[Any], str]) -> str:
+    def text(self, inner: str, text: Callable[[JSON], str]) -> str:
         return str(inner)
 
 
-def _factory_call(fn: Any) -> tuple[str, dict[str, Any]] | None:
+def _factory_call(fn: object) -> tuple[str, dict[str, object]] | None:
     """``(factory path, kwargs)`` for a closure made by a public factory function, as
     ``jax.nn.initializers.normal(0.02)`` makes one; None otherwise."""
     qualname = getattr(fn, "__qualname__", "")
@@ -167,11 +199,13 @@ def _factory_call(fn: Any) -> tuple[str, dict[str, Any]] | None:
         return None
 
     factory = getattr(sys.modules.get(fn.__module__), outer, None)
-    path = public_path(factory) if inspect.isfunction(factory) else None
+    if not inspect.isfunction(factory):
+        return None
+    path = public_path(factory)
     if path is None:
         return None
     parameters = inspect.signature(factory).parameters
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, object] = {}
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
         if name not in parameters:
             return None
@@ -185,7 +219,7 @@ def _factory_call(fn: Any) -> tuple[str, dict[str, Any]] | None:
     return path, kwargs
 
 
-class Call(Tag):
+class Call(Tag[_CallRecord]):
     """``{"$call": {"function": path, "kwargs": {...}}}``: what a listed factory returns
     (an initializer made by ``jax.nn.initializers.normal(0.02)``).
 
@@ -198,19 +232,19 @@ class Call(Tag):
 
     name = "$call"
 
-    def encode(self, value: Any, encode: Encoding) -> Any:
+    def encode(self, value: object, encode: Encoding) -> JSON | Skip:
         made = _factory_call(value) if callable(value) else None
         if made is None:
             return SKIP
         return {self.name: {"function": made[0],
                             "kwargs": {k: encode(v) for k, v in made[1].items()}}}
 
-    def decode(self, inner: Any, decoding: Decoding, where: str) -> Any:
+    def decode(self, inner: object, decoding: Decoding, where: str) -> object:
         path = decoding.field(inner, "function", where, str)
         factory = decoding.lookup(path, "factory", where)
         kwargs = {k: decoding(v, f"{where}.kwargs.{k}")
                   for k, v in decoding.field(inner, "kwargs", where, Mapping).items()}
-        if decoding.dry:
+        if decoding.dry or factory is None:  # None: dry
             return None
         try:
             return factory(**kwargs)
@@ -218,14 +252,14 @@ class Call(Tag):
             raise decoding.error(f"rebuild: {where}: calling {path}(...) failed: "
                                  f"{type(error).__name__}: {error}") from error
 
-    def text(self, inner: Any, text: Callable[[Any], str]) -> str:
+    def text(self, inner: _CallRecord, text: Callable[[JSON], str]) -> str:
         return call_text(inner["function"], inner["kwargs"], text)
 
 
 _FUNCTION_TAGS = ("$callable", "$call", "$partial")
 
 
-class Partial(Tag):
+class Partial(Tag[_PartialRecord]):
     """``{"$partial": {"function": ..., "args": [...], "kwargs": {...}}}``: a
     ``functools.partial`` of a recorded function.
 
@@ -238,33 +272,38 @@ class Partial(Tag):
 
     name = "$partial"
 
-    def encode(self, value: Any, encode: Encoding) -> Any:
+    def encode(self, value: object, encode: Encoding) -> JSON | Skip:
         if not isinstance(value, functools.partial):
             return SKIP
         return {self.name: {"function": encode(value.func),
                             "args": [encode(a) for a in value.args],
                             "kwargs": {k: encode(v) for k, v in value.keywords.items()}}}
 
-    def decode(self, inner: Any, decoding: Decoding, where: str) -> Any:
+    def decode(self, inner: object, decoding: Decoding, where: str) -> object:
         function = decoding.field(inner, "function", where, Mapping)
         if len(function) != 1 or next(iter(function)) not in _FUNCTION_TAGS:
             decoding.fail(f"rebuild: {where}.function must be a recorded function "
                           f"({', '.join(_FUNCTION_TAGS)}); the record is damaged or crafted")
         (tag, path), = function.items()
         # Bound to recorded arguments, a function value is held to the allow list everywhere.
-        function = decoding.lookup(path, "partial", f"{where}.function") \
+        bound = decoding.lookup(path, "partial", f"{where}.function") \
             if tag == "$callable" else decoding(function, f"{where}.function")
-        args = decoding(list(decoding.field(inner, "args", where, tuple | list)),
-                        f"{where}.args")
+        args = decoding.items(decoding.field(inner, "args", where, (tuple, list)),
+                              f"{where}.args")
         kwargs = {k: decoding(v, f"{where}.kwargs.{k}")
                   for k, v in decoding.field(inner, "kwargs", where, Mapping).items()}
-        return None if decoding.dry else functools.partial(function, *args, **kwargs)
+        if decoding.dry:
+            return None
+        if not callable(bound):  # a factory's product
+            decoding.fail(f"rebuild: {where}.function makes a {type(bound).__name__}, not a "
+                          "function")
+        return functools.partial(bound, *args, **kwargs)
 
-    def text(self, inner: Any, text: Callable[[Any], str]) -> str:
+    def text(self, inner: _PartialRecord, text: Callable[[JSON], str]) -> str:
         return f"partial({text(inner['function'])}, ...)"
 
 
-class Application(Tag):
+class Application(Tag[str]):
     """``{"$application": name}``: an application of every brick, by name (an unbound
     ``@graphmod.application`` method).
 
@@ -277,18 +316,18 @@ class Application(Tag):
 
     name = "$application"
 
-    def encode(self, value: Any, encode: Encoding) -> Any:
+    def encode(self, value: object, encode: Encoding) -> JSON | Skip:
         name = getattr(value, "__graphmod_application__", None)
         return {self.name: name} if isinstance(name, str) else SKIP
 
-    def decode(self, inner: Any, decoding: Decoding, where: str) -> Any:
+    def decode(self, inner: object, decoding: Decoding, where: str) -> object:
         return str(inner)
 
-    def text(self, inner: Any, text: Callable[[Any], str]) -> str:
+    def text(self, inner: str, text: Callable[[JSON], str]) -> str:
         return f"application {inner!r}"
 
 
-class ClassApplicationTag(Tag):
+class ClassApplicationTag(Tag[_ClassApplicationRecord]):
     """``{"$class_application": {"class": {"$class": ...}, "name": ...}}``: an unbound Flax
     method (``nnx.Linear.__call__``), by its class: every instance's application.
 
@@ -301,14 +340,14 @@ class ClassApplicationTag(Tag):
 
     name = "$class_application"
 
-    def encode(self, value: Any, encode: Encoding) -> Any:
+    def encode(self, value: object, encode: Encoding) -> JSON | Skip:
         application = class_application(value)
         if application is None:
             return SKIP
         return {self.name: {"class": {"$class": class_path(application.owner)},
                             "name": application.name}}
 
-    def decode(self, inner: Any, decoding: Decoding, where: str) -> Any:
+    def decode(self, inner: object, decoding: Decoding, where: str) -> object:
         cls = decoding(decoding.field(inner, "class", where, Mapping), f"{where}.class")
         name = decoding.field(inner, "name", where, str)
         if decoding.dry:
@@ -318,11 +357,11 @@ class ClassApplicationTag(Tag):
                           "class")
         return ClassApplication(cls, name)
 
-    def text(self, inner: Any, text: Callable[[Any], str]) -> str:
+    def text(self, inner: _ClassApplicationRecord, text: Callable[[JSON], str]) -> str:
         return f"{text(inner['class'])}.{inner['name']}"
 
 
-class BoundApplicationTag(Tag):
+class BoundApplicationTag(Tag[_BoundApplicationRecord]):
     """``{"$bound_application": {"brick": ..., "name": ...}}``: one brick instance's
     application (a bound method), recorded with the brick.
 
@@ -335,16 +374,16 @@ class BoundApplicationTag(Tag):
 
     name = "$bound_application"
 
-    def encode(self, value: Any, encode: Encoding) -> Any:
+    def encode(self, value: object, encode: Encoding) -> JSON | Skip:
         bound = bound_application(value)
         if bound is None:
             return SKIP
         return {self.name: {"brick": encode.brick(bound.brick), "name": bound.name}}
 
-    def decode(self, inner: Any, decoding: Decoding, where: str) -> Any:
+    def decode(self, inner: object, decoding: Decoding, where: str) -> object:
         brick = decoding(decoding.field(inner, "brick", where, Mapping), f"{where}.brick")
         name = decoding.field(inner, "name", where, str)
         return None if decoding.dry else BoundApplication(brick, name)
 
-    def text(self, inner: Any, text: Callable[[Any], str]) -> str:
+    def text(self, inner: _BoundApplicationRecord, text: Callable[[JSON], str]) -> str:
         return f"{text(inner['brick'])}.{inner['name']}"

@@ -16,21 +16,37 @@ structure (:func:`remember_roles`), for a display to find.
 from __future__ import annotations
 
 import html
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict, TypeGuard, TypeVar
 
 import jax
 import numpy as np
 
 from graphmod._core._display._table import WIDTH, html_table, text_table
-from graphmod._core._managers._order import declared_text
+from graphmod._core._managers._order import ManagerOrder, declared_text
 from graphmod._core._program._arguments import has_shape
+from graphmod.typing import PyTree
+
+if TYPE_CHECKING:  # Flax's display, imported where it renders; what a program shows
+    from treescope.renderers import TreescopeSubtreeRenderer
+    from treescope.rendering_parts import RenderableAndLineAnnotations
+
+    from graphmod._core._managers._manager import Manager
+    from graphmod._core._model._layout import Layout
+    from graphmod._core._program._program_record import ProgramRecord
+    from graphmod._core._tracing._rewrites import Rewrites
 
 _REMEMBERED = 16  # variable trees whose roles are kept (programs of one session)
-_ROLES: dict[Any, Any] = {}  # tree structure: roles tree, the newest last
+_ROLES: dict[Hashable, object] = {}  # tree structure: roles tree, the newest last
+R = TypeVar("R")
+Fold: TypeAlias = Callable[[object, tuple[str, ...]], bool]  # does a subtree come whole?
+# One row of a VariablesTable (a folded copy of the variables: its shape is a sentence).
+_Row = TypedDict("_Row", {"path": str, "role": str, "shape": "tuple[int, ...] | str",
+                          "dtype": str, "size": int, "bytes": int, "devices": int,
+                          "placement": str, "per device": int})
 
 
-def remember_roles(variables: Any, roles: Any) -> Any:
+def remember_roles(variables: PyTree, roles: R) -> R:
     """Keeps ``roles`` (the tree of roles of ``variables``) for displays of trees of the
     same structure (a ``TrainState``'s variables); returns ``roles``."""
     structure = jax.tree.structure(variables)
@@ -41,7 +57,7 @@ def remember_roles(variables: Any, roles: Any) -> Any:
     return roles
 
 
-def known_roles(variables: Any) -> Any:
+def known_roles(variables: PyTree) -> object:
     """The roles a program computed for a tree of the structure of ``variables``, or None."""
     return _ROLES.get(jax.tree.structure(variables))
 
@@ -52,9 +68,8 @@ def _joined(path: tuple[str, ...]) -> str:
     return "/".join(p for part in path if (p := part.strip("/")))
 
 
-def _leaves(tree: Any, roles: Any = None, path: tuple[str, ...] = (),
-            fold: Callable[[Any, tuple[str, ...]], bool] | None = None
-            ) -> Iterator[tuple[tuple[str, ...], Any, str]]:
+def _leaves(tree: object, roles: object = None, path: tuple[str, ...] = (),
+            fold: Fold | None = None) -> Iterator[tuple[tuple[str, ...], object, str]]:
     """``(path, leaf, role name)`` of nested dicts, lists and tuples in order, with the
     role read from the same place of ``roles`` (a tree of the same nesting; "" if none);
     a subtree ``fold`` holds for comes whole, as one leaf."""
@@ -71,21 +86,26 @@ def _leaves(tree: Any, roles: Any = None, path: tuple[str, ...] = (),
         yield path, tree, getattr(roles, "name", "")
 
 
-def _mirrors(variables: Any) -> Callable[[Any, tuple[str, ...]], bool]:
+def _shape(leaf: object) -> tuple[int, ...]:
+    """A leaf's shape: its own, else NumPy's for it (a number's, ``()``)."""
+    return np.shape(leaf)  # pyright: ignore[reportArgumentType, reportCallIssue]  # any leaf
+
+
+def _mirrors(variables: PyTree) -> Fold:
     """Whether a subtree of an optimizer state holds a copy of (some of) ``variables``:
     arrays at their paths with their shapes (Adam's ``mu``, ``nu``)."""
-    shapes = {_joined(path): np.shape(leaf) for path, leaf, _ in _leaves(variables)}
+    shapes = {_joined(path): _shape(leaf) for path, leaf, _ in _leaves(variables)}
 
-    def mirrors(tree: Any, path: tuple[str, ...]) -> bool:
+    def mirrors(tree: object, path: tuple[str, ...]) -> bool:
         if not isinstance(tree, Mapping):
             return False
         leaves = list(_leaves(tree))
-        return bool(leaves) and all(shapes.get(_joined(p), -1) == np.shape(leaf)
+        return bool(leaves) and all(shapes.get(_joined(p), -1) == _shape(leaf)
                                     for p, leaf, _ in leaves)
     return mirrors
 
 
-def _child(roles: Any, key: Any) -> Any:
+def _child(roles: object, key: Hashable) -> object:
     if isinstance(roles, Mapping):
         return roles.get(key)
     if isinstance(roles, list | tuple) and isinstance(key, int) and key < len(roles):
@@ -149,11 +169,11 @@ class VariablesTable:
             fold into a row each.
     """
 
-    def __init__(self, tree: Any, roles: Any = None, *, title: str = "variables",
-                 placement: bool | None = None, like: Any = None) -> None:
+    def __init__(self, tree: PyTree, roles: PyTree = None, *, title: str = "variables",
+                 placement: bool | None = None, like: PyTree = None) -> None:
         self.title = title
         self.tree, self.roles = tree, roles
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[_Row] = []
         self.folded: dict[str, int] = {}  # path of a folded copy of ``like``: its arrays
         for path, leaf, role in _leaves(tree, roles, fold=None if like is None
                                         else _mirrors(like)):
@@ -161,7 +181,9 @@ class VariablesTable:
                 self._fold(_joined(path), leaf)
                 continue
             shape = tuple(getattr(leaf, "shape", ()))
-            dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
+            dtype = getattr(leaf, "dtype", None)
+            if dtype is None:  # a number's; NumPy's stubs take array-likes only
+                dtype = np.result_type(leaf)  # pyright: ignore[reportArgumentType]
             size = int(np.prod(shape, dtype=np.int64))
             itemsize = getattr(dtype, "itemsize", 0)
             sharding = getattr(leaf, "sharding", None)
@@ -180,7 +202,7 @@ class VariablesTable:
         self.placement = any(r["devices"] > 1 for r in self.rows) if placement is None \
             else placement
 
-    def _fold(self, path: str, copy: Mapping) -> None:
+    def _fold(self, path: str, copy: Mapping[str, object]) -> None:
         """One row for ``copy`` (an optimizer's copy of the variables) at ``path``."""
         inner = VariablesTable(copy, placement=False)
         dtypes = sorted({r["dtype"] for r in inner.rows})
@@ -204,13 +226,13 @@ class VariablesTable:
                 f"{size_text(self.nbytes, 'B')}"
                 + (f", {size_text(spread, 'B')} per device" if self.placement else ""))
 
-    def _table(self) -> tuple[list[str], list[list[Any]], list[tuple[int, str]]]:
+    def _table(self) -> tuple[list[str], list[list[object]], list[tuple[int, str]]]:
         """Headers, cells and the modules' groups (``(first row, module path)``, where
         there are several modules and one has several arrays: a row then names its array
         in the module); no role column where no array has a role (an optimizer's)."""
         headers = ["path", "role", "shape", "dtype", "size", "bytes"]
-        cells = [[r["path"], r["role"], r["shape"], r["dtype"], r["size"],
-                  size_text(r["bytes"], "B")] for r in self.rows]
+        cells: list[list[object]] = [[r["path"], r["role"], r["shape"], r["dtype"], r["size"],
+                                      size_text(r["bytes"], "B")] for r in self.rows]
         if self.placement:
             headers += ["placement", "per device"]
             for row, cell in zip(self.rows, cells, strict=True):
@@ -226,7 +248,7 @@ class VariablesTable:
                     continue
                 if not groups or modules[groups[-1][0]] != module:
                     groups.append((index, f"{module}/" if module else "(top level)"))
-                cell[0] = cell[0][len(module) + 1:] if module else cell[0]
+                cell[0] = str(cell[0])[len(module) + 1:] if module else cell[0]
         return headers, cells, groups
 
     def __repr__(self) -> str:
@@ -244,15 +266,17 @@ class VariablesTable:
         headers, cells, groups = self._table()
         return html_table(headers, cells, f"{self.title}: {self.totals}", groups)
 
-    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    def __treescope_repr__(self, path: str | None, subtree_renderer: TreescopeSubtreeRenderer
+                           ) -> RenderableAndLineAnnotations:
         """Treescope's rendering (Flax's display): the tree folded by module, each array
         annotated with its role."""
         return treescope_tree(self.tree, self.roles, path, subtree_renderer,
                               f"{self.title}: {self.totals}")
 
 
-def treescope_tree(tree: Any, roles: Any, path: str | None, subtree_renderer: Any,
-                   comment: str = "", like: Any = None) -> Any:
+def treescope_tree(tree: PyTree, roles: PyTree, path: str | None,
+                   subtree_renderer: TreescopeSubtreeRenderer, comment: str = "",
+                   like: PyTree = None) -> RenderableAndLineAnnotations:
     """A treescope rendering of nested dicts, lists and tuples of arrays: a foldable node
     per module (its size as a comment), each array by treescope's own renderer with its
     role as a comment; ``comment`` on the first line. With ``like`` (the variables an
@@ -263,7 +287,8 @@ def treescope_tree(tree: Any, roles: Any, path: str | None, subtree_renderer: An
     note = lambda text: parts.comment_color(parts.text(f"  # {text}"))
     comma = parts.siblings(",", parts.fold_condition(collapsed=parts.text(" ")))
 
-    def node(value: Any, role: Any, at: str | None, first: str = "") -> Any:
+    def node(value: object, role: object, at: str | None, first: str = ""
+             ) -> RenderableAndLineAnnotations:
         if isinstance(value, Mapping):
             items = [(f"{key!r}: ", key, f"[{key!r}]", child) for key, child in value.items()]
             prefix, suffix = "{", "}"
@@ -299,7 +324,26 @@ def treescope_tree(tree: Any, roles: Any, path: str | None, subtree_renderer: An
     return node(tree, roles, path, comment)
 
 
-def program_lines(program: Any) -> list[str]:
+class _Program(Protocol):
+    """What a display reads of a program (the program's modules import this one)."""
+
+    @property
+    def fn(self) -> Callable[..., object]: ...
+
+    @property
+    def layout(self) -> Layout: ...
+
+    @property
+    def managers(self) -> tuple[Manager, ...]: ...
+
+    @property
+    def rewrites(self) -> Rewrites: ...
+
+    @property
+    def record(self) -> ProgramRecord: ...
+
+
+def program_lines(program: _Program) -> list[str]:
     """A program in a few lines of at most 100 columns: function, model, managers, traces."""
     fn = getattr(program.fn, "__qualname__", type(program.fn).__name__)
     layout = program.layout
@@ -312,34 +356,35 @@ def program_lines(program: Any) -> list[str]:
                      f"{_selects(manager, layout)}" + (f"; {declared}" if declared else ""))
     if not program.managers:
         lines.append("  no managers")
-    moves = getattr(program.managers, "moves", ())
-    if moves:  # a declared constraint reversed two managers of the listed order
-        lines.append(f"  order resolved from the listed {', '.join(program.managers.listed)}:")
-        lines.extend(f"    moved {move}" for move in moves)
+    order = program.managers if isinstance(program.managers, ManagerOrder) else None
+    if order is not None and order.moves:  # a declared constraint reversed two managers
+        lines.append(f"  order resolved from the listed {', '.join(order.listed)}:")
+        lines.extend(f"    moved {move}" for move in order.moves)
     traced = program.rewrites.modes
     examples = program.record.examples
     shapes = ", ".join(f"{name}: {tuple(value.shape)} {value.dtype}"
                        for name, value in (examples or {}).items()
-                       if has_shape(value))
+                       if _has_shape(value))
     lines.append(f"  traced: {', '.join(traced) or 'nothing yet'}"  # cut at its end below
                  + (f" (example {shapes})" if shapes else ""))
     return [line if len(line) <= WIDTH else line[:WIDTH - 1] + "…" for line in lines]
 
 
-def program_html(program: Any) -> str:
+def program_html(program: _Program) -> str:
     """The program's model tree (bricks, their variables with roles), managers in chain
     order and traces, as HTML tables."""
     layout = program.layout
     head = html.escape(program_lines(program)[0])
     variables = [[info.path, info.role.name, info.shape, info.dtype]
                  for info in layout.variables]
-    moves = getattr(program.managers, "moves", ())
-    managers = [[order, m.name, type(m).__name__, _selects(m, layout),
+    order = program.managers if isinstance(program.managers, ManagerOrder) else None
+    moves = order.moves if order is not None else ()
+    managers: list[list[object]] = [[index, m.name, type(m).__name__, _selects(m, layout),
                  declared_text(m) or "-",
                  "; ".join(str(c) for c in moves if m.name in (c.first, c.then)) or "-"]
-                for order, m in enumerate(program.managers)]
+                for index, m in enumerate(program.managers)]
     caption = "managers, outermost first" + (
-        f" (resolved from the listed {', '.join(program.managers.listed)})" if moves else "")
+        f" (resolved from the listed {', '.join(order.listed)})" if order and moves else "")
     parts = [f"<div><strong>{head}</strong></div>",
              html_table(["path", "role", "shape", "dtype"], variables, "model variables"),
              html_table(["order", "name", "class", "filter", "declares", "moved by"], managers,
@@ -348,7 +393,17 @@ def program_html(program: Any) -> str:
     return "".join(parts)
 
 
-def _selects(manager: Any, layout: Any) -> str:
+class _Shaped(Protocol):
+    shape: tuple[int, ...]
+    dtype: object
+
+
+def _has_shape(value: object) -> TypeGuard[_Shaped]:
+    """Whether ``value`` is array-like (see ``has_shape``)."""
+    return has_shape(value)
+
+
+def _selects(manager: Manager, layout: Layout) -> str:
     """What a manager rewrites: its filter, or the program's function for one whose only
     hook wraps it (``wrap_program``: Selective Backprop)."""
     if not manager.applies_to_calls and manager.has_hook("wrap_program"):

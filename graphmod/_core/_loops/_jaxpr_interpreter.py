@@ -5,15 +5,17 @@ resolution of loop keys (``_loop_keys``)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
-import jax.extend
+from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
-Rule = Callable[[Any, list[Any]], list[Any]]
+# An equation's outputs from its input values. A value is an array (a tracer while traced),
+# or a literal's scalar, which JAX's primitives take as one.
+Rule = Callable[[JaxprEqn, list[jax.Array]], list[jax.Array]]
 
 
-def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], rule: Rule) -> list[Any]:
+def interpret(jaxpr: Jaxpr, consts: Sequence[jax.Array], args: Sequence[jax.Array],
+              rule: Rule) -> list[jax.Array]:
     """The outputs of ``jaxpr`` on ``args``, each equation's outputs computed by
     ``rule(equation, input values)``.
 
@@ -26,15 +28,15 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], rule: Rule
     env = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
 
-    def read(atom: Any) -> Any:
-        return atom.val if isinstance(atom, jax.extend.core.Literal) else env[atom]
+    def read(atom: Var | Literal) -> jax.Array:
+        return atom.val if isinstance(atom, Literal) else env[atom]
 
     for eqn in jaxpr.eqns:
         env.update(zip(eqn.outvars, rule(eqn, [read(v) for v in eqn.invars]), strict=True))
     return [read(v) for v in jaxpr.outvars]
 
 
-def bind(eqn: Any, invals: list[Any]) -> list[Any]:
+def bind(eqn: JaxprEqn, invals: list[jax.Array]) -> list[jax.Array]:
     """The equation's primitive applied to ``invals``, as it stands (a list of outputs)."""
     outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
     return outs if eqn.primitive.multiple_results else [outs]

@@ -59,11 +59,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import jax
 import jax.extend
 import jax.numpy as jnp
+from jax.core import ShapedArray
 from jax.interpreters import ad, batching, mlir
 
 from graphmod.errors import StateEscapesTransform
@@ -79,7 +79,8 @@ ad.primitive_jvps[loop_key_p] = lambda primals, tangents, loops: (
 mlir.register_lowering(loop_key_p, lambda ctx, key, *witnesses, loops: [key])  # unresolved
 
 
-def _batch_key(args: Sequence[Any], dims: Sequence[Any], *, loops: bool) -> tuple[Any, Any]:
+def _batch_key(args: Sequence[jax.Array], dims: Sequence[int | None], *, loops: bool
+               ) -> tuple[jax.Array, int | None]:
     """Under ``vmap``, a key drawn by a call whose arrays are mapped is folded with the
     mapped element's index: each member of an ``nnx.vmap`` ensemble, each element of a
     vmapped function, draws its own numbers (as ``nnx.split_rngs`` gives Flax's streams)."""
@@ -105,7 +106,7 @@ batching.primitive_batchers[loop_key_p] = _batch_key
 # stacked writes. Their operands after the first are the layer's own variables' values.
 owned_read_p = jax.extend.core.Primitive("owned_read")
 owned_read_p.def_abstract_eval(
-    lambda aval, *layer, depth, key: jax.core.ShapedArray(aval.shape[depth:], aval.dtype))
+    lambda aval, *layer, depth, key: ShapedArray(aval.shape[depth:], aval.dtype))
 owned_write_p = jax.extend.core.Primitive("owned_write")
 owned_write_p.multiple_results = True
 owned_write_p.def_abstract_eval(lambda aval, *layer, key, depth: [])
@@ -115,7 +116,7 @@ MARKERS = (loop_key_p, owned_read_p, owned_write_p, owned_out_p)
 
 # The values of a calling layer's own variables, asked for where a marker is made: an
 # ensemble's vmap maps them (its members' variables stack on their first axis).
-Layer = Callable[[], Sequence[Any]]
+Layer = Callable[[], Sequence[jax.Array]]
 
 
 def named(key: tuple) -> str:
@@ -129,7 +130,8 @@ def named(key: tuple) -> str:
     return f"the auxiliary cost {key[2]}" if len(key) == 3 else f"the measurement {key[1]}"
 
 
-def _members(layer: Sequence[Any], dims: Sequence[Any], depth: int, key: tuple) -> int:
+def _members(layer: Sequence[jax.Array], dims: Sequence[int | None], depth: int, key: tuple
+             ) -> int:
     """How many members of an ensemble this vmap maps (``nnx.vmap`` over a layer's
     variables, stacked on their first axis): one slice of a variable of ``key`` per member.
     Refused where the vmap leaves the layer whole (a vmapped function over examples) or the
@@ -151,8 +153,8 @@ def _members(layer: Sequence[Any], dims: Sequence[Any], depth: int, key: tuple) 
     return sizes[0]
 
 
-def _batch_read(args: Sequence[Any], dims: Sequence[Any], *, depth: int, key: tuple
-                ) -> tuple[Any, int]:
+def _batch_read(args: Sequence[jax.Array], dims: Sequence[int | None], *, depth: int,
+                key: tuple) -> tuple[jax.Array, int]:
     """Under an ensemble's vmap a member reads its slice: the stack, mapped on axis 0."""
     stack, *layer = args
     members = _members(layer, dims[1:], depth, key)
@@ -163,8 +165,8 @@ def _batch_read(args: Sequence[Any], dims: Sequence[Any], *, depth: int, key: tu
     return stack, 0
 
 
-def _batch_write(args: Sequence[Any], dims: Sequence[Any], *, key: tuple, depth: int
-                 ) -> tuple[list, list]:
+def _batch_write(args: Sequence[jax.Array], dims: Sequence[int | None], *, key: tuple,
+                 depth: int) -> tuple[list[jax.Array], list[int | None]]:
     """Under an ensemble's vmap each member writes its slice: one write of them all."""
     value, *layer = args
     members = _members(layer, dims[1:], depth, key)
@@ -227,9 +229,10 @@ def mark(key: jax.Array, witnesses: Sequence[jax.Array] = (), *, loops: bool = T
     """
     if _eager.get():
         return key
-    if not loops:  # nothing to resolve: only a vmap's batching rule folds it, as it traces
-        return loop_key_p.bind(key, *witnesses, loops=False)
-    return _bind(loop_key_p, key, *witnesses, loops=True)
+    if loops:
+        _check_unmarked()
+    # Without loops nothing is resolved: only a vmap's batching rule folds it, as it traces.
+    return loop_key_p.bind(key, *witnesses, loops=loops)
 
 
 def read_slice(stack: jax.Array, depth: int, key: tuple, layer: Sequence[jax.Array] = ()
@@ -248,7 +251,8 @@ def read_slice(stack: jax.Array, depth: int, key: tuple, layer: Sequence[jax.Arr
         >>> f(stack).tolist() == stack.tolist()
         True
     """
-    return _bind(owned_read_p, stack, *layer, depth=depth, key=key)
+    _check_unmarked()
+    return owned_read_p.bind(stack, *layer, depth=depth, key=key)
 
 
 def write_slice(value: jax.Array, key: tuple, depth: int = 1,
@@ -268,16 +272,19 @@ def write_slice(value: jax.Array, key: tuple, depth: int = 1,
         >>> resolving(f)(jnp.ones(2)).tolist()
         [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
     """
-    _bind(owned_write_p, value, *layer, key=key, depth=depth)
+    _check_unmarked()
+    owned_write_p.bind(value, *layer, key=key, depth=depth)
 
 
 def stacked(value: jax.Array, key: tuple, *, fresh: bool) -> jax.Array:
     """Owned variable ``key`` after the trace: every iteration's :func:`write_slice`,
     stacked; ``value`` is its stack before (``fresh``: the slice it was created with)."""
-    return _bind(owned_out_p, value, key=key, fresh=fresh)
+    _check_unmarked()
+    return owned_out_p.bind(value, key=key, fresh=fresh)
 
 
-def _bind(primitive: Any, *args: Any, **params: Any) -> Any:
+def _check_unmarked() -> None:
+    """Raises :class:`Marked` where ``resolving`` traces assuming no marker: it redoes the
+    trace through a jaxpr."""
     if assume_unmarked.get():
         raise Marked
-    return primitive.bind(*args, **params)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import ParamSpec, TypeVar
 
 import jax
 import jax.extend
 import jax.numpy as jnp
 from jax._src import source_info_util
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Primitive
 
 from graphmod._core._loops._jaxpr_interpreter import bind, interpret
 from graphmod._core._loops._loop_keys import (
@@ -30,8 +31,14 @@ from graphmod._core._loops._loop_keys import (
 )
 from graphmod.errors import StateEscapesTransform
 
+P = ParamSpec("P")
+R = TypeVar("R")
+Counters = tuple[jax.Array, ...]  # the positions of the loops around, outermost first
+Lengths = tuple[int | None, ...]  # their lengths (None: a while loop's)
+Writes = dict[tuple, jax.Array]  # the owned slices a body wrote, by the marker's key
 
-def resolving(f: Callable[..., Any]) -> Callable[..., Any]:
+
+def resolving(f: Callable[P, R]) -> Callable[P, R]:
     """``f`` with the loop keys it marks resolved (see the module docstring).
 
     ``f`` is traced as it is until a trace marks a key (a program without randomness in
@@ -40,7 +47,7 @@ def resolving(f: Callable[..., Any]) -> Callable[..., Any]:
     markers = False
 
     @functools.wraps(f)
-    def run(*args: Any, **static: Any) -> Any:
+    def run(*args: P.args, **static: P.kwargs) -> R:
         nonlocal markers
         if not markers:
             token = assume_unmarked.set(True)
@@ -62,22 +69,21 @@ def resolving(f: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _has_markers(jaxpr: Any, markers: tuple = MARKERS) -> bool:
+def _has_markers(jaxpr: Jaxpr, markers: tuple[Primitive, ...] = MARKERS) -> bool:
     return any(eqn.primitive in markers
                or any(_has_markers(inner, markers)
                       for inner in jax.extend.core.jaxprs_in_params(eqn.params))
                for eqn in jaxpr.eqns)
 
 
-def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
-              counters: tuple[Any, ...], loop_lengths: tuple[int | None, ...] = ()
-              ) -> tuple[list[Any], dict[tuple, Any]]:
+def _evaluate(jaxpr: Jaxpr, consts: Sequence[jax.Array], args: Sequence[jax.Array],
+              counters: Counters, loop_lengths: Lengths = ()) -> tuple[list[jax.Array], Writes]:
     """``jax.core.eval_jaxpr`` with markers resolved with ``counters`` (the loop indices,
     outermost first; ``loop_lengths``: their loops' lengths, None for a while loop); also
     the owned variables' slices written, by key."""
-    writes: dict[tuple, Any] = {}
+    writes: Writes = {}
 
-    def rule(eqn: Any, invals: list[Any]) -> list[Any]:
+    def rule(eqn: JaxprEqn, invals: list[jax.Array]) -> list[jax.Array]:
         names = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with (source_info_util.user_context(eqn.source_info.traceback, name_stack=names),
               eqn.ctx.manager):
@@ -86,8 +92,8 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     return interpret(jaxpr, consts, args, rule), writes
 
 
-def _equation(eqn: Any, invals: list[Any], counters: tuple[Any, ...],
-              loop_lengths: tuple[int | None, ...], writes: dict[tuple, Any]) -> list[Any]:
+def _equation(eqn: JaxprEqn, invals: list[jax.Array], counters: Counters,
+              loop_lengths: Lengths, writes: Writes) -> list[jax.Array]:
     """One equation of :func:`_evaluate`: a marker resolved, a loop rewritten (its owned
     slices written into ``writes``), anything else bound as it is."""
     if eqn.primitive is loop_key_p:
@@ -118,8 +124,8 @@ def _equation(eqn: Any, invals: list[Any], counters: tuple[Any, ...],
     return bind(eqn, invals)
 
 
-def _index(stack: Any, counters: tuple, loop_lengths: tuple, *, depth: int, key: tuple
-           ) -> Any:
+def _index(stack: jax.Array, counters: Counters, loop_lengths: Lengths, *, depth: int,
+           key: tuple) -> jax.Array:
     lengths = loop_lengths[len(loop_lengths) - depth:]
     if depth > len(counters) or stack.shape[:depth] != lengths:
         raise RuntimeError(
@@ -129,11 +135,10 @@ def _index(stack: Any, counters: tuple, loop_lengths: tuple, *, depth: int, key:
     return stack[tuple(counters[len(counters) - depth:])]
 
 
-def _collected(writes: dict, value: Any, *, key: tuple, fresh: bool) -> Any:
+def _collected(writes: Writes, value: jax.Array, *, key: tuple, fresh: bool) -> jax.Array:
     new = writes.get(key)
-    fits = new is not None and (new.shape[new.ndim - value.ndim:] == value.shape if fresh
-                                else new.shape == value.shape)
-    if not fits:
+    if new is None or not (new.shape[new.ndim - value.ndim:] == value.shape if fresh
+                           else new.shape == value.shape):
         raise RuntimeError(
             f"{named(key)}: "
             + ("its update inside a loop body could not be found (inside a custom_jvp, "
@@ -144,8 +149,9 @@ def _collected(writes: dict, value: Any, *, key: tuple, fresh: bool) -> Any:
     return new.astype(value.dtype)
 
 
-def _scan(invals: list, counters: tuple, loop_lengths: tuple, *, jaxpr: Any, num_consts: int,
-          num_carry: int, length: int, reverse: bool, unroll: Any, **_: Any) -> tuple:
+def _scan(invals: list[jax.Array], counters: Counters, loop_lengths: Lengths, *,
+          jaxpr: ClosedJaxpr, num_consts: int, num_carry: int, length: int, reverse: bool,
+          unroll: int | bool, **_: object) -> tuple[list[jax.Array], Writes]:
     consts, carry, xs = (invals[:num_consts], invals[num_consts:num_consts + num_carry],
                          invals[num_consts + num_carry:])
 
@@ -165,12 +171,14 @@ def _scan(invals: list, counters: tuple, loop_lengths: tuple, *, jaxpr: Any, num
     return [*carry, *ys], dict(zip(order, slices, strict=True))
 
 
-def _while(invals: list, counters: tuple, loop_lengths: tuple, *, cond_jaxpr: Any, body_jaxpr: Any,
-           cond_nconsts: int, body_nconsts: int, **_: Any) -> tuple:
+def _while(invals: list[jax.Array], counters: Counters, loop_lengths: Lengths, *,
+           cond_jaxpr: ClosedJaxpr, body_jaxpr: ClosedJaxpr, cond_nconsts: int,
+           body_nconsts: int, **_: object) -> tuple[list[jax.Array], Writes]:
     cond_consts, body_consts = invals[:cond_nconsts], invals[cond_nconsts:cond_nconsts
                                                              + body_nconsts]
 
-    def run(closed: Any, consts: list, carry: list, count: Any) -> list:
+    def run(closed: ClosedJaxpr, consts: list[jax.Array], carry: list[jax.Array],
+            count: jax.Array) -> list[jax.Array]:
         outs, writes = _evaluate(closed.jaxpr, closed.consts, [*consts, *carry],
                                  (*counters, count), (*loop_lengths, None))
         if writes:
@@ -178,7 +186,7 @@ def _while(invals: list, counters: tuple, loop_lengths: tuple, *, cond_jaxpr: An
                            "a fori_loop with traced bounds), of unknown length")
         return outs
 
-    def cond(state: tuple) -> Any:
+    def cond(state: tuple[jax.Array, list[jax.Array]]) -> jax.Array:
         return run(cond_jaxpr, cond_consts, state[1], state[0])[0]
 
     def body(state: tuple) -> tuple:
@@ -188,11 +196,12 @@ def _while(invals: list, counters: tuple, loop_lengths: tuple, *, cond_jaxpr: An
     return jax.lax.while_loop(cond, body, init)[1], {}
 
 
-def _cond(invals: list, counters: tuple, loop_lengths: tuple, *, branches: Sequence[Any],
-          **_: Any) -> tuple:
-    order: list[tuple] = []
+def _cond(invals: list[jax.Array], counters: Counters, loop_lengths: Lengths, *,
+          branches: Sequence[ClosedJaxpr], **_: object) -> tuple[list[jax.Array], Writes]:
+    order: list[list[tuple]] = []
 
-    def branch(closed: Any, operands: list) -> tuple[list, list]:
+    def branch(closed: ClosedJaxpr, operands: list[jax.Array]
+               ) -> tuple[list[jax.Array], list[jax.Array]]:
         outs, writes = _evaluate(closed.jaxpr, closed.consts, operands, counters,
                                  loop_lengths)
         if not order:
@@ -208,8 +217,9 @@ def _cond(invals: list, counters: tuple, loop_lengths: tuple, *, branches: Seque
     return outs, dict(zip(order[0] if order else (), slices, strict=True))
 
 
-def _remat(invals: list, counters: tuple, loop_lengths: tuple, *, jaxpr: Any, prevent_cse: bool,
-           policy: Any, **_: Any) -> tuple:
+def _remat(invals: list[jax.Array], counters: Counters, loop_lengths: Lengths, *,
+           jaxpr: Jaxpr, prevent_cse: bool, policy: Callable[..., bool] | None,
+           **_: object) -> tuple[list[jax.Array], Writes]:
     order: list[tuple] = []
 
     def evaluate(counters: tuple, args: list) -> tuple[list, list]:
@@ -223,16 +233,20 @@ def _remat(invals: list, counters: tuple, loop_lengths: tuple, *, jaxpr: Any, pr
     return outs, dict(zip(order, slices, strict=True))
 
 
-def _call(invals: list, counters: tuple, loop_lengths: tuple, *, jaxpr: Any = None,
-          call_jaxpr: Any = None, **_: Any) -> tuple:
-    closed = jaxpr if jaxpr is not None else call_jaxpr
-    return _evaluate(closed.jaxpr, closed.consts, invals, counters, loop_lengths)  # inlined
+def _jit(invals: list[jax.Array], counters: Counters, loop_lengths: Lengths, *,
+         jaxpr: ClosedJaxpr, **_: object) -> tuple[list[jax.Array], Writes]:
+    return _evaluate(jaxpr.jaxpr, jaxpr.consts, invals, counters, loop_lengths)  # inlined
+
+
+def _closed_call(invals: list[jax.Array], counters: Counters, loop_lengths: Lengths, *,
+                 call_jaxpr: ClosedJaxpr, **_: object) -> tuple[list[jax.Array], Writes]:
+    return _jit(invals, counters, loop_lengths, jaxpr=call_jaxpr)
 
 
 # How each primitive with a body is rebuilt when markers are inside it (by primitive name).
-_RULES: dict[str, Callable[..., tuple]] = {
+_RULES: dict[str, Callable[..., tuple[list[jax.Array], Writes]]] = {
     "scan": _scan, "while": _while, "cond": _cond, "remat2": _remat,
-    "jit": _call, "closed_call": _call,
+    "jit": _jit, "closed_call": _closed_call,
 }
 
 

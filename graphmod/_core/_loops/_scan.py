@@ -18,26 +18,37 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar, TypeVarTuple, cast
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from graphmod._core._model._owned import OwnedKey
 from graphmod._core._tracing import _context
-from graphmod._core._tracing._frame import Frame
+from graphmod._core._tracing._frame import Carry, Frame
 from graphmod._core._tracing._lifted_writes import lifting
 from graphmod._core._tracing._side_outputs import LoopSnapshot
+from graphmod.typing import ArrayLike, PyTree
+
+C = TypeVar("C")  # the scan's carry
+X = TypeVar("X")  # one step's slice of xs
+Y = TypeVar("Y")  # one step's output, stacked into ys
+R = TypeVar("R")  # what a remat region returns
+Ts = TypeVarTuple("Ts")  # a remat region's arguments
+# The frame's state as a loop carries it across a JAX transform: model variables by path.
+ByPath = tuple[dict[str, jax.Array], dict[OwnedKey, jax.Array]]
 
 
 def scan(
-    f: Callable[[Any, Any], tuple[Any, Any]],
-    init: Any,
-    xs: Any = None,
+    f: Callable[[C, X], tuple[C, Y]],
+    init: C,
+    xs: X | None = None,
     length: int | None = None,
     *,
     reverse: bool = False,
     unroll: int | bool = 1,
-) -> tuple[Any, Any]:
+) -> tuple[C, Y]:
     """Like ``jax.lax.scan(f, init, xs, length)``, carrying manager state and monitors.
 
     Examples:
@@ -59,8 +70,9 @@ def scan(
     model, owned = frame.carry()
 
     body = functools.partial(_body, frame, snapshot, f)
+    steps = (cast("X", xs), jnp.arange(length))  # xs None: f's x is None, as in lax.scan
     (carry, model_out, owned_out), (ys, monitored) = jax.lax.scan(
-        body, (init, _by_path(frame, model), owned), (xs, jnp.arange(length)), length,
+        body, (init, _by_path(frame, model), owned), steps, length,
         reverse=reverse, unroll=unroll)
     # init never updates: drop the body's values of the owned variables
     frame.after_loop((_by_identity(frame, model_out), owned if first else owned_out),
@@ -68,8 +80,11 @@ def scan(
     return carry, ys
 
 
-def _body(frame: Frame, snapshot: LoopSnapshot, f: Callable, carry: Any, inputs: Any
-          ) -> tuple[Any, Any]:
+def _body(frame: Frame, snapshot: LoopSnapshot, f: Callable[[C, X], tuple[C, Y]],
+          carry: tuple[C, dict[str, jax.Array], dict[OwnedKey, jax.Array]],
+          inputs: tuple[X, jax.Array]
+          ) -> tuple[tuple[C, dict[str, jax.Array], dict[OwnedKey, jax.Array]],
+                     tuple[Y, dict[str, object]]]:
     """One step of the scan: ``f`` with the frame's state carried in and out."""
     user_carry, model, owned = carry
     x, index = inputs
@@ -80,12 +95,13 @@ def _body(frame: Frame, snapshot: LoopSnapshot, f: Callable, carry: Any, inputs:
     return (user_carry, _by_path(frame, model), owned), (y, monitored)
 
 
-def _step(frame: Frame, f: Callable, carry: Any, x: Any, index: Any) -> tuple[Any, Any]:
+def _step(frame: Frame, f: Callable[[C, X], tuple[C, Y]], carry: C, x: X, index: jax.Array
+          ) -> tuple[C, Y]:
     with frame.loop_step(index):
         return f(carry, x)
 
 
-def _length(xs: Any, length: int | None) -> int:
+def _length(xs: PyTree, length: int | None) -> int:
     if length is not None:
         return length
     leaves = jax.tree.leaves(xs)
@@ -94,8 +110,8 @@ def _length(xs: Any, length: int | None) -> int:
     return jnp.shape(leaves[0])[0]
 
 
-def remat(f: Callable[..., Any], *, policy: Callable[..., bool] | None = None
-          ) -> Callable[..., Any]:
+def remat(f: Callable[[*Ts], R], *, policy: Callable[..., bool] | None = None
+          ) -> Callable[[*Ts], R]:
     """Like ``jax.checkpoint(f, policy=policy)``: ``f``'s activations are recomputed in the
     backward pass; in a program, the variables ``f`` writes (a batch norm's statistics, an
     RNG stream's count), the values it monitors and the costs and measurements it adds for
@@ -110,13 +126,13 @@ def remat(f: Callable[..., Any], *, policy: Callable[..., bool] | None = None
     """
     checkpointed = jax.checkpoint(f, policy=policy)
 
-    def run(*args: Any) -> Any:
+    def run(*args: *Ts) -> R:
         frame = _context.current_frame()
         if frame is None:
             return checkpointed(*args)
         if frame.mode == "init":
             return f(*args)
-        copies: list[Any] = []
+        copies: list[nnx.Variable] = []
         if frame.inner():  # in a loop body: its keys and manager variables cross as marks
             out, lifted = jax.checkpoint(functools.partial(_lifted, copies, f),
                                          policy=policy)(*args)
@@ -138,8 +154,10 @@ def remat(f: Callable[..., Any], *, policy: Callable[..., bool] | None = None
     return run
 
 
-def _region(frame: Frame, snapshot: LoopSnapshot, state: tuple[dict, dict], copies: list,
-            f: Callable, *args: Any) -> tuple[Any, tuple[dict, dict], dict, dict, dict, list]:
+def _region(frame: Frame, snapshot: LoopSnapshot, state: Carry, copies: list[nnx.Variable],
+            f: Callable[[*Ts], R], *args: *Ts
+            ) -> tuple[R, ByPath, dict[str, object], dict[tuple[str, str], ArrayLike],
+                       dict[str, ArrayLike], list[jax.Array]]:
     """``f`` as the base trace of the frame, and what it changed of ``state`` (read from
     outside, as closed-over values), monitored, and added to optimize's costs and
     measurements, and the values it wrote to the ``copies`` it appends (an NNX transform's
@@ -149,14 +167,16 @@ def _region(frame: Frame, snapshot: LoopSnapshot, state: tuple[dict, dict], copi
     with frame.loop_body(snapshot, state):
         out, lifted = _lifted(copies, f, *args)
         new, monitored = frame.carried(state)
-    model, owned = ({k: v for k, v in new_part.items() if v is not old_part[k]}
-                    for new_part, old_part in zip(new, state, strict=True))
+    (new_model, new_owned), (old_model, old_owned) = new, state
+    model = {k: v for k, v in new_model.items() if v is not old_model[k]}
+    owned = {k: v for k, v in new_owned.items() if v is not old_owned[k]}
     return (out, (_by_path(frame, model), owned), monitored,
             {k: v for k, v in _costs(frame).items() if costs.get(k) is not v},
             {k: v for k, v in frame.measured.items() if measured.get(k) is not v}, lifted)
 
 
-def _lifted(copies: list, f: Callable, *args: Any) -> tuple[Any, list]:
+def _lifted(copies: list[nnx.Variable], f: Callable[[*Ts], R], *args: *Ts
+            ) -> tuple[R, list[jax.Array]]:
     """``f``'s result, and the values it wrote to the ``copies`` it appends: an NNX
     transform's copies of model variables, written at another trace level (see
     ``graphmod._core._tracing._lifted_writes``)."""
@@ -166,18 +186,18 @@ def _lifted(copies: list, f: Callable, *args: Any) -> tuple[Any, list]:
     return out, [value for _, value in writes.values()]
 
 
-def _by_path(frame: Frame, model: dict[str, Any]) -> dict[str, Any]:
+def _by_path(frame: Frame, model: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """The model's variables keyed by path where they cross a JAX transform: JAX flattens a
     dict in key order, and identities are spelled from ``id()``, so keyed by identity the
     jaxpr (and the program's fingerprint) changed from one process to the next."""
     return {frame.layout.by_identity[identity].path: value for identity, value in model.items()}
 
 
-def _by_identity(frame: Frame, model: dict[str, Any]) -> dict[str, Any]:
+def _by_identity(frame: Frame, model: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """:func:`_by_path` undone."""
     return {frame.layout.identity_at[path]: value for path, value in model.items()}
 
 
-def _costs(frame: Frame) -> dict[tuple[str, str], Any]:
+def _costs(frame: Frame) -> dict[tuple[str, str], ArrayLike]:
     return {(owner, key): value for owner, by_key in frame.costs.items()
             for key, value in by_key.items()}

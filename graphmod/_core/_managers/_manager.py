@@ -29,19 +29,36 @@ import contextlib
 import dataclasses
 import difflib
 import inspect
-from collections.abc import Callable
-from types import FrameType
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable
+from types import FrameType, TracebackType
+from typing import Any, ClassVar, NoReturn, Self, TypeVar
 
 import jax
 import jax.numpy as jnp
 
 from graphmod._core._bricks._construction import record_construction
 from graphmod._core._naming import snake_case
-from graphmod._core._selection._filter import Tag, VariableFilter
+from graphmod._core._selection._filter import (
+    ApplicationSelector,
+    BrickSelector,
+    Tag,
+    VariableFilter,
+)
 from graphmod._core._tracing import _context
 from graphmod._core._warn import warn
-from graphmod.typing import HookContext, ModelLayout, ProgramContext, Variables, WrapContext
+from graphmod.roles import Role
+from graphmod.typing import (
+    ArrayLike,
+    HookContext,
+    ModelLayout,
+    ProgramContext,
+    PyTree,
+    Variables,
+    WrapContext,
+)
+
+V = TypeVar("V")  # a value a hook is given, rewritten into one of its kind
+R = TypeVar("R")  # what the rest of a chain returns, returned by a layer around it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +75,7 @@ class Dynamic:
 
     __graphmod_dynamic__ = True
 
-    def _not_a_number(self, *_: Any) -> Any:
+    def _not_a_number(self, *_: object) -> NoReturn:
         raise TypeError(
             f"{self!r} declares a dynamic hyperparameter; it is not a number. Inside a "
             "manager's hook read its current value with self.hp(\"<name>\") (a float32 "
@@ -111,7 +128,7 @@ class HParam:
 
     def get(self, variables: Variables) -> jax.Array:
         """The current value in ``variables``."""
-        node: Any = variables
+        node: object = variables
         for key in self.keys:
             if not isinstance(node, dict) or key not in node:
                 raise KeyError(
@@ -119,9 +136,9 @@ class HParam:
                     f"variables[{']['.join(map(repr, self.keys))}]; was the manager "
                     "compiled into the program that made these variables?")
             node = node[key]
-        return node
+        return jnp.asarray(node)  # the stored scalar itself (an array already)
 
-    def set(self, variables: Variables, value: Any) -> Variables:
+    def set(self, variables: Variables, value: ArrayLike) -> Variables:
         """A copy of ``variables`` (dicts along the path copied) with the new value.
 
         The value is cast to the stored dtype, so the compiled step does not retrace.
@@ -161,9 +178,10 @@ def _manager_init(frame: FrameType) -> bool:
     return frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), Manager)
 
 
-def _chosen_filter(manager: Manager, filter: Any, given: dict[str, Any]) -> VariableFilter:
-    """The filter a manager was given: ``filter=`` or the filter fields ``given`` (the
-    ``variable_name`` argument as ``name``), never both."""
+def _chosen_filter(manager: Manager, filter: object, given: dict[str, object]
+                   ) -> VariableFilter | None:
+    """The filter a manager was given, ``filter=`` (None: the filter fields ``given``, the
+    ``variable_name`` argument as ``name``), checked: never both."""
     owner = type(manager).__name__
     if filter is not None and given:
         fields = ", ".join("variable_name" if k == "name" else k for k in given)
@@ -175,10 +193,10 @@ def _chosen_filter(manager: Manager, filter: Any, given: dict[str, Any]) -> Vari
     if name is not None and not isinstance(name, str):
         raise TypeError(f"{owner}(variable_name={name!r}): must be a string, the exact name "
                         "of the variables to rewrite (e.g. 'W')")
-    return filter if filter is not None else VariableFilter(**given)
+    return filter
 
 
-def _unknown_arguments(manager: Manager, unknown: dict[str, Any]) -> str:
+def _unknown_arguments(manager: Manager, unknown: dict[str, object]) -> str:
     """What a manager says of keyword arguments it does not take: the likely spelling."""
     known = [name for cls in type(manager).__mro__ if "__init__" in vars(cls)
              for name, parameter in inspect.signature(vars(cls)["__init__"]).parameters.items()
@@ -190,7 +208,7 @@ def _unknown_arguments(manager: Manager, unknown: dict[str, Any]) -> str:
             f"{', '.join(dict.fromkeys(known))}")
 
 
-def _check_naming(manager: Manager, priority: Any, manager_name: Any) -> None:
+def _check_naming(manager: Manager, priority: object, manager_name: object) -> None:
     owner = type(manager).__name__
     if not isinstance(priority, int):
         raise TypeError(f"{owner}(priority=...): expected an int, got {priority!r}")
@@ -272,14 +290,16 @@ class Manager:
     exclusive: ClassVar[bool] = False
     once: ClassVar[bool] = False
     hparams: ClassVar[tuple[str, ...]] = ()
-    hparam_ranges: ClassVar[dict[str, tuple[float, float]]] = {}
-    # Ordering constraints, resolved at compile (see graphmod._core._managers._order): what this
-    # manager is, and the kinds (strings) or manager classes it runs before or after.
-    kinds: ClassVar[tuple[str, ...]] = ()
-    runs_before: ClassVar[tuple[str | type, ...]] = ()
-    runs_after: ClassVar[tuple[str | type, ...]] = ()
+    # These four a class sets, or an instance in its __init__ (LayerFreezing's ranges, an
+    # L2's kinds): no ClassVar. Ordering constraints, resolved at compile (see
+    # graphmod._core._managers._order): what this manager is, and the kinds (strings) or
+    # manager classes it runs before or after.
+    hparam_ranges: dict[str, tuple[float, float]] = {}
+    kinds: tuple[str, ...] = ()
+    runs_before: tuple[str | type, ...] = ()
+    runs_after: tuple[str | type, ...] = ()
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Manager:
+    def __new__(cls, *args: object, **kwargs: object) -> Self:
         manager = super().__new__(cls)
         record_construction(manager, args, kwargs, by_path=True)  # for provenance
         return manager
@@ -287,19 +307,19 @@ class Manager:
     def __init__(
         self,
         *,
-        bricks: Any = None,
-        roles: Any = None,
-        applications: Any = None,
+        bricks: BrickSelector | Iterable[BrickSelector] | None = None,
+        roles: Role | Iterable[Role] | None = None,
+        applications: ApplicationSelector | Iterable[ApplicationSelector] | None = None,
         path: str | None = None,
         variable_name: str | None = None,
         name_regex: str | None = None,
-        call_id: Any = None,
+        call_id: int | Iterable[int] | None = None,
         filter: VariableFilter | None = None,
         priority: int = 0,
         manager_name: str | None = None,
         strict: bool = True,
         name: str | None = None,
-        **unknown: Any,
+        **unknown: object,
     ) -> None:
         if unknown:
             raise TypeError(_unknown_arguments(self, unknown))
@@ -307,16 +327,19 @@ class Manager:
             manager_name = _deprecated_name(self, name, manager_name)
         fields = dict(bricks=bricks, roles=roles, applications=applications, path=path,
                       name=variable_name, name_regex=name_regex, call_id=call_id)
-        self.filter = _chosen_filter(self, filter, {k: v for k, v in fields.items()
-                                                    if v is not None})
+        chosen = _chosen_filter(self, filter, {k: v for k, v in fields.items()
+                                               if v is not None})
+        self.filter = chosen if chosen is not None else VariableFilter(
+            bricks=bricks, roles=roles, applications=applications, path=path,
+            name=variable_name, name_regex=name_regex, call_id=call_id)
         _check_naming(self, priority, manager_name)
         self.priority = priority
         self.name = manager_name or snake_case(type(self).__name__)
         self.strict = strict
-        self._entered: list[Any] = []
+        self._entered: list[contextlib.AbstractContextManager[None]] = []
 
     # -- configuration ----------------------------------------------------------------
-    def __getattr__(self, key: str) -> Any:
+    def __getattr__(self, key: str) -> NoReturn:
         # Reached only when an attribute is missing: a base field missing means a subclass
         # whose __init__ did not run Manager.__init__.
         if key in _BASE_FIELDS:
@@ -326,7 +349,7 @@ class Manager:
                 "fields (roles=, bricks=, ...) on")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
 
-    def __setattr__(self, key: str, value: Any) -> None:
+    def __setattr__(self, key: str, value: object) -> None:
         if not key.startswith("_") and self.__dict__.get("_frozen", False):
             raise AttributeError(
                 f"manager {self.name!r} is frozen: it was compiled into a program; "
@@ -334,11 +357,11 @@ class Manager:
             )
         object.__setattr__(self, key, value)
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         # The `with` blocks a manager is in belong to this context, not to its copies.
         return {k: v for k, v in self.__dict__.items() if k != "_entered"}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self.__dict__["_entered"] = []
 
@@ -355,8 +378,9 @@ class Manager:
         self._entered.append(context)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self._entered.pop().__exit__(*exc)
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self._entered.pop().__exit__(kind, error, traceback)
 
     # -- hyperparameters --------------------------------------------------------------
     def dynamic_hparams(self) -> dict[str, float]:
@@ -393,29 +417,29 @@ class Manager:
         return HParam(self.name, name, self.hparam_ranges.get(name))
 
     # -- hooks --------------------------------------------------------------------------
-    def rewrite_input(self, call: HookContext, name: str, value: Any) -> Any:
+    def rewrite_input(self, call: HookContext, name: str, value: V) -> V:
         """Returns the rewritten input ``name`` of ``call`` (default: unchanged)."""
         return value
 
-    def rewrite_output(self, call: HookContext, name: str, value: Any) -> Any:
+    def rewrite_output(self, call: HookContext, name: str, value: V) -> V:
         """Returns the rewritten output ``name`` of ``call`` (default: unchanged)."""
         return value
 
-    def rewrite_parameter(self, call: HookContext, name: str, value: Any) -> Any:
+    def rewrite_parameter(self, call: HookContext, name: str, value: V) -> V:
         """Returns the rewritten parameter ``name`` as ``call`` reads it (default: unchanged);
         the model's ``STATE`` variables come here only if this manager's ``roles=`` names
         ``STATE`` (or ``PERSISTENT``)."""
         return value
 
-    def wrap(self, call: WrapContext, next: Callable[..., Any], args: tuple,
-             kwargs: dict) -> Any:
+    def wrap(self, call: WrapContext, next: Callable[..., R], args: tuple[PyTree, ...],
+             kwargs: dict[str, PyTree]) -> R:
         """Middleware around the call (default: ``next(*args, **kwargs)``): remat, casts,
         sharding constraints. ``args`` are the call's as they came; ``next`` applies this
         manager's ``rewrite_input`` and ``rewrite_output`` around the rest of the chain."""
         return next(*args, **kwargs)
 
-    def wrap_program(self, call: ProgramContext, next: Callable[..., Any], args: tuple,
-                     kwargs: dict) -> Any:
+    def wrap_program(self, call: ProgramContext, next: Callable[..., R],
+                     args: tuple[PyTree, ...], kwargs: dict[str, PyTree]) -> R:
         """Middleware around the program's whole function ``fn(model, *args, **kwargs)``
         in every trace (``init``, ``train``, ``infer``, ``graph``); default:
         ``next(*args, **kwargs)``, the inner layers and then ``fn``. ``args`` and
@@ -460,7 +484,7 @@ class Manager:
         """
         return {}
 
-    def region(self, value: Any) -> contextlib.AbstractContextManager[None]:
+    def region(self, value: object) -> contextlib.AbstractContextManager[None]:
         """A ``with`` block, entered in :meth:`wrap` around ``next``, inside which every
         application called belongs to this manager's *region* holding ``value`` (what a
         precision policy casts to): :meth:`regions` lists the open ones. The stack lives
@@ -478,7 +502,7 @@ class Manager:
         return _context.region(self.name, value)
 
     @staticmethod
-    def regions() -> tuple[tuple[str, Any], ...]:
+    def regions() -> tuple[tuple[str, object], ...]:
         """The regions open where this is called, ``(manager name, value)``, innermost
         last: see :meth:`region`.
 

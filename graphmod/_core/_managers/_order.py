@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from graphmod.errors import ManagerConflict
 
@@ -94,7 +94,9 @@ class ManagerOrder(tuple):
         order.moves = tuple(moves)
         return order
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[ManagerOrder], tuple[tuple[Manager, ...], tuple[str, ...],
+                                                            tuple[Constraint, ...],
+                                                            tuple[Constraint, ...]]]:
         return (ManagerOrder, (tuple(self), self.listed, self.constraints, self.moves))
 
     @property
@@ -195,30 +197,34 @@ def _constraints(managers: tuple[Manager, ...]) -> list[tuple[int, int, Constrai
 def _declared(manager: Manager) -> tuple[tuple[str, ...], tuple[Target, ...], tuple[Target, ...]]:
     """A manager's ``kinds``, ``runs_before`` and ``runs_after``, checked."""
     owner = type(manager).__name__
-    kinds = _tuple(getattr(manager, "kinds", ()), f"{owner}.kinds")
-    for kind in kinds:
+    kinds: list[str] = []
+    for kind in _tuple(getattr(manager, "kinds", ()), f"{owner}.kinds"):
         if not isinstance(kind, str) or not kind:
             raise TypeError(f"{owner}.kinds: {kind!r} is not a kind; kinds are non-empty "
                             "strings, e.g. kinds = ('augmentation',)")
-    targets = []
+        kinds.append(kind)
+    targets: list[tuple[Target, ...]] = []
     for attribute in ("runs_before", "runs_after"):
-        chosen = _tuple(getattr(manager, attribute, ()), f"{owner}.{attribute}")
-        for target in chosen:
+        chosen: list[Target] = []
+        for target in _tuple(getattr(manager, attribute, ()), f"{owner}.{attribute}"):
             if not (isinstance(target, str) and target) and not isinstance(target, type):
                 raise TypeError(
                     f"{owner}.{attribute}: {target!r} is neither a kind (a string, e.g. "
                     "'augmentation') nor a manager class (e.g. managers.EMA)")
-        targets.append(chosen)
-    return kinds, targets[0], targets[1]
+            chosen.append(target)
+        targets.append(tuple(chosen))
+    return tuple(kinds), targets[0], targets[1]
 
 
-def _tuple(value: Any, what: str) -> tuple[Any, ...]:
+def _tuple(value: object, what: str) -> tuple[object, ...]:
     if isinstance(value, str | type):  # kinds = "average": one kind, not five letters
         return (value,)
     try:
-        return tuple(value)
+        if isinstance(value, Iterable):
+            return tuple(value)
     except TypeError:
-        raise TypeError(f"{what}: expected a tuple of kinds or classes, got {value!r}") from None
+        pass
+    raise TypeError(f"{what}: expected a tuple of kinds or classes, got {value!r}") from None
 
 
 def _is(manager: Manager, target: Target) -> bool:

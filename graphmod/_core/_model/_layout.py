@@ -17,20 +17,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import jax
 import numpy as np
 from flax import nnx
 from flax.nnx import graphlib, variablelib
+from flax.typing import Key as PathPart
+from flax.typing import PathParts
 
 from graphmod import roles as _roles
 from graphmod._core._bricks._array_leaves import ArrayLeaf, array_leaves, leaf_role, mark_array_leaf
 from graphmod._core._tracing._variables import adopt_node, mark_variable, role_of
 from graphmod.errors import ModelChanged
+from graphmod.typing import ArrayLike
 
-Key = tuple[Any, ...]
+if TYPE_CHECKING:
+    from flax.nnx.pytreelib import PytreeState
+
+Key: TypeAlias = PathParts  # a path of attribute names and indices, as Flax's
 # In a trace, a module's token names its path, also in the copies NNX transforms make (they
 # copy attributes). Flax hides ``_pytree__`` attributes from displays and its Linen bridge.
 _TOKEN = "_pytree__graphmod_token"
@@ -59,16 +65,17 @@ class VariableInfo:
     dtype: str
 
 
-def _children(node: Any) -> Iterator[tuple[Any, Any]]:
-    if not graphlib.is_node(node):
+def _children(node: object) -> Iterator[tuple[PathPart, object]]:
+    impl = graphlib.get_node_impl(node) if graphlib.is_node(node) else None
+    if impl is None:
         return
-    for key, child in graphlib.get_node_impl(node).node_dict(node).items():
+    for key, child in impl.node_dict(node).items():
         if not (isinstance(key, str) and key.startswith("_pytree__")):
             yield key, child
 
 
-def walk_nodes(node: Any, key: Key, ancestors: frozenset[int], *, arrays: bool = False
-               ) -> Iterator[tuple[Key, Any]]:
+def walk_nodes(node: object, key: Key, ancestors: frozenset[int], *, arrays: bool = False
+               ) -> Iterator[tuple[Key, object]]:
     """Every (key path, variable or graph node) below ``node``, aliases included, cycles
     cut; with ``arrays``, also every (key path, array) kept as an attribute."""
     for child_key, child in _children(node):
@@ -85,11 +92,11 @@ def walk_nodes(node: Any, key: Key, ancestors: frozenset[int], *, arrays: bool =
             yield path, child
 
 
-def structure(walked: Iterable[tuple[Key, Any]]) -> dict[str, Any]:
+def structure(walked: Iterable[tuple[Key, object]]) -> dict[str, object]:
     """Path -> the module or variable there (None for an array attribute: its value is read
     at each use), from ``walk_nodes(..., arrays=True)``: what a program relies on of the
     model's objects (``Layout.check_unchanged``)."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for key, node in walked:
         if isinstance(node, nnx.Variable):
             out[variable_path_string(key)] = None if isinstance(node, ArrayLeaf) else node
@@ -100,11 +107,11 @@ def structure(walked: Iterable[tuple[Key, Any]]) -> dict[str, Any]:
     return out
 
 
-def _flat_variables(model: nnx.Pytree) -> list[tuple[Key, Any]]:
+def _flat_variables(model: nnx.Pytree) -> list[tuple[Key, object]]:
     """The model's variables by key path. Raises naming the first hijax or ref variable
     (made under ``nnx.var_defaults(hijax=True)`` or ``(ref=True)``): a program reads and
     rewrites variables of NNX's default kind, which hold arrays."""
-    flat = list(nnx.to_flat_state(nnx.state(model)))
+    flat: list[tuple[Key, object]] = list(nnx.to_flat_state(nnx.state(model)))
     for key, value in flat:
         raw = value.get_raw_value() if isinstance(value, nnx.Variable) else value
         if isinstance(raw, jax.ShapeDtypeStruct):
@@ -128,7 +135,7 @@ def _flat_variables(model: nnx.Pytree) -> list[tuple[Key, Any]]:
     return flat
 
 
-def brick_token(brick: Any) -> str | None:
+def brick_token(brick: object) -> str | None:
     return vars(brick).get(_TOKEN)
 
 
@@ -152,10 +159,11 @@ class Layout:
         leaves = array_leaves(model, flat)  # arrays kept as module attributes
         canonical = {id(leaves[k][2] if k in leaves else v): k for k, v in flat}
         paths: dict[int, list[Key]] = {}
-        objects: dict[int, Any] = {id(leaf): leaf for _, _, leaf in leaves.values()}
+        objects: dict[int, nnx.Variable] = {id(leaf): leaf for _, _, leaf in leaves.values()}
         bricks: dict[int, list[Key]] = {id(model): [()]}
-        brick_objects: dict[int, Any] = {id(model): model}
-        node_states = {id(model): (model, adopt_node(model))}
+        brick_objects: dict[int, nnx.Pytree] = {id(model): model}
+        node_states: dict[int, tuple[object, PytreeState | None]] = {
+            id(model): (model, adopt_node(model))}
         walked = list(walk_nodes(model, (), frozenset({id(model)}), arrays=True))
         for key, node in walked:
             if isinstance(node, jax.Array | np.ndarray):  # array leaves: found above
@@ -234,7 +242,7 @@ class Layout:
             "program.update_model(variables))")
 
     def _marks(self, intercept: Callable[[type], type | None] | None
-               ) -> tuple[tuple[Any, Callable[[], Callable[[], None]]], ...]:
+               ) -> tuple[tuple[object, Callable[[], Callable[[], None]]], ...]:
         """``(object, mark)`` for every variable and module (see ``_context._marked``)."""
         return (
             *((v, functools.partial(mark_array_leaf, *self._owners[identity], v, identity)
@@ -245,7 +253,7 @@ class Layout:
               for b in self._bricks.values()))
 
     def _identify(self, canonical: dict[int, Key], paths: dict[int, list[Key]],
-                  objects: dict[int, Any]) -> tuple[VariableInfo, ...]:
+                  objects: dict[int, nnx.Variable]) -> tuple[VariableInfo, ...]:
         infos = []
         for object_id, key in canonical.items():
             variable = objects[object_id]
@@ -263,7 +271,7 @@ class Layout:
             aliases = tuple(variable_path_string(k) for k in paths.get(object_id, [key])
                             if k != key)
             name = str(key[-1])
-            role = (leaf_role(value, name) if isinstance(variable, ArrayLeaf)
+            role = (leaf_role(variable.get_raw_value(), name) if isinstance(variable, ArrayLeaf)
                     else role_of(variable, name))
             infos.append(VariableInfo(
                 _spelled(variable), key, variable_path_string(key), name, role, aliases,
@@ -273,12 +281,12 @@ class Layout:
 
     def metadata(self, name: str) -> list[tuple[VariableInfo, Any]]:
         """``(info, value)`` of each variable whose Flax metadata holds ``name`` (e.g.
-        ``out_sharding``), in the layout's order."""
+        ``out_sharding``), in the layout's order (typed as Flax types metadata)."""
         found = ((info, self.objects[info.identity].get_metadata().get(name))
                  for info in self.variables)
         return [(info, value) for info, value in found if value is not None]
 
-    def value(self, identity: str) -> Any:
+    def value(self, identity: str) -> ArrayLike:
         """The model's array of variable ``identity`` (outside the traces of programs)."""
         if identity not in self._owners:
             return self.objects[identity].get_raw_value()
@@ -286,7 +294,7 @@ class Layout:
         value = vars(module)[name]  # a stand-in while another thread's trace holds it
         return value.get_raw_value() if isinstance(value, ArrayLeaf) else value
 
-    def store(self, identity: str, value: Any) -> None:
+    def store(self, identity: str, value: ArrayLike) -> None:
         """Makes ``value`` the model's array of variable ``identity`` (outside traces)."""
         if identity in self._owners:
             setattr(*self._owners[identity], value)
@@ -299,7 +307,7 @@ class Layout:
             if vars(node).get("_pytree__state") is not state:
                 object.__setattr__(node, "_pytree__state", state)
 
-    def brick_path(self, brick: Any) -> str | None:
+    def brick_path(self, brick: object) -> str | None:
         """The path of ``brick`` in the model (in a trace, also of the copies NNX transforms
         make of it, which keep its token)."""
         token = brick_token(brick)
@@ -307,7 +315,7 @@ class Layout:
             token = _spelled(brick)
         return None if token is None else self.brick_paths.get(token)
 
-    def resolve(self, instances: tuple[Any, ...], owner: str) -> None:
+    def resolve(self, instances: Iterable[object], owner: str) -> None:
         """Records the paths of brick instances named by a filter; raises for strangers."""
         for brick in instances:
             path = self.brick_path(brick)
@@ -319,13 +327,15 @@ class Layout:
                 )
             self.instance_paths[id(brick)] = path
 
-    def model_values(self, pure: dict) -> dict[str, Any]:
+    # A pure dict of the model's state is typed as Flax types nnx.to_pure_dict's (its
+    # values), nested by the parts of key paths (names, list indices: any hashable key).
+    def model_values(self, pure: Mapping[str, object]) -> dict[str, Any]:
         """identity → value, from a pure dict of the model's state."""
         return {info.identity: _get(pure, info.key) for info in self.variables}
 
-    def pure(self, values: dict[str, Any]) -> dict:
+    def pure(self, values: Mapping[str, object]) -> dict[str, Any]:
         """A pure nested dict (like ``nnx.to_pure_dict``) from identity → value."""
-        out: dict = {}
+        out: dict[Any, Any] = {}
         for info in self.variables:
             node = out
             for part in info.key[:-1]:
@@ -334,21 +344,21 @@ class Layout:
         return out
 
 
-def _kind(obj: Any) -> str:
+def _kind(obj: object) -> str:
     return "array" if obj is None else type(obj).__name__
 
 
-def _spelled(obj: Any) -> str:
+def _spelled(obj: object) -> str:
     """The identity or token of an object of the model: unique while the layout holds it."""
     return f"{id(obj):x}"
 
 
-def _original(module: Any) -> type:
+def _original(module: object) -> type:
     """The module's own class, also when a trace in progress has switched it."""
     return getattr(type(module), "__graphmod_original__", type(module))
 
 
-def _mark_module(module: Any, token: str, intercepting: type | None) -> Callable[[], None]:
+def _mark_module(module: object, token: str, intercepting: type | None) -> Callable[[], None]:
     """Stores ``token`` in ``module`` and switches it to ``intercepting`` (if not None), for
     one trace; returns the function that puts back what was there."""
     original, previous = type(module), vars(module).get(_TOKEN)
@@ -366,8 +376,8 @@ def _mark_module(module: Any, token: str, intercepting: type | None) -> Callable
     return unmark
 
 
-def _get(tree: dict, key: Key) -> Any:
-    node = tree
+def _get(tree: Mapping[str, object], key: Key) -> Any:
+    node: Any = tree
     for part in key:
         node = node[part]
     return node

@@ -12,19 +12,31 @@ create from a parameter's value.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Protocol, TypeAlias
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 
 from graphmod import roles as _roles
 from graphmod._core._loops._loop_keys import Layer, eager, named, read_slice, stacked, write_slice
 from graphmod._core._tracing._trace import TraceScope, current_trace
 from graphmod.errors import StateEscapesTransform, VariablesMismatch
+from graphmod.typing import ArrayLike
 
 # (manager name, brick path, application, call_id or None, variable name)
 OwnedKey = tuple[str, str, str, int | None, str]
+# A variable's ``init`` as the store calls it: its value, or a function of nothing or of the
+# parameter's value (the call passes that value only to a function of one argument).
+_Init: TypeAlias = "ArrayLike | Callable[..., ArrayLike]"
+
+
+class _Check(Protocol):
+    """Raises if a value made now could not leave the trace, naming ``what`` makes it and
+    ``where`` (default: the application call in progress)."""
+
+    def __call__(self, what: str, where: str | None = None, /) -> None: ...
 
 
 class OwnedStore:
@@ -45,8 +57,8 @@ class OwnedStore:
         (3,)
     """
 
-    def __init__(self, owned: dict[OwnedKey, Any], mode: str, scope: TraceScope,
-                 check: Callable[..., None]) -> None:
+    def __init__(self, owned: Mapping[OwnedKey, jax.Array], mode: str, scope: TraceScope,
+                 check: _Check) -> None:
         self.values = dict(owned)
         self._found = owned  # as the trace began, never written
         self.roles: dict[OwnedKey, _roles.Role] = {}
@@ -58,11 +70,12 @@ class OwnedStore:
         # each trace wrote last (keys created or written there: stacked at the end), the
         # keys met in bodies that broadcast the module.
         self._slices: dict[OwnedKey, tuple[int, ...]] = {}
-        self._pending: dict[OwnedKey, tuple[Any, Any]] = {}
+        self._pending: dict[OwnedKey, tuple[object, jax.Array]] = {}  # (trace, slice)
         self._shared: set[OwnedKey] = set()
 
-    def ensure(self, key: OwnedKey, init: Any, role: _roles.Role,
-               parameter: Any = None, stacked: int = 1, layer: Layer = tuple) -> None:
+    def ensure(self, key: OwnedKey, init: _Init, role: _roles.Role,
+               parameter: jax.Array | None = None, stacked: int = 1,
+               layer: Layer = tuple) -> None:
         """Makes sure ``key`` exists: created at ``init`` from ``init`` (an array, a
         callable of nothing: shapes only, or given the parameter's value, of it); one per
         iteration of the ``stacked`` loops around it that slice its layer (0: one shared by
@@ -79,11 +92,12 @@ class OwnedStore:
                               layer)
         elif inner and key not in self._slices:
             self._slices[key] = tuple(
-                jax.eval_shape(init, parameter).shape if parameter is not None
-                else jax.eval_shape(init).shape if callable(init) else jnp.shape(init))
+                jnp.shape(init) if not callable(init)
+                else jax.eval_shape(init, parameter).shape if parameter is not None
+                else jax.eval_shape(init).shape)
 
-    def _created(self, key: OwnedKey, init: Any, parameter: Any, inner: bool,
-                 stacked: int, layer: Layer) -> Any:
+    def _created(self, key: OwnedKey, init: _Init, parameter: jax.Array | None, inner: bool,
+                 stacked: int, layer: Layer) -> jax.Array:
         manager, path, application, call_id, name = key
         if self._mode != "init":
             raise VariablesMismatch(
@@ -97,11 +111,11 @@ class OwnedStore:
             # trace whose values could not leave it (a module every iteration shares).
             self._check(f"manager {manager!r} creating {name!r} from "
                         f"parameter {path}.{application}")
-            return jnp.asarray(init(parameter))
+            return jnp.asarray(_made(init, parameter))
         if not inner:  # traced by init's own jit: no eager dispatch per variable
-            return jnp.asarray(init() if callable(init) else init)
+            return jnp.asarray(_made(init, None))
         if parameter is not None:  # from a layer's (a member's) slice: that slice's value
-            value = jnp.asarray(init(parameter))
+            value = jnp.asarray(_made(init, parameter))
             self._write_slice(key, value, stacked, layer)
             with jax.ensure_compile_time_eval():  # only its shape: the stack is written
                 return jnp.zeros(value.shape, value.dtype)
@@ -109,8 +123,8 @@ class OwnedStore:
         # (jax.jit, a scan body) does not leak a tracer; stacked over the loops around it
         # at the end of init's trace.
         with jax.ensure_compile_time_eval(), eager():
-            value = jnp.asarray(init() if callable(init) else init)
-        if isinstance(value, jax.core.Tracer):
+            value = jnp.asarray(_made(init, None))
+        if isinstance(value, Tracer):
             raise ValueError(
                 f"manager {manager!r}: the initial value of {name!r} at {path} "
                 "depends on traced values; build it from shapes only (e.g. "
@@ -127,7 +141,7 @@ class OwnedStore:
         shape = self._slices.get(key, stored)
         return len(stored) - len(shape) if stored[len(stored) - len(shape):] == shape else 0
 
-    def read(self, key: OwnedKey, layer: Layer = tuple) -> Any:
+    def read(self, key: OwnedKey, layer: Layer = tuple) -> jax.Array:
         """``key`` as the current trace sees it: in a loop body the iteration's slice (its
         last write in this trace, else the stored stack's slice)."""
         if not self._scope.inner():
@@ -142,14 +156,14 @@ class OwnedStore:
         depth = self._depth(key)
         return read_slice(self.values[key], depth, key, layer()) if depth else self.values[key]
 
-    def stored(self, key: OwnedKey, layer: Layer = tuple) -> Any:
+    def stored(self, key: OwnedKey, layer: Layer = tuple) -> jax.Array:
         """``key`` as the trace found it, whatever it wrote since (in a loop body: that
         value's slice for the iteration); at ``init``, as created."""
         value = self._found.get(key, self.values[key])
         depth = self._depth(key) if self._scope.inner() else 0
         return read_slice(value, depth, key, layer()) if depth else value
 
-    def write(self, key: OwnedKey, value: Any, layer: Layer = tuple) -> None:
+    def write(self, key: OwnedKey, value: ArrayLike, layer: Layer = tuple) -> None:
         """Sets ``key`` (in a loop body: the iteration's slice) to ``value``."""
         old = self.values[key]
         inner = self._scope.inner()
@@ -164,24 +178,24 @@ class OwnedStore:
                 f"manager {key[0]!r}: new value of {key[4]!r} at {key[1]} has shape "
                 f"{jnp.shape(value)}, expected {shape}"
             )
-        value = jnp.asarray(value, old.dtype)
+        array = jnp.asarray(value, old.dtype)
         if inner:
-            self._write_slice(key, value, self._depth(key), layer)
+            self._write_slice(key, array, self._depth(key), layer)
         else:
-            self.values[key] = value
+            self.values[key] = array
         self.updated.add(key)
 
-    def _write_slice(self, key: OwnedKey, value: Any, depth: int, layer: Layer) -> None:
+    def _write_slice(self, key: OwnedKey, value: jax.Array, depth: int, layer: Layer) -> None:
         write_slice(value, key, depth, layer())
         self._pending[key] = (current_trace(), value)
 
-    def carried(self, values: dict[OwnedKey, Any], *, updated: bool) -> None:
+    def carried(self, values: Mapping[OwnedKey, jax.Array], *, updated: bool) -> None:
         """Takes the values a ``graphmod.scan`` carried (``updated``: as written)."""
         self.values.update(values)
         if updated:
             self.updated.update(values)
 
-    def out(self) -> dict[OwnedKey, Any]:
+    def out(self) -> dict[OwnedKey, jax.Array]:
         """The variables at the end of the trace: those created or updated in loop bodies
         as the stack of every iteration's slice."""
         fresh = self._mode == "init"
@@ -189,10 +203,18 @@ class OwnedStore:
                 for key, value in self.values.items()}
 
 
-def _fresh_slice(init: Any, parameter: Any, value: Any) -> Any:
+def _made(init: _Init, parameter: jax.Array | None) -> ArrayLike:
+    """What ``init`` makes: of the parameter's value where there is one, of nothing if it
+    is a function, else ``init`` itself."""
+    if not callable(init):
+        return init
+    return init(parameter) if parameter is not None else init()
+
+
+def _fresh_slice(init: _Init, parameter: jax.Array | None, value: jax.Array) -> jax.Array:
     """An iteration's initial slice of a variable created as ``value``, traced in the loop
     body: from this iteration's slice of the parameter, or with a key marked in ``init``
     (``call.init_key``) that draws each layer its own."""
-    if parameter is not None:
-        return jnp.asarray(init(parameter), jnp.result_type(value))
-    return jnp.asarray(init(), jnp.result_type(value)) if callable(init) else value
+    if parameter is None and not callable(init):
+        return value
+    return jnp.asarray(_made(init, parameter), jnp.result_type(value))

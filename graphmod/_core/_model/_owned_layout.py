@@ -11,7 +11,7 @@ or None, variable)``, hyperparameters by ``(manager, name)``. Every walk of the 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 from graphmod._core._model._owned import OwnedKey
 
@@ -19,10 +19,16 @@ __all__ = ["HPARAMS", "decode", "encode", "map_leaves", "replaced"]
 
 HPARAMS = "hparams"
 
-Leaf = Callable[[Any, Any], Any]  # (OwnedKey or (manager, hparam name), leaf) -> new leaf
+HParamKey: TypeAlias = tuple[str, str]  # (manager, hyperparameter name)
+Leaf: TypeAlias = Callable[[OwnedKey | HParamKey, object], object]  # (key, leaf) -> new leaf
+# The nested layout, by manager then "hparams" or brick path, then hyperparameter name or
+# application (whose entry nests variables, or call ids then variables). Its leaves are the
+# variables' own values, typed as the variables type them (graphmod.typing.Variables).
+Nested: TypeAlias = Mapping[str, Mapping[str, Mapping[str, object]]]
 
 
-def encode(owned: Mapping[OwnedKey, Any], hparams: Mapping[tuple[str, str], Any]) -> dict:
+def encode(owned: Mapping[OwnedKey, object], hparams: Mapping[HParamKey, object]
+           ) -> dict[str, dict[str, Any]]:
     """The nested layout of flat owned variables and hyperparameters.
 
     Examples:
@@ -30,7 +36,7 @@ def encode(owned: Mapping[OwnedKey, Any], hparams: Mapping[tuple[str, str], Any]
         >>> encode({("bn", "/l", "apply", None, "mean"): 0.0}, {("bn", "momentum"): 0.9})
         {'bn': {'hparams': {'momentum': 0.9}, '/l': {'apply': {'mean': 0.0}}}}
     """
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, Any]] = {}
     for (manager, name), value in hparams.items():
         out.setdefault(manager, {HPARAMS: {}})[HPARAMS][name] = value
     for (manager, path, application, call_id, name), value in owned.items():
@@ -45,7 +51,7 @@ def encode(owned: Mapping[OwnedKey, Any], hparams: Mapping[tuple[str, str], Any]
     return out
 
 
-def map_leaves(managers: Mapping, leaf: Leaf) -> dict:
+def map_leaves(managers: Nested, leaf: Leaf) -> dict[str, dict[str, dict[str, object]]]:
     """``managers`` in the same nesting, each leaf replaced by ``leaf(key, value)`` (key: an
     :data:`OwnedKey`, or ``(manager, name)`` for a hyperparameter).
 
@@ -64,13 +70,17 @@ def map_leaves(managers: Mapping, leaf: Leaf) -> dict:
             for manager, entry in managers.items()}
 
 
-def _map_application(leaf: Leaf, prefix: tuple[str, str, str], node: Mapping) -> dict:
+def _map_application(leaf: Leaf, prefix: tuple[str, str, str], node: object
+                     ) -> dict[str | int, object]:
+    if not isinstance(node, Mapping):
+        raise TypeError(f"variables['managers'] holds a {type(node).__name__} at "
+                        f"{'/'.join(prefix)}, not the dict of an application's variables")
     return {key: ({name: leaf((*prefix, key, name), v) for name, v in value.items()}
                   if isinstance(key, int) else leaf((*prefix, None, key), value))
             for key, value in node.items()}
 
 
-def decode(managers: Mapping) -> tuple[dict[OwnedKey, Any], dict[tuple[str, str], Any]]:
+def decode(managers: Nested) -> tuple[dict[OwnedKey, Any], dict[HParamKey, Any]]:
     """``(owned, hparams)``: the flat leaves of the nested layout, by key.
 
     Examples:
@@ -78,17 +88,21 @@ def decode(managers: Mapping) -> tuple[dict[OwnedKey, Any], dict[tuple[str, str]
         >>> decode({"bn": {"hparams": {"m": 0.9}, "/l": {"apply": {"mean": 0.0}}}})
         ({('bn', '/l', 'apply', None, 'mean'): 0.0}, {('bn', 'm'): 0.9})
     """
-    owned: dict[OwnedKey, Any] = {}
-    hparams: dict[tuple[str, str], Any] = {}
+    owned: dict[OwnedKey, object] = {}
+    hparams: dict[HParamKey, object] = {}
 
-    def collect(key: tuple, value: Any) -> None:
-        (hparams if len(key) == 2 else owned)[key] = value
+    def collect(key: OwnedKey | HParamKey, value: object) -> None:
+        if len(key) == 2:
+            hparams[key] = value
+        else:
+            owned[key] = value
 
     map_leaves(managers, collect)
     return owned, hparams
 
 
-def replaced(managers: Mapping, updates: Mapping[OwnedKey, Any]) -> dict:
+def replaced(managers: Nested, updates: Mapping[OwnedKey, object]
+             ) -> dict[str, dict[str, dict[str, object]]]:
     """``managers`` with the owned leaves in ``updates`` replaced (nesting kept).
 
     Examples:
@@ -97,4 +111,5 @@ def replaced(managers: Mapping, updates: Mapping[OwnedKey, Any]) -> dict:
         ...          {("bn", "/l", "apply", None, "mean"): 1.0})
         {'bn': {'hparams': {}, '/l': {'apply': {'mean': 1.0}}}}
     """
-    return map_leaves(managers, lambda key, value: updates.get(key, value))
+    return map_leaves(managers, lambda key, value: updates.get(key, value) if len(key) == 5
+                      else value)

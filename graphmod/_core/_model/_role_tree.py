@@ -11,23 +11,24 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from graphmod import roles as _roles
-from graphmod._core._model._layout import Layout
+from graphmod._core._model._layout import Key, Layout
 from graphmod._core._model._owned import OwnedKey
-from graphmod._core._model._owned_layout import map_leaves
+from graphmod._core._model._owned_layout import HParamKey, map_leaves
+from graphmod.typing import Variables
 
 __all__ = ["is_one_of", "merge", "role_tree", "select"]
 
 
-def role_tree(variables: Mapping, layout: Layout,
-              owned_roles: Mapping[OwnedKey, _roles.Role]) -> dict:
+def role_tree(variables: Variables, layout: Layout,
+              owned_roles: Mapping[OwnedKey, _roles.Role]) -> dict[str, object]:
     """The tree of roles of ``variables`` (same nesting, a Role per leaf)."""
 
-    def model_roles(node: Any, key: tuple) -> Any:
+    def model_roles(node: object, key: Key) -> object:
         if isinstance(node, Mapping):
             return {k: model_roles(v, (*key, k)) for k, v in node.items()}
         return layout.by_key[key].role
 
-    def manager_role(key: tuple, _: Any) -> _roles.Role:
+    def manager_role(key: OwnedKey | HParamKey, _: object) -> _roles.Role:
         if len(key) == 2:
             return _roles.HYPERPARAMETER
         if key not in owned_roles:
@@ -40,8 +41,10 @@ def role_tree(variables: Mapping, layout: Layout,
             "managers": map_leaves(variables["managers"], manager_role)}
 
 
-def select(variables: Mapping, marks: Mapping, test: Callable[[Any], bool],
-           keep: bool) -> dict:
+# The trees below are nested dicts typed as graphmod.typing.Variables types its leaves.
+def select(variables: Mapping[str, object], marks: Mapping[str, Any],
+           test: Callable[[_roles.Role], bool] | Callable[[bool], bool], keep: bool
+           ) -> dict[str, Any]:
     """The leaves of ``variables`` whose mark (in ``marks``, same nesting: a role, a bool)
     passes ``test`` (``keep``) or does not, in the original nesting (empty branches
     dropped)."""
@@ -56,12 +59,13 @@ def is_one_of(wanted: Sequence[_roles.Role]) -> Callable[[_roles.Role], bool]:
     return lambda role: any(role.is_a(r) for r in wanted)
 
 
-def merge(selected: Mapping, rest: Mapping) -> dict:
+def merge(selected: Mapping[str, object], rest: Mapping[str, object]) -> dict[str, Any]:
     """The inverse of a split: one nested dict from two disjoint ones."""
-    out = dict(rest)
+    out: dict[str, object] = dict(rest)
     for key, value in selected.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = merge(value, out[key])
+        other = out.get(key)
+        if isinstance(value, Mapping) and isinstance(other, Mapping):
+            out[key] = merge(value, other)
         else:
             out[key] = value
     return out

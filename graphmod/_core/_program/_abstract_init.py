@@ -18,12 +18,12 @@ Sharp edges
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypeVar, TypeVarTuple
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 from jax._src.interpreters import partial_eval as _pe
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from graphmod import roles as _roles
 from graphmod._core._loops._jaxpr_interpreter import bind, interpret
@@ -36,18 +36,23 @@ from graphmod._core._program._arguments import spec_differences
 from graphmod._core._program._program_record import abstract
 from graphmod._core._tracing._frame import Frame
 from graphmod.errors import ModelChanged
+from graphmod.typing import ArrayLike, PyTree
 
 __all__ = ["evaluate_needed", "fresh_variables"]
 
 # trace(model values, hyperparameters, key, args, kwargs): the frame of an init trace
-InitTrace = Callable[[dict, dict, Any, tuple, dict], Frame]
+InitTrace = Callable[[dict[str, jax.Array], dict[tuple[str, str], jax.Array], jax.Array,
+                      tuple[PyTree, ...], dict[str, PyTree]], Frame]
+Ts = TypeVarTuple("Ts")
+R = TypeVar("R")
 
 # Call primitives whose bodies are evaluated inline, equation by equation.
 _INLINED = ("pjit", "jit", "closed_call", "core_call")
 
 
 def fresh_variables(layout: Layout, managers: Sequence[Manager], trace: InitTrace,
-                    args: tuple, kwargs: dict, key: Any, *, probe: bool
+                    args: tuple[PyTree, ...], kwargs: dict[str, PyTree], key: jax.Array, *,
+                    probe: bool
                     ) -> tuple[dict, dict[OwnedKey, _roles.Role]]:
     """Init's variables (copies of the model's arrays, the managers' hyperparameters and
     owned variables) and the owned variables' roles, from an init ``trace`` on ``args``;
@@ -65,23 +70,26 @@ def fresh_variables(layout: Layout, managers: Sequence[Manager], trace: InitTrac
     model = layout.pure({identity: copy(value) for identity, value in _arrays(layout).items()})
     hparams = {(m.name, h): jnp.float32(v) for m in managers
                for h, v in m.dynamic_hparams().items()}
-    found: dict[str, Any] = {}
+    roles: dict[OwnedKey, _roles.Role] = {}  # of the last trace
+    seen: list[str] = []  # the managers it met
 
-    def owned(model: dict, args: tuple, kwargs: dict, key: Any) -> dict:
+    def owned(model: dict, args: tuple[PyTree, ...], kwargs: dict[str, PyTree],
+              key: jax.Array) -> dict:
         frame = trace(layout.model_values(model), hparams, key, args, kwargs)
-        found["roles"] = frame.owned_roles
-        found["managers"] = [m.name for m in frame.seen_managers.values()]
+        roles.clear()
+        roles.update(frame.owned_roles)
+        seen[:] = [m.name for m in frame.seen_managers.values()]
         return encode(frame.owned_out(), frame.hparams)
 
     # Owned variables first met in loop bodies are stacked over the loops' lengths.
     run = jax.eval_shape if probe else evaluate_needed
     out = run(resolving(owned), model, args, kwargs, key)
-    for name in found["managers"]:
+    for name in seen:
         out.setdefault(name, {HPARAMS: {}})
-    return {"model": model, "managers": out}, found["roles"]
+    return {"model": model, "managers": out}, roles
 
 
-def _arrays(layout: Layout) -> dict[str, Any]:
+def _arrays(layout: Layout) -> dict[str, ArrayLike]:
     """identity -> the model's array, each of the shape and dtype it was compiled with."""
     arrays = {identity: layout.value(identity) for identity in layout.objects}
     differences = spec_differences(
@@ -96,7 +104,7 @@ def _arrays(layout: Layout) -> dict[str, Any]:
     return arrays
 
 
-def evaluate_needed(fn: Callable[..., Any], *args: Any) -> Any:
+def evaluate_needed(fn: Callable[[*Ts], R], *args: *Ts) -> R:
     """``fn(*args)``, evaluating only the equations its outputs depend on (here not the
     product, which ``fn`` computes and drops).
 
@@ -119,16 +127,17 @@ def evaluate_needed(fn: Callable[..., Any], *args: Any) -> Any:
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
-def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+def _evaluate(jaxpr: Jaxpr, consts: Sequence[jax.Array], args: Sequence[jax.Array]
+              ) -> list[jax.Array]:
     """``jax.core.eval_jaxpr``, with the bodies of jitted calls evaluated inline (a call
     binds as one compiled computation, new for every trace's jaxpr)."""
     return interpret(jaxpr, consts, args, _equation)
 
 
-def _equation(eqn: Any, invals: list[Any]) -> list[Any]:
+def _equation(eqn: JaxprEqn, invals: list[jax.Array]) -> list[jax.Array]:
     if eqn.primitive.name in _INLINED:
-        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-        closed = inner if hasattr(inner, "consts") else jax.extend.core.ClosedJaxpr(inner, ())
+        inner = eqn.params["jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"]
+        closed = inner if isinstance(inner, ClosedJaxpr) else ClosedJaxpr(inner, ())
         return _evaluate(closed.jaxpr, closed.consts, invals)
     with eqn.ctx.manager:
         return bind(eqn, invals)

@@ -5,29 +5,32 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from graphmod._core._model._layout import Key
+from graphmod.typing import PyTree, Shape
 
 Spec = tuple[tuple[int, ...], str]  # (shape, canonical dtype name)
+K = TypeVar("K")  # how leaves are keyed: a key path, an identity
 
 
-def flat_leaves(tree: Any, prefix: Key = ()) -> dict[Key, Any]:
+def flat_leaves(tree: object, prefix: Key = ()) -> dict[Key, object]:
     """The leaves of a nested dict by key path."""
     if not isinstance(tree, Mapping):
         return {prefix: tree}
-    leaves: dict[Key, Any] = {}
+    leaves: dict[Key, object] = {}
     for key, value in tree.items():
         leaves.update(flat_leaves(value, (*prefix, key)))
     return leaves
 
 
-def flat_keys(tree: Any) -> set[Key]:
+def flat_keys(tree: object) -> set[Key]:
     """The key paths of the leaves of a nested dict."""
     return set(flat_leaves(tree))
 
@@ -39,7 +42,7 @@ def tree_difference(expected: set[Key], actual: set[Key]) -> tuple[list[str], li
 
 
 @functools.lru_cache(maxsize=256)  # a trace checks every variable: a few dtypes, many times
-def canonical_dtype(dtype: Any) -> str:
+def canonical_dtype(dtype: DTypeLike) -> str:
     """The name of the dtype a value of ``dtype`` has inside ``jit`` (float64 becomes
     float32 without x64; weak types count as their dtype; '' stays unknown)."""
     if dtype == "":
@@ -51,21 +54,31 @@ def canonical_dtype(dtype: Any) -> str:
     return str(jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True))
 
 
-def dtype_of(value: Any) -> Any:
+def dtype_of(value: object) -> DTypeLike:
     """The dtype of an array, a tracer, a ShapeDtypeStruct (its own, read directly) or a
     Python number (``jnp.result_type``'s)."""
     dtype = getattr(value, "dtype", None)
-    return dtype if isinstance(dtype, np.dtype) or jax.dtypes.issubdtype(
-        dtype, jax.dtypes.extended) else jnp.result_type(value)
+    if dtype is not None and (isinstance(dtype, np.dtype)
+                              or jnp.issubdtype(dtype, jax.dtypes.extended)):
+        return dtype
+    return jnp.result_type(value)
 
 
-def spec(value: Any) -> Spec:
+def shape_of(value: object) -> Shape:
+    """``np.shape(value)``: the shape of an array, a tracer or a ShapeDtypeStruct (its
+    own), else of what NumPy makes of it (``()`` for a number)."""
+    if isinstance(value, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
+        return tuple(value.shape)
+    return np.asarray(value).shape
+
+
+def spec(value: object) -> Spec:
     """The shape and canonical dtype of an array, a tracer or a ShapeDtypeStruct."""
-    return tuple(np.shape(value)), canonical_dtype(dtype_of(value))
+    return shape_of(value), canonical_dtype(dtype_of(value))
 
 
-def spec_differences(found: Mapping[Key, Any], expected: Mapping[Key, Spec],
-                     name: Any) -> list[str]:
+def spec_differences(found: Mapping[K, object], expected: Mapping[K, Spec],
+                     name: Callable[[K], str]) -> list[str]:
     """One line per leaf of ``found`` whose shape or dtype differs from ``expected``'s
     (leaves ``expected`` lacks are not compared; a '' dtype is not compared)."""
     lines = []
@@ -80,7 +93,7 @@ def spec_differences(found: Mapping[Key, Any], expected: Mapping[Key, Spec],
     return lines
 
 
-def is_key(value: Any) -> bool:
+def is_key(value: object) -> bool:
     """Whether ``value`` (an array, a tracer, an abstract value) holds typed PRNG keys.
 
     Examples:
@@ -90,24 +103,25 @@ def is_key(value: Any) -> bool:
         (True, False)
     """
     dtype = getattr(value, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def as_key(rng: Any, where: str, args: tuple = ()) -> Any:
+def as_key(rng: object, where: str, args: tuple[PyTree, ...] = ()) -> jax.Array:
     """``rng`` as one typed PRNG key (a key, or its ``jax.random.key_data``), else an error
     naming ``rng`` and the fix (``args``: the call's positional arguments, a key among
     them passed where ``rng=`` was meant)."""
     if rng is None:
-        slip = next((i for i, a in enumerate(args) if is_key(a) and jnp.ndim(a) == 0), None)
+        slip = next((i for i, a in enumerate(args) if isinstance(a, jax.Array) and is_key(a)
+                     and a.ndim == 0), None)
         raise TypeError(f"{where}: rng is required, e.g. rng=jax.random.key(0)" + (
             f"; the function's argument {slip + 1} is a key: pass it as rng=key instead"
             if slip is not None else ""))
     try:
         dtype = jnp.result_type(rng)
         if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-            key = rng
+            key = rng if isinstance(rng, jax.Array) else None  # typed keys are JAX arrays
         elif dtype == jnp.uint32:
-            key = jax.random.wrap_key_data(rng)
+            key = jax.random.wrap_key_data(jnp.asarray(rng))
         else:
             raise TypeError
     except (TypeError, ValueError):
@@ -119,21 +133,22 @@ def as_key(rng: Any, where: str, args: tuple = ()) -> Any:
     return key
 
 
-def has_shape(value: Any) -> bool:
+def has_shape(value: object) -> bool:
     """Whether ``value`` is array-like: a tuple ``shape`` and a ``dtype`` (an ``nnx.Rngs``
     answers any attribute, ``shape`` with a stream)."""
     return isinstance(getattr(value, "shape", None), tuple) and hasattr(value, "dtype")
 
 
-def _describe(value: Any) -> str:
+def _describe(value: object) -> str:
     """A short description of a value for error messages."""
     if has_shape(value):
-        return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
+        shape, dtype = getattr(value, "shape", ()), getattr(value, "dtype", None)
+        return f"an array of shape {tuple(shape)} and dtype {dtype}"
     text = repr(value)
     return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"
 
 
-def check_arguments(examples: dict[str, Any], actual: dict[str, Any],
+def check_arguments(examples: Mapping[str, PyTree], actual: Mapping[str, PyTree],
                     own: bool = True) -> None:
     """Compares traced arguments with ``init``'s examples: ranks, feature sizes, dtypes,
     and the leading (batch) sizes of the arguments that shared one in the examples.
@@ -180,7 +195,7 @@ def check_arguments(examples: dict[str, Any], actual: dict[str, Any],
         check_leading_sizes(group, f"init's example gave them all {size}")
 
 
-def _structure(value: Any, tree: Any) -> str:
+def _structure(value: object, tree: object) -> str:
     """A tree's structure in a line: its container and leaves, or what the value is."""
     if isinstance(value, Mapping | list | tuple):
         text = str(tree).removeprefix("PyTreeDef(")[:-1]
@@ -188,7 +203,7 @@ def _structure(value: Any, tree: Any) -> str:
     return "an nnx.Rngs" if isinstance(value, nnx.Rngs) else _describe(value)
 
 
-def _mismatch_hint(got_shape: tuple, got_dtype: Any, want_shape: tuple, want_dtype: Any
+def _mismatch_hint(got_shape: Shape, got_dtype: str, want_shape: Shape, want_dtype: str
                    ) -> str:
     """The likely slip behind a mismatch: a raw key for a typed one, one example for a
     batch."""
@@ -232,7 +247,7 @@ def _expected_shape(shape: tuple[int, ...], features: bool = True) -> str:
     return f"(batch{middle}{last})"
 
 
-def argument_names(fn: Callable[..., Any]) -> list[str]:
+def argument_names(fn: Callable[..., object]) -> list[str]:
     """The names of a model function's positional arguments after the model.
 
     Examples:
@@ -248,7 +263,7 @@ def argument_names(fn: Callable[..., Any]) -> list[str]:
     return positional[1:]
 
 
-def check_traceable(bound: dict[str, Any], where: str) -> None:
+def check_traceable(bound: Mapping[str, PyTree], where: str) -> None:
     """Raises a TypeError naming the first leaf of ``bound`` (``bind_arguments``' dict)
     that jit cannot trace (a string, an object), and the fix.
 
@@ -274,7 +289,8 @@ def check_traceable(bound: dict[str, Any], where: str) -> None:
                     f"{name}=...)) for one program per value") from None
 
 
-def check_binds(fn: Callable[..., Any], args: tuple, kwargs: dict, where: str) -> None:
+def check_binds(fn: Callable[..., object], args: tuple[PyTree, ...],
+                kwargs: Mapping[str, PyTree], where: str) -> None:
     """Raises a TypeError naming ``fn``'s signature, what it was given and the fix, unless
     ``fn(model, *args, **kwargs)`` binds (a dict batch's keys that are not its arguments).
 
@@ -298,8 +314,8 @@ def check_binds(fn: Callable[..., Any], args: tuple, kwargs: dict, where: str) -
         names = ", ".join({p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name
                           for p in signature.parameters.values())
         given = " and ".join(part for part in (
-            args and f"{len(args)} positional arguments",
-            kwargs and f"keyword arguments {sorted(kwargs)}") if part) or "no arguments"
+            f"{len(args)} positional arguments" if args else "",
+            f"keyword arguments {sorted(kwargs)}" if kwargs else "") if part) or "no arguments"
         raise TypeError(
             f"{where}: {name}({names}) cannot take {given} ({error}). A dict batch is "
             f"passed by name and a tuple by position: name the data's fields after "
@@ -308,7 +324,7 @@ def check_binds(fn: Callable[..., Any], args: tuple, kwargs: dict, where: str) -
 
 
 def bind_arguments(names: list[str], args: tuple, kwargs: dict,
-                   leaf: Callable[[Any], Any]) -> dict[str, Any]:
+                   leaf: Callable[[object], object]) -> dict[str, PyTree]:
     """``{argument name: leaf mapped over its value}`` of a call (``args[i]`` past the
     named ones).
 
@@ -316,7 +332,7 @@ def bind_arguments(names: list[str], args: tuple, kwargs: dict,
         >>> bind_arguments(["x"], (1, 2), {"y": 3}, lambda v: v * 10)
         {'x': 10, 'args[1]': 20, 'y': 30}
     """
-    bound: dict[str, Any] = {}
+    bound: dict[str, PyTree] = {}
     for index, value in enumerate(args):
         name = names[index] if index < len(names) else f"args[{index}]"
         bound[name] = jax.tree.map(leaf, value)

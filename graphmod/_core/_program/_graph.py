@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+
+from jax.extend.core import ClosedJaxpr
 
 from graphmod import roles as _roles
 from graphmod._core._display._table import html_table, text_table
@@ -27,7 +28,7 @@ class ComputationGraph:
         ['/linear_layers/0.W', '/linear_layers/1.W']
     """
 
-    def __init__(self, records: tuple[Recorded, ...], jaxpr: Any, mode: str,
+    def __init__(self, records: tuple[Recorded, ...], jaxpr: ClosedJaxpr, mode: str,
                  layout: Layout) -> None:
         self.variables = records
         self.jaxpr = jaxpr
@@ -93,7 +94,7 @@ class ComputationGraph:
         return html_table(_HEADERS, _rows(self.variables), self._caption())
 
 
-def _rows(records: Iterable[Recorded]) -> list[tuple[Any, ...]]:
+def _rows(records: Iterable[Recorded]) -> list[tuple[object, ...]]:
     return [(r.tag.role, r.tag.brick_path, r.tag.application, r.tag.call_id, r.tag.label,
              r.shape, r.dtype, r.manager or "") for r in records]
 

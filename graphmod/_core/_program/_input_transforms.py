@@ -17,20 +17,20 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Literal
 
 import jax
 
-from graphmod.typing import InputTransforms
+from graphmod.typing import InputTransforms, PyTree
 
 __all__ = ["abstract_value", "apply_transforms", "check_transform_fields",
            "check_transformed"]
 
 Field = str | int
-Place = tuple[str, int | str]  # ("args", index) or ("kwargs", name)
+Place = tuple[Literal["args"], int] | tuple[Literal["kwargs"], str]  # ("args", index) or ...
 
 
-def check_transform_fields(transforms: Any, fn: Callable[..., Any]) -> None:
+def check_transform_fields(transforms: object, fn: Callable[..., object]) -> None:
     """Raises, at compile, unless ``transforms`` is an ``InputTransforms`` whose every field
     names an argument of ``fn`` after the model (its name, or its position)."""
     if not isinstance(transforms, InputTransforms):
@@ -59,15 +59,15 @@ def check_transform_fields(transforms: Any, fn: Callable[..., Any]) -> None:
                 f"{name}'s arguments, or name the field after one of them")
 
 
-def _places(transforms: InputTransforms, names: list[str], args: tuple, kwargs: dict
-            ) -> dict[Field, Place]:
+def _places(transforms: InputTransforms, names: list[str], args: tuple[PyTree, ...],
+            kwargs: dict[str, PyTree]) -> dict[Field, Place]:
     """Where each field of ``transforms`` is in a call (absent fields left out)."""
     places: dict[Field, Place] = {}
     for field in transforms.fields():
         if isinstance(field, int):
             name = names[field] if 0 <= field < len(names) else None
             place: Place | None = ("args", field) if field < len(args) else (
-                ("kwargs", name) if name in kwargs else None)
+                ("kwargs", name) if name is not None and name in kwargs else None)
         else:
             index = names.index(field) if field in names else None
             place = ("args", index) if index is not None and index < len(args) else (
@@ -77,12 +77,12 @@ def _places(transforms: InputTransforms, names: list[str], args: tuple, kwargs: 
     return places
 
 
-def _value(place: Place, args: tuple, kwargs: dict) -> Any:
-    return args[place[1]] if place[0] == "args" else kwargs[place[1]]  # type: ignore[index]
+def _value(place: Place, args: tuple[PyTree, ...], kwargs: dict[str, PyTree]) -> PyTree:
+    return args[place[1]] if place[0] == "args" else kwargs[place[1]]
 
 
-def check_transformed(transforms: InputTransforms | None, names: list[str], args: tuple,
-                      kwargs: dict, where: str) -> None:
+def check_transformed(transforms: InputTransforms | None, names: list[str],
+                      args: tuple[PyTree, ...], kwargs: dict[str, PyTree], where: str) -> None:
     """``transforms.check`` on the abstract values of the fields in this call."""
     if transforms is None:
         return
@@ -92,8 +92,9 @@ def check_transformed(transforms: InputTransforms | None, names: list[str], args
                           for field, place in places.items()}, where)
 
 
-def apply_transforms(transforms: InputTransforms | None, names: list[str], args: tuple,
-                     kwargs: dict) -> tuple[tuple, dict]:
+def apply_transforms(transforms: InputTransforms | None, names: list[str],
+                     args: tuple[PyTree, ...], kwargs: dict[str, PyTree]
+                     ) -> tuple[tuple[PyTree, ...], dict[str, PyTree]]:
     """``(args, kwargs)`` with each field's value replaced by its transformed value."""
     if transforms is None:
         return args, kwargs
@@ -104,15 +105,15 @@ def apply_transforms(transforms: InputTransforms | None, names: list[str], args:
                             for field, place in places.items()})
     new_args, new_kwargs = list(args), dict(kwargs)
     for field, value in out.items():
-        kind, key = places[field]
-        if kind == "args":
-            new_args[key] = value  # type: ignore[index]
+        place = places[field]
+        if place[0] == "args":
+            new_args[place[1]] = value
         else:
-            new_kwargs[key] = value  # type: ignore[index]
+            new_kwargs[place[1]] = value
     return tuple(new_args), new_kwargs
 
 
-def abstract_value(value: Any) -> jax.ShapeDtypeStruct:
+def abstract_value(value: object) -> jax.ShapeDtypeStruct:
     """The shape and dtype ``jit`` gives ``value`` (float64 is float32 without x64)."""
     aval = jax.typeof(value)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype)

@@ -24,9 +24,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 import jax
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from graphmod import roles as _roles
@@ -35,6 +36,7 @@ from graphmod._core._managers._order import resolve_order
 from graphmod._core._selection._filter import Tag
 from graphmod._core._tracing import _context
 from graphmod._core._tracing._call import OwnedVariable
+from graphmod.typing import ArrayLike, PyTree
 
 if TYPE_CHECKING:
     from graphmod._core._managers._manager import Manager
@@ -45,6 +47,8 @@ __all__ = ["ProgramCall", "program_function"]
 APPLICATION = "program"  # the application name of a program layer's own variables
 _SAVED = "graphmod_switch_saved"  # what a switch's backward pass reads instead of recomputing
 _SAVED_ONLY = jax.checkpoint_policies.save_only_these_names(_SAVED)
+T = TypeVar("T")  # a value handed back as it came, or the result of a function given
+A = TypeVar("A", bound=ArrayLike)  # a metric reported, handed back
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -75,8 +79,8 @@ class ProgramCall:
     """
 
     manager: Manager
-    model: Any
-    function: Callable[..., Any]
+    model: nnx.Module
+    function: Callable[..., object]
     _frame: Frame = dataclasses.field(repr=False)
 
     @property
@@ -97,7 +101,8 @@ class ProgramCall:
         resumed run, whatever else the program holds; training only."""
         return self._frame.rng((self.manager.name, "/", APPLICATION, "", name), 0)
 
-    def variable(self, name: str, init: Any, *, role: _roles.Role = _roles.STATE
+    def variable(self, name: str, init: ArrayLike | Callable[[], jax.Array], *,
+                 role: _roles.Role = _roles.STATE
                  ) -> OwnedVariable:
         """A variable the manager owns for the program (a step counter), created at
         ``init`` from ``init`` (an array, or a callable of nothing), at
@@ -108,19 +113,19 @@ class ProgramCall:
         self._frame.owned_value(key, init, role)
         return OwnedVariable(self._frame, key)
 
-    def report(self, name: str, value: Any) -> Any:
+    def report(self, name: str, value: A) -> A:
         """Has :func:`graphmod.optimize` report ``value`` (a scalar) in the step's metrics
         as ``"<manager>.<name>"``, fused into the step; returns it."""
         self._frame.add_measurement(f"{self.manager.name}.{name}", value)
         return value
 
-    def note_input(self, name: str, before: Any, after: Any) -> None:
+    def note_input(self, name: str, before: PyTree, after: PyTree) -> None:
         """Notes in the rewrite trace that the layer made the function's argument ``name``
         ``after`` from ``before`` (role ``INPUT``, path ``/``, application: the function)."""
         tag = Tag(_roles.INPUT, name, f"/.{self.name}.{name}", "/", self.name, 0, self.model)
         self._frame.note_rewrite(self.manager.name, tag, before, after)
 
-    def infer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def infer(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         """``fn(*args, **kwargs)`` as inference sees the program, inside this trace: its
         application calls in inference mode, what it rewrites, writes, monitors or costs
         dropped (see ``Frame.inference_pass``), its result without gradient."""
@@ -128,13 +133,14 @@ class ProgramCall:
             out = fn(*args, **kwargs)
         return jax.tree.map(jax.lax.stop_gradient, out)
 
-    def saved(self, value: Any) -> Any:
+    def saved(self, value: T) -> T:
         """``value``, kept for the backward pass of a :meth:`switch` instead of recomputed
         (each way of a switch is rematerialized: what made a saved value, Selective
         Backprop's ranking pass, is not run again)."""
         return jax.tree.map(lambda leaf: checkpoint_name(leaf, _SAVED), value)
 
-    def switch(self, on: Any, when_on: Callable[[], Any], when_off: Callable[[], Any]) -> Any:
+    def switch(self, on: jax.Array | bool, when_on: Callable[[], T], when_off: Callable[[], T]
+               ) -> T:
         """``when_on()`` where ``on`` holds, else ``when_off()``: a Python bool chooses as
         it traces; a traced one in a ``lax.cond`` that carries the program's state, costs
         and measurements through both (see the module's sharp edges), each way
@@ -174,8 +180,8 @@ class ProgramCall:
         return out
 
 
-def program_function(fn: Callable[..., Any], managers: Sequence[Manager]
-                     ) -> Callable[..., Any]:
+def program_function(fn: Callable[..., object], managers: Sequence[Manager]
+                     ) -> Callable[..., object]:
     """``fn`` itself with no manager overriding ``wrap_program``, else ``fn`` inside the
     layers of those that do (in chain order, the first outermost: ``managers`` with their
     constraints resolved, then by priority).
@@ -193,12 +199,12 @@ def program_function(fn: Callable[..., Any], managers: Sequence[Manager]
     return functools.partial(_run, fn, layered)
 
 
-def _run(fn: Callable[..., Any], layered: tuple[Manager, ...], model: Any, *args: Any,
-         **kwargs: Any) -> Any:
+def _run(fn: Callable[..., object], layered: tuple[Manager, ...], model: nnx.Module,
+         *args: PyTree, **kwargs: PyTree) -> object:
     frame = _context.current_frame()
     if frame is None:  # outside a program's trace (never: programs call it inside one)
         return fn(model, *args, **kwargs)
-    layer: Callable[..., Any] = functools.partial(fn, model)
+    layer: Callable[..., object] = functools.partial(fn, model)
     for manager in reversed(layered):
         frame.note_match(manager)  # a program layer matches the program
         call = ProgramCall(manager, model, fn, frame)
@@ -207,6 +213,7 @@ def _run(fn: Callable[..., Any], layered: tuple[Manager, ...], model: Any, *args
     return layer(*args, **kwargs)
 
 
-def _spread(wrap: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _spread(wrap: Callable[[tuple[PyTree, ...], dict[str, PyTree]], object], *args: PyTree,
+            **kwargs: PyTree) -> object:
     """``wrap(args, kwargs)``: a layer called as the function is, with spread arguments."""
     return wrap(args, kwargs)

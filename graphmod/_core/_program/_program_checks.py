@@ -1,13 +1,15 @@
-"""What a program refuses, with the named error and the fix: its managers and monitors at
-``compile``, a strict manager that matched nothing in a trace, and variables that do not
-fit it (checked when a signature is traced, see ``graphmod._core._program._program_core``);
-and what it warns of: Flax layers a module flag keeps in eval mode in training."""
+"""What a program refuses, with the named error and the fix: ``compile``'s arguments, its
+managers and monitors (checked in this order by ``graphmod.compile``, see
+``graphmod._train._program``), a strict manager that matched nothing in a trace, and
+variables that do not fit it (checked when a signature is traced, see
+``graphmod._core._program._program_core``); and what it warns of: modules read from outside
+the model, managers of ``with`` blocks a list leaves out, Flax layers a module flag keeps in
+eval mode in training."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from flax import nnx
 
@@ -23,24 +25,72 @@ from graphmod._core._program._arguments import (
 )
 from graphmod._core._selection._filter import VariableFilter
 from graphmod._core._selection._unmatched import unmatched_hints
+from graphmod._core._tracing import _context
 from graphmod._core._tracing._frame import Frame
 from graphmod._core._warn import warn
 from graphmod.errors import ManagerConflict, ManagerMatchedNothing, VariablesMismatch
+from graphmod.typing import AxisName, ShardingRule
 
-__all__ = ["check_managers", "check_strict", "check_variables", "monitors", "warn_held_off",
-           "warn_outside_modules"]
+__all__ = ["check_compile_arguments", "check_managers", "check_strict", "check_variables",
+           "chosen_managers", "monitors", "warn_held_off", "warn_outside_modules"]
 
 
-def check_managers(managers: tuple[Any, ...], layout: Layout) -> ManagerOrder:
+def check_compile_arguments(fn: object, mesh: object, rules: Sequence[ShardingRule],
+                            batch_axis: AxisName | None) -> None:
+    """Raises unless ``fn`` is callable and a mesh is given where ``rules`` or
+    ``batch_axis`` would place arrays on one (``compile``'s first checks).
+
+    Examples:
+        >>> check_compile_arguments(lambda m, x: x, None, (), None)
+        >>> try:
+        ...     check_compile_arguments(lambda m, x: x, None, (), "data")
+        ... except ValueError as error:
+        ...     print(str(error)[:55])
+        compile(rules=..., batch_axis=...) place arrays on a de
+    """
+    if not callable(fn):
+        raise TypeError(f"compile(fn, model): fn must be callable, got {fn!r}")
+    if mesh is None and (rules or batch_axis is not None):
+        raise ValueError("compile(rules=..., batch_axis=...) place arrays on a device mesh: "
+                         "pass mesh= too (e.g. jax.make_mesh((8,), ('data',)))")
+
+
+def chosen_managers(managers: Iterable[Manager] | None) -> tuple[Manager, ...]:
+    """The managers ``compile(managers=...)`` uses: those listed, or (None) those active in
+    ``with`` blocks; warns of active ones a list leaves out, refuses a single manager.
+
+    Examples:
+        >>> import graphmod as gm
+        >>> manager = gm.Manager()
+        >>> with manager:
+        ...     chosen_managers(None) == (manager,)
+        True
+    """
+    if isinstance(managers, Manager):
+        raise TypeError(f"compile(managers=...): expected a list of managers, got one "
+                        f"({managers!r}): pass managers=[{type(managers).__name__}(...)]")
+    active = _context.active_managers()
+    chosen = active if managers is None else tuple(managers)
+    if ignored := [m.name for m in active if all(m is not c for c in chosen)]:
+        warn(
+            f"compile(managers=[...]) uses exactly the managers listed: {ignored}, active in "
+            "a with block, are not among them and are ignored. List every manager "
+            "(managers=[...]), or enter them all in with blocks")
+    return chosen
+
+
+def check_managers(managers: Sequence[object], layout: Layout) -> ManagerOrder:
     """``managers``, checked (managers with distinct names, bricks of this model), frozen
     and in their listed order with their declared ordering constraints satisfied (see
     ``graphmod._core._managers._order``; each chain sorts it by priority too); raises
     :class:`~graphmod.errors.ManagerConflict` for two with one name or constraints that
     form a cycle."""
     names: dict[str, Manager] = {}
+    checked: list[Manager] = []
     for index, manager in enumerate(managers):
         if not isinstance(manager, Manager):
             raise TypeError(f"managers[{index}]: {manager!r} is not a graphmod.Manager")
+        checked.append(manager)
         if manager.name in names:
             raise ManagerConflict(
                 f"two managers are named {manager.name!r} ({names[manager.name]!r} and "
@@ -49,24 +99,31 @@ def check_managers(managers: tuple[Any, ...], layout: Layout) -> ManagerOrder:
         names[manager.name] = manager
         layout.resolve(manager.filter.brick_instances(), f"manager {manager.name!r}")
     # As listed, constraints resolved (the chain adds priority); before anything is frozen.
-    order = resolve_order(managers, priority=False)
-    for manager in managers:
+    order = resolve_order(checked, priority=False)
+    for manager in checked:
         manager.freeze()
     return order
 
 
-def monitors(monitor: Any) -> dict[str, VariableFilter]:
-    """``compile(monitor=...)`` as a dict of filters by label (``""`` for a single one)."""
+def monitors(monitor: object, layout: Layout) -> dict[str, VariableFilter]:
+    """``compile(monitor=...)`` as a dict of filters by label (``""`` for a single one), the
+    bricks each names checked to be ``layout``'s."""
     if monitor is None:
         return {}
     if isinstance(monitor, VariableFilter):
-        return {"": monitor}
-    if isinstance(monitor, Mapping):
+        labelled = {"": monitor}
+    elif isinstance(monitor, Mapping):
+        labelled: dict[str, VariableFilter] = {}
         for label, f in monitor.items():
             if not isinstance(f, VariableFilter):
                 raise TypeError(f"monitor[{label!r}]: expected a VariableFilter, got {f!r}")
-        return dict(monitor)
-    raise TypeError(f"monitor=: expected a VariableFilter or a dict of them, got {monitor!r}")
+            labelled[label] = f
+    else:
+        raise TypeError(
+            f"monitor=: expected a VariableFilter or a dict of them, got {monitor!r}")
+    for label, monitor_filter in labelled.items():
+        layout.resolve(monitor_filter.brick_instances(), f"monitor[{label!r}]")
+    return labelled
 
 
 def check_strict(frame: Frame) -> None:
@@ -99,7 +156,7 @@ def warn_held_off(frame: Frame) -> None:
         "warning, pass the flag in the call (e.g. self.norm(x, use_running_average=True))")
 
 
-def warn_outside_modules(fn: Callable[..., Any], layout: Layout) -> None:
+def warn_outside_modules(fn: Callable[..., object], layout: Layout) -> None:
     """Warns of the modules ``fn`` reads by name from outside the model (its globals and
     closure): a program holds their variables as constants, so they neither train nor
     save, and managers do not see their calls.
@@ -131,7 +188,7 @@ def warn_outside_modules(fn: Callable[..., Any], layout: Layout) -> None:
             "change: ignore this warning")
 
 
-def check_variables(variables: Any, layout: Layout, reference: Mapping | None) -> None:
+def check_variables(variables: object, layout: Layout, reference: Mapping | None) -> None:
     """Raises :class:`~graphmod.errors.VariablesMismatch` unless ``variables`` fit: the
     program's two entries, the model's paths, shapes and dtypes as in ``layout``, the
     managers' as in ``reference`` (init's variables; None: unchecked)."""
@@ -170,12 +227,12 @@ def _check_paths(actual: set, layout: Layout) -> None:
     raise VariablesMismatch(
         "variables['model'] does not match the model this program was compiled over: "
         + "; ".join(part for part in (
-            missing and f"missing {', '.join(missing)}",
-            extra and f"unexpected {', '.join(extra)}") if part) + hint
+            f"missing {', '.join(missing)}" if missing else "",
+            f"unexpected {', '.join(extra)}" if extra else "") if part) + hint
     )
 
 
-def _describe_keys(value: Any) -> str:
+def _describe_keys(value: object) -> str:
     if isinstance(value, Mapping):
         return f"a dict with keys {sorted(map(str, value))}"
     return type(value).__name__

@@ -1,4 +1,7 @@
-"""``compile``: one model function, traced with managers into jitted train and infer functions.
+"""The core's program: one model function, traced with managers into jitted train and infer
+functions. ``graphmod.compile`` builds its parts and the public ``graphmod.Program`` adds
+provenance and storage: why the program is two classes is told in the docstring of
+``graphmod._train._program``, their one home.
 
 How it works
     ``compile`` splits the model once: every variable gets an identity and a path (see
@@ -32,6 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from flax import nnx
+from jax.extend.core import ClosedJaxpr
 
 from graphmod import roles as _roles
 from graphmod._core._bricks._construction import key_record
@@ -61,7 +66,7 @@ from graphmod._core._sharding import Placement, batch_on_mesh, init_mesh, on_mes
 from graphmod._core._tracing import _context
 from graphmod._core._tracing._frame import Frame, OwnedKey
 from graphmod._core._tracing._rewrites import Rewrites, RewriteTrace
-from graphmod.typing import InputTransforms
+from graphmod.typing import AxisName, InputTransforms, KeyLike, PyTree, Variables
 
 __all__ = ["ProgramCore", "ProgramRecord"]
 
@@ -84,8 +89,9 @@ class ProgramCore(VariablesByRole):
         (True, (4, 3))
     """
 
-    def __init__(self, fn: Callable[..., Any], shared: Shared, managers: tuple[Manager, ...],
-                 monitor: dict[str, VariableFilter], axis_name: Any, strict: bool) -> None:
+    def __init__(self, fn: Callable[..., object], shared: Shared,
+                 managers: tuple[Manager, ...], monitor: dict[str, VariableFilter],
+                 axis_name: AxisName | None, strict: bool) -> None:
         self.fn = fn
         self._shared = shared
         self._managers = managers
@@ -106,16 +112,16 @@ class ProgramCore(VariablesByRole):
                               static_argnames="mutable")
         # Provenance: recorded when cheap, assembled only when asked for.
         self._created = utc_now()
-        self._example: tuple[tuple, dict] | None = None
-        self._abstract_variables: dict | None = None
+        self._example: tuple[tuple[PyTree, ...], dict[str, PyTree]] | None = None
+        self._abstract_variables: Variables | None = None
         self._init_rng: dict | None = None
         self._inits = 0  # how many times init ran: records made before are stale
         self._origin: ProgramCore | None = None  # the program this one was derived from
-        self._derived: dict[Callable[..., Any], ProgramCore] = {}  # by derive, by function
+        self._derived: dict[Callable[..., object], ProgramCore] = {}  # by derive, by function
 
     # -- public properties ------------------------------------------------------------------
     @property
-    def model(self) -> Any:
+    def model(self) -> nnx.Pytree:
         """The root brick this program was compiled over."""
         return self._shared.layout.model
 
@@ -188,7 +194,7 @@ class ProgramCore(VariablesByRole):
         """
         return self._origin
 
-    def _training_jaxpr(self) -> Any:
+    def _training_jaxpr(self) -> ClosedJaxpr | None:
         """The training-mode jaxpr for init's example shapes (None before init)."""
         if self._example is None or self._abstract_variables is None:
             return None
@@ -200,7 +206,8 @@ class ProgramCore(VariablesByRole):
         return trace(self._abstract_variables, jax.random.key(0), args, kwargs)
 
     # -- the three functions --------------------------------------------------------------
-    def init(self, *example_args: Any, rng: Any = None, **example_kwargs: Any) -> dict:
+    def init(self, *example_args: PyTree, rng: KeyLike | None = None,
+             **example_kwargs: PyTree) -> Variables:
         """Variables for this program: copies of the model's arrays and managers' variables.
 
         Runs an abstract training-mode trace on the example arguments, whose feature shapes
@@ -219,20 +226,24 @@ class ProgramCore(VariablesByRole):
         self._remember_example(example_args, example_kwargs, variables, key)
         return variables
 
-    def _fresh_variables(self, args: tuple, kwargs: dict, key: Any, *, probe: bool
-                         ) -> tuple[dict, dict[OwnedKey, _roles.Role]]:
+    def _fresh_variables(self, args: tuple[PyTree, ...], kwargs: dict[str, PyTree],
+                         key: jax.Array, *, probe: bool
+                         ) -> tuple[Variables, dict[OwnedKey, _roles.Role]]:
         """Init's variables for these arguments and the owned variables' roles; changes
         nothing of the program. ``probe``: only their shapes, traced for ``graph``."""
         check_traceable(self._bind(args, kwargs, lambda x: x),
                         "program.graph" if probe else "program.init")
-        def trace(values: dict, hparams: dict, key: Any, args: tuple, kwargs: dict) -> Frame:
+        def trace(values: dict[str, jax.Array], hparams: dict[tuple[str, str], jax.Array],
+                  key: jax.Array, args: tuple[PyTree, ...], kwargs: dict[str, PyTree]
+                  ) -> Frame:
             return self._trace("init", values, {}, hparams, key, args, kwargs, record=probe)
 
         with init_mesh(self._shared.placement):  # model code may name the mesh's axes
             return fresh_variables(self._shared.layout, self._managers, trace, args, kwargs,
                                    key, probe=probe)
 
-    def _remember_example(self, args: tuple, kwargs: dict, variables: dict, key: Any) -> None:
+    def _remember_example(self, args: tuple[PyTree, ...], kwargs: dict[str, PyTree],
+                          variables: Variables, key: jax.Array) -> None:
         """Keeps the shapes of init's examples and variables, and its seed, for provenance."""
         self._example = (jax.tree.map(abstract, args), jax.tree.map(abstract, kwargs))
         self._abstract_variables = jax.tree.map(abstract, variables)
@@ -241,7 +252,8 @@ class ProgramCore(VariablesByRole):
             self._init_rng = seed
         self._inits += 1
 
-    def train(self, variables: dict, *args: Any, rng: Any = None, **kwargs: Any) -> Any:
+    def train(self, variables: Variables, *args: PyTree, rng: KeyLike | None = None,
+              **kwargs: PyTree) -> Any:
         """Runs ``fn`` in training mode: ``(out, variables)`` (``+ monitored`` with monitor=)."""
         if not hasattr(rng, "dtype"):  # e.g. rng=0: refused before jit sees it
             as_key(rng, _TRAIN, args)
@@ -281,8 +293,8 @@ class ProgramCore(VariablesByRole):
         """
         return self._infer
 
-    def _train_traced(self, variables: dict, rng: Any, args: tuple, kwargs: dict,
-                      with_costs: bool = False) -> Any:
+    def _train_traced(self, variables: Variables, rng: KeyLike, args: tuple[PyTree, ...],
+                      kwargs: dict[str, PyTree], with_costs: bool = False) -> Any:
         """``train``'s traced function; ``with_costs``: always ``(out, variables,
         monitored, costs, measured)``, costs by owner then key (what ``optimize``
         differentiates), measurements by key (``call.report``)."""
@@ -301,8 +313,8 @@ class ProgramCore(VariablesByRole):
             return frame.out, new, frame.monitored, frame.costs, frame.measured
         return (frame.out, new, frame.monitored) if self._monitor else (frame.out, new)
 
-    def _infer_traced(self, variables: dict, args: tuple, kwargs: dict,
-                      mutable: bool = False) -> Any:
+    def _infer_traced(self, variables: Variables, args: tuple[PyTree, ...],
+                      kwargs: dict[str, PyTree], mutable: bool = False) -> Any:
         values, owned, hparams = self._unpack(variables)
         frame = self._trace("infer", values, owned, hparams, None, args, kwargs)
         out = (frame.out,)
@@ -313,9 +325,10 @@ class ProgramCore(VariablesByRole):
             out += (frame.monitored,)
         return out if len(out) > 1 else frame.out
 
-    def _trace(self, mode: str, values: dict, owned: dict, hparams: dict, key: Any,
-               args: tuple, kwargs: dict, record: bool = False, costs: bool = False
-               ) -> Frame:
+    def _trace(self, mode: str, values: dict[str, jax.Array], owned: dict[OwnedKey, jax.Array],
+               hparams: dict[tuple[str, str], jax.Array], key: jax.Array | None,
+               args: tuple[PyTree, ...], kwargs: dict[str, PyTree], record: bool = False,
+               costs: bool = False) -> Frame:
         # graph()'s traces (record=True) neither check against nor change the program.
         if mode != "init" and not record:  # nnx.Rngs arguments left out, made from the key
             args, kwargs = with_random_streams(self.fn, self._shared.examples, args, kwargs,
@@ -326,9 +339,10 @@ class ProgramCore(VariablesByRole):
         # The training data's metadata first: its error names the field and the data.
         check_transformed(transforms, self._argument_names, args, kwargs, where)
         if mode != "init" and not record:
-            own = self._example is not None  # else a derived fn's: its names may mean else
-            check_arguments(self._bind(*self._example, lambda x: x) if own else
-                            self._shared.examples, self._bind(args, kwargs, lambda x: x), own)
+            example = self._example  # else a derived fn's: its names may mean else
+            check_arguments(self._bind(*example, lambda x: x) if example is not None else
+                            self._shared.examples, self._bind(args, kwargs, lambda x: x),
+                            own=example is not None)
         args, kwargs = batch_on_mesh((args, kwargs), placement, split=mode != "init" and not record)
         args, kwargs = apply_transforms(transforms, self._argument_names, args, kwargs)
 
@@ -349,7 +363,9 @@ class ProgramCore(VariablesByRole):
         return frame
 
     # -- variables --------------------------------------------------------------------------
-    def _unpack(self, variables: Any) -> tuple[dict, dict, dict]:
+    def _unpack(self, variables: Variables) -> tuple[dict[str, jax.Array],
+                                                     dict[OwnedKey, jax.Array],
+                                                     dict[tuple[str, str], jax.Array]]:
         """Model values by identity, owned variables by key, hyperparameters by name, of
         variables checked to fit (against init's, this program's or else its origin's)."""
         origin = self._origin
@@ -357,13 +373,15 @@ class ProgramCore(VariablesByRole):
         check_variables(variables, self._shared.layout, reference)
         return self._split(variables)
 
-    def _split(self, variables: dict) -> tuple[dict, dict, dict]:
+    def _split(self, variables: Variables) -> tuple[dict[str, jax.Array],
+                                                    dict[OwnedKey, jax.Array],
+                                                    dict[tuple[str, str], jax.Array]]:
         # Entries of managers this program does not use are read but never asked for.
         owned, hparams = owned_layout.decode(variables["managers"])
         return self._shared.layout.model_values(variables["model"]), owned, hparams
 
     # -- more programs and views ----------------------------------------------------------------
-    def derive(self, fn: Callable[..., Any]) -> ProgramCore:
+    def derive(self, fn: Callable[..., object]) -> ProgramCore:
         """A program for another function over the same model, managers and variables.
 
         The same ``fn`` gives the same derived program, so its compiled functions are reused
@@ -391,7 +409,7 @@ class ProgramCore(VariablesByRole):
             origin._derived[fn] = derived
         return derived
 
-    def graph(self, *args: Any, mode: str = "train", **kwargs: Any) -> ComputationGraph:
+    def graph(self, *args: PyTree, mode: str = "train", **kwargs: PyTree) -> ComputationGraph:
         """The :class:`ComputationGraph` of ``fn`` on these arguments in ``mode``.
 
         Traced abstractly on fresh variables of the arguments' shapes: it changes nothing of
@@ -404,7 +422,7 @@ class ProgramCore(VariablesByRole):
         variables, _ = self._fresh_variables(args, kwargs, jax.random.key(0), probe=True)
         found: dict[str, Frame] = {}
 
-        def trace(variables: dict, key: Any) -> Any:
+        def trace(variables: Variables, key: jax.Array) -> object:
             values, owned, hparams = self._split(variables)  # fresh: nothing to check
             frame = self._trace(mode, values, owned, hparams,
                                 key if mode == "train" else None, args, kwargs, record=True)
@@ -414,12 +432,13 @@ class ProgramCore(VariablesByRole):
         jaxpr = jax.make_jaxpr(on_mesh(trace, self._shared.placement))(variables, jax.random.key(0))
         return ComputationGraph(tuple(found["frame"].records or ()), jaxpr, mode, self.layout)
 
-    def _bind(self, args: tuple, kwargs: dict, leaf: Callable[[Any], Any]) -> dict[str, Any]:
+    def _bind(self, args: tuple[PyTree, ...], kwargs: dict[str, PyTree],
+              leaf: Callable[[object], object]) -> dict[str, PyTree]:
         return bind_arguments(self._argument_names, args, kwargs, leaf)
 
 
-def _infer_with(traced: Callable[..., Any], variables: dict, *args: Any, mutable: bool = False,
-                **kwargs: Any) -> Any:
+def _infer_with(traced: Callable[..., object], variables: Variables, *args: PyTree,
+                mutable: bool = False, **kwargs: PyTree) -> Any:
     """``traced(variables, args, kwargs, mutable=mutable)``: the arguments spread."""
     if mutable is not True and mutable is not False:
         raise TypeError(f"program.infer(..., mutable={mutable!r}): expected True or False")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import jax
+from jax.extend.core import ClosedJaxpr
 
 from graphmod import roles as _roles
 from graphmod._core._managers._manager import Manager
@@ -15,7 +15,7 @@ from graphmod._core._model._layout import Layout
 from graphmod._core._model._owned import OwnedKey
 from graphmod._core._selection._filter import VariableFilter
 from graphmod._core._sharding import Placement
-from graphmod.typing import InputTransforms
+from graphmod.typing import AxisName, InputTransforms, PyTree, Variables
 
 __all__ = ["ProgramRecord", "Shared", "abstract"]
 
@@ -39,18 +39,19 @@ class ProgramRecord:
         (1, (2, 3))
     """
 
-    fn: Callable[..., Any]
+    fn: Callable[..., object]
     layout: Layout
     managers: tuple[Manager, ...]
     monitor: Mapping[str, VariableFilter]
-    axis_name: Any
+    axis_name: AxisName | None
     created: str
-    examples: dict[str, Any] | None
+    examples: dict[str, PyTree] | None
     positional: list[str] | None
-    variables: dict | None
-    init_key: Any
+    variables: Variables | None
+    init_key: dict | None  # the key's record (``key_record``): its implementation and data
     inits: int
-    training_jaxpr: Callable[[], Any] = dataclasses.field(repr=False, compare=False)
+    training_jaxpr: Callable[[], ClosedJaxpr | None] = dataclasses.field(repr=False,
+                                                                         compare=False)
     placement: Placement | None = None  # compile(mesh=, rules=, batch_axis=)
     transforms: InputTransforms | None = None  # compile(transforms=)
 
@@ -64,12 +65,12 @@ class Shared:
         self.placement = placement  # where arrays live on a mesh (None: one device)
         self.transforms = transforms  # applied to the arguments before the function runs
         self.owned_roles: dict[OwnedKey, _roles.Role] | None = None
-        self.examples: dict[str, Any] = {}
+        self.examples: dict[str, PyTree] = {}
         # Whether an inner trace of this layout's programs reads the frame (see _context).
         self.isolated = False
 
 
-def abstract(value: Any) -> jax.ShapeDtypeStruct:
+def abstract(value: object) -> jax.ShapeDtypeStruct:
     """The shape and dtype of ``value`` (weak type kept), as a program records them."""
     aval = jax.typeof(value)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)

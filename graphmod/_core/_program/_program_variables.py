@@ -6,7 +6,7 @@ Read from the layout and the roles ``init`` gave the managers' variables: no tra
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,10 @@ from graphmod._core._model import _owned_layout as owned_layout
 from graphmod._core._model._role_tree import is_one_of, merge, role_tree, select
 from graphmod._core._program._program_record import Shared
 from graphmod._core._warn import warn
+from graphmod.typing import Variables
+
+if TYPE_CHECKING:
+    from graphmod._core._managers._manager import Manager
 
 __all__ = ["VariablesByRole"]
 
@@ -34,10 +38,10 @@ class VariablesByRole:
     """
 
     _shared: Shared
-    _managers: tuple[Any, ...]
-    _unpack: Callable[[Any], tuple[dict, dict, dict]]  # ProgramCore's: checked, then split
+    _managers: tuple[Manager, ...]
+    _unpack: Callable[[Variables], tuple[dict, dict, dict]]  # ProgramCore's: checked, split
 
-    def update_model(self, variables: dict) -> None:
+    def update_model(self, variables: Variables) -> None:
         """Writes ``variables["model"]`` (copies) into the model's NNX variables.
 
         Checks every path, shape and dtype, and that the model's modules and variables are
@@ -59,7 +63,7 @@ class VariablesByRole:
         for identity, value in values.items():
             layout.store(identity, jnp.array(value, copy=True))
 
-    def roles(self, variables: dict) -> dict:
+    def roles(self, variables: Variables) -> dict:
         """The tree of roles of ``variables`` (same nesting, a Role per leaf).
 
         Read from the layout, and for manager-owned variables from the ``init`` of any
@@ -74,7 +78,7 @@ class VariablesByRole:
         # Remembered for displays of a tree like it (a TrainState's carries no roles).
         return remember_roles(variables, role_tree(variables, self._shared.layout, owned or {}))
 
-    def split(self, variables: dict, *roles: _roles.Role) -> tuple[dict, dict]:
+    def split(self, variables: Variables, *roles: _roles.Role) -> tuple[dict, dict]:
         """``(selected, rest)``: leaves whose role is one of ``roles`` (or a sub-role), and
         the others, each in the original nesting (a module with no leaf on one side keeps
         an empty dict there, so :meth:`merge` restores the whole nesting). With no role

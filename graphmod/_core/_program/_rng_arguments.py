@@ -21,19 +21,23 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TypeVar
 
 import jax
 from flax import nnx
 
 from graphmod._core._tracing._frame import crc32
+from graphmod.typing import AxisName, PyTree
 
 __all__ = ["with_random_streams"]
 
+T = TypeVar("T")
 
-def with_random_streams(fn: Callable[..., Any], examples: Mapping[str, Any], args: tuple,
-                        kwargs: dict, key: Any, where: str, axis_name: Any = None
-                        ) -> tuple[tuple, dict]:
+
+def with_random_streams(fn: Callable[..., object], examples: Mapping[str, PyTree],
+                        args: tuple[PyTree, ...], kwargs: dict[str, PyTree],
+                        key: jax.Array | None, where: str, axis_name: AxisName | None = None
+                        ) -> tuple[tuple[PyTree, ...], dict[str, PyTree]]:
     """``(args, kwargs)`` with each ``nnx.Rngs`` argument left out made from ``key`` and
     each given one rebuilt in the current trace; a ``TypeError`` naming ``where`` and the
     argument when one is left out and there is no key (``infer``). With ``axis_name``
@@ -59,18 +63,20 @@ def with_random_streams(fn: Callable[..., Any], examples: Mapping[str, Any], arg
     except (TypeError, ValueError):  # check_binds names what does not bind
         return args, kwargs
     missing = {name: names for name, names in streams.items() if name not in bound}
-    if missing and key is None:
+    if not missing:
+        return args, kwargs
+    if key is None:
         raise TypeError(f"{where}: argument {next(iter(missing))!r} (an nnx.Rngs in init's "
                         "example) is made from the key only in training; pass one here, "
                         "e.g. nnx.Rngs(0), or None if the function draws nothing then")
-    if missing and axis_name is not None:
+    if axis_name is not None:
         key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
     return args, {**kwargs, **{name: nnx.Rngs(**{
         stream: jax.random.fold_in(key, crc32(f"argument|{name}|{stream}"))
         for stream in names}) for name, names in missing.items()}}
 
 
-def _takes(fn: Callable[..., Any], name: str) -> bool:
+def _takes(fn: Callable[..., object], name: str) -> bool:
     """Whether ``fn`` has an argument ``name`` (or ``**kwargs``): a function derived from
     the compiled one may drop the compiled function's ``rngs``."""
     try:
@@ -86,7 +92,7 @@ def _stream_names(rngs: nnx.Rngs) -> tuple[str, ...]:
                         if isinstance(value, nnx.RngStream)))
 
 
-def _rebuilt(tree: Any) -> Any:
+def _rebuilt(tree: T) -> T:
     """``tree`` with its Flax objects made anew here: an ``nnx.Rngs`` made in an outer
     trace (the step's ``jax.jit``) cannot count its draws in an inner one (its
     ``jax.grad``); Flax refuses with ``TraceContextError``."""

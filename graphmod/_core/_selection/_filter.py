@@ -13,7 +13,7 @@ import inspect
 import re
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TypeAlias
 
 from flax import nnx
 
@@ -33,7 +33,7 @@ class Tag:
     brick_path: str
     application: str
     call_id: int
-    brick: Any = dataclasses.field(default=None, repr=False, compare=False)
+    brick: object = dataclasses.field(default=None, repr=False, compare=False)  # its module
     aliases: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
     @property
@@ -49,7 +49,7 @@ class Tag:
         return next((p[len(below):] for p in paths if p.startswith(below)), self.path)
 
 
-def _as_tuple(value: Any) -> tuple[Any, ...] | None:
+def _as_tuple(value: object) -> tuple[object, ...] | None:
     if value is None:
         return None
     if isinstance(value, str) or not isinstance(value, Iterable):
@@ -57,10 +57,10 @@ def _as_tuple(value: Any) -> tuple[Any, ...] | None:
     return tuple(value)
 
 
-def _members(bricks: tuple[Any, ...]) -> tuple[Any, ...]:
+def _members(bricks: Iterable[object]) -> tuple[object, ...]:
     """``bricks`` with each ``nnx.List`` or ``nnx.Dict`` among them replaced by its modules
     (``bricks=[model.layers, model.head]``): a container has no application of its own."""
-    out: list[Any] = []
+    out: list[object] = []
     for brick in bricks:
         if isinstance(brick, nnx.List | nnx.Dict):
             out += _members(tuple(brick.values() if isinstance(brick, nnx.Dict) else brick))
@@ -69,7 +69,7 @@ def _members(bricks: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def application_name(value: Any) -> str:
+def application_name(value: object) -> str:
     """The name of an application given by name or as the decorated method."""
     if isinstance(value, str):
         return value
@@ -81,7 +81,7 @@ def application_name(value: Any) -> str:
     return name
 
 
-def _flax_method(value: Any) -> tuple[Any, str] | None:
+def _flax_method(value: object) -> tuple[nnx.Module | type[nnx.Module], str] | None:
     """``(self or class, application name)`` for a method of a plain Flax module, bound
     (``model.linear.__call__``) or unbound (``nnx.Linear.__call__``), else None."""
     function = getattr(value, "__func__", value)
@@ -130,14 +130,14 @@ class BoundApplication:
         'apply'
     """
 
-    brick: Any
+    brick: object  # the module (a brick or a plain Flax module)
     name: str
 
     def __repr__(self) -> str:
         return f"<{self.name} of {type(self.brick).__name__} at 0x{id(self.brick):x}>"
 
 
-def bound_application(value: Any) -> BoundApplication | None:
+def bound_application(value: object) -> BoundApplication | None:
     """The instance's application a bound application method names, else None."""
     if isinstance(value, BoundApplication):
         return value
@@ -150,17 +150,24 @@ def bound_application(value: Any) -> BoundApplication | None:
     return None
 
 
-def class_application(value: Any) -> ClassApplication | None:
+def class_application(value: object) -> ClassApplication | None:
     """Every instance's application an unbound Flax method names, else None."""
     if isinstance(value, ClassApplication):
         return value
     flax_method = _flax_method(value)
     if flax_method is None or not isinstance(flax_method[0], type):
         return None
-    return ClassApplication(*flax_method)
+    return ClassApplication(flax_method[0], flax_method[1])
 
 
-def _application(value: Any) -> str | BoundApplication | ClassApplication:
+Application: TypeAlias = "str | BoundApplication | ClassApplication"  # as a filter holds it
+# What bricks= and applications= take: a brick (a module) or a class of them; an application
+# by name, as a method, or as a filter holds it.
+BrickSelector: TypeAlias = "nnx.Module | type"
+ApplicationSelector: TypeAlias = "str | Callable[..., object] | BoundApplication | ClassApplication"
+
+
+def _application(value: object) -> Application:
     """A name (every instance's application), one instance's (a bound method) or every
     instance's of one Flax class (an unbound Flax method)."""
     bound = bound_application(value)
@@ -178,7 +185,7 @@ def _application(value: Any) -> str | BoundApplication | ClassApplication:
     return application_name(value)
 
 
-def _check_brick(brick: Any) -> None:
+def _check_brick(brick: object) -> None:
     """Refuses what ``bricks=`` cannot take, naming what was probably meant."""
     if isinstance(brick, type) and issubclass(brick, nnx.Variable):
         raise TypeError(
@@ -216,7 +223,7 @@ def brick_globs(path: str) -> str:
     return f"path='{path}.*' (its own) or path='{path}*' (with its children's)"
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
 class VariableFilter:
     """Selects tagged variables by role, brick, application, name, path and call id.
 
@@ -245,14 +252,29 @@ class VariableFilter:
         VariableFilter(roles=(PARAMETER,), name_regex='W')
     """
 
-    roles: Any = None
-    bricks: Any = None
-    applications: Any = None
+    # As the filter holds them once __post_init__ has checked and normalized what __init__
+    # (or a dataclass subclass's) took.
+    roles: tuple[_roles.Role, ...] | None = None
+    bricks: tuple[BrickSelector, ...] | None = None
+    applications: tuple[Application, ...] | None = None
     name: str | None = None
     name_regex: str | None = None
     path: str | None = None
-    call_id: Any = None
+    call_id: tuple[int, ...] | None = None
     each_role: bool = False
+
+    def __init__(self, roles: _roles.Role | Iterable[_roles.Role] | None = None,
+                 bricks: BrickSelector | Iterable[BrickSelector] | None = None,
+                 applications: ApplicationSelector | Iterable[ApplicationSelector] | None = None,
+                 name: str | None = None, name_regex: str | None = None,
+                 path: str | None = None, call_id: int | Iterable[int] | None = None,
+                 each_role: bool = False) -> None:
+        # As a dataclass's own __init__ (a subclass's runs __post_init__ the same way), with
+        # the types of what each field takes.
+        given = (roles, bricks, applications, name, name_regex, path, call_id, each_role)
+        for field, value in zip(dataclasses.fields(VariableFilter), given, strict=True):
+            object.__setattr__(self, field.name, value)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -289,7 +311,7 @@ class VariableFilter:
     def __repr__(self) -> str:
         return self.as_text()
 
-    def as_text(self, brick_path: Callable[[Any], str | None] = lambda brick: None) -> str:
+    def as_text(self, brick_path: Callable[[object], str | None] = lambda brick: None) -> str:
         """This filter as text; brick instances as ``brick_path(brick)`` (their path in a
         model) where it knows them, else as ``<Class at 0x…>``, never their own long repr.
 
@@ -300,14 +322,15 @@ class VariableFilter:
             >>> gm.VariableFilter(bricks=[lin, gm.bricks.Linear]).as_text(lambda b: "/lin")
             'VariableFilter(bricks=(/lin, Linear))'
         """
-        def brick(b: Any) -> str:
+        def brick(b: object) -> str:
             if isinstance(b, type):
                 return b.__name__
             return brick_path(b) or f"<{type(b).__name__} at 0x{id(b):x}>"
 
         fields = [
             f"{f.name}=({', '.join(map(brick, self.bricks))}{',' * (len(self.bricks) == 1)})"
-            if f.name == "bricks" else f"{f.name}={getattr(self, f.name)!r}"
+            if f.name == "bricks" and self.bricks is not None
+            else f"{f.name}={getattr(self, f.name)!r}"
             for f in dataclasses.fields(self)
             if getattr(self, f.name) not in (None, False)
         ]
@@ -331,14 +354,14 @@ class VariableFilter:
         """
         return any(r.is_a(role) or role.is_a(r) for r in self.roles or ())
 
-    def brick_instances(self) -> tuple[Any, ...]:
+    def brick_instances(self) -> tuple[object, ...]:
         """The brick instances this filter names, in ``bricks`` or as bound applications
         (to be resolved to paths at compile)."""
         return tuple(b for b in self.bricks or () if not isinstance(b, type)) + tuple(
             a.brick for a in self.applications or () if isinstance(a, BoundApplication))
 
     def matches_application(
-        self, brick: Any, brick_path: str, application: str, call_id: int,
+        self, brick: object, brick_path: str, application: str, call_id: int,
         instance_paths: dict[int, str],
     ) -> bool:
         """Whether an application call is selected (bricks, applications, call_id).
@@ -362,7 +385,7 @@ class VariableFilter:
             )
         return True
 
-    def matches_call(self, brick: Any, brick_path: str, application: str, call_id: int,
+    def matches_call(self, brick: object, brick_path: str, application: str, call_id: int,
                      instance_paths: dict[int, str]) -> bool:
         """Whether an application call is selected as a whole, for a manager that only
         wraps calls: its application matches, ``path`` (if any) globs the call's path

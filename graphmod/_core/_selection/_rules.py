@@ -7,47 +7,27 @@ user's that selects no variable of the model is refused at ``compile``; a preset
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TypeAlias
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from graphmod._core._model._layout import Layout
 from graphmod._core._selection._filter import VariableFilter
+from graphmod._core._selection._per_layer import PerLayer
 from graphmod._core._selection._selection import stored_tag
 from graphmod._core._warn import warn
+from graphmod.typing import AxisName
 
-__all__ = ["PerLayer", "PresetRule", "Rule", "axis_names", "check_rules_select",
+__all__ = ["PresetRule", "Rule", "axis_names", "check_rules_select",
            "checked_rules", "first_rule", "fitting", "misfit"]
 
 
-@dataclasses.dataclass(frozen=True)
-class PerLayer:
-    """A ``PartitionSpec`` of one layer's own dimensions (``graphmod.sharding.per_layer``):
-    a variable stacked over layers (Flax's scan over layers) or an ensemble's members gets
-    its stacking axes whole in front, as Flax's ``nnx.vmap`` inserts ``None`` into a
-    variable's sharding annotation; an unstacked variable gets ``spec`` as it is.
-
-    Examples:
-        >>> from jax.sharding import PartitionSpec as P
-        >>> PerLayer(P("data")).placing(2)
-        P(None, None, 'data')
-    """
-
-    spec: PartitionSpec
-
-    def placing(self, stacked: int) -> PartitionSpec:
-        """The spec of a variable with ``stacked`` leading axes of layers or members."""
-        return PartitionSpec(*[None] * stacked, *self.spec)
-
-    def __repr__(self) -> str:
-        return f"per_layer({self.spec})"
-
-
 Rule = tuple[VariableFilter, PartitionSpec | PerLayer]
+# A spec, or its entries: per dimension None (whole), a mesh axis or a tuple of them.
+SpecLike: TypeAlias = "PartitionSpec | Sequence[AxisName | None]"
 
 
 class PresetRule(tuple):
@@ -120,7 +100,7 @@ def fitting(spec: PartitionSpec, source: str, what: str, path: str, shape: tuple
     return spec
 
 
-def _later_dimension(spec: Sequence[Any], shape: Sequence[int], mesh: Mesh
+def _later_dimension(spec: SpecLike, shape: Sequence[int], mesh: Mesh
                      ) -> PartitionSpec | None:
     """``spec``'s one split moved to the first later dimension it fits, if it has one split
     (fsdp's ``P('data')``) and such a dimension."""
@@ -135,7 +115,7 @@ def _later_dimension(spec: Sequence[Any], shape: Sequence[int], mesh: Mesh
     return None
 
 
-def misfit(spec: Sequence[Any], shape: Sequence[int], mesh: Mesh) -> str | None:
+def misfit(spec: SpecLike, shape: Sequence[int], mesh: Mesh) -> str | None:
     """Why ``spec`` cannot split an array of ``shape`` on ``mesh`` (more dimensions than
     the array, an axis the mesh lacks, a size its axes do not divide), or None if it can.
 
@@ -161,14 +141,14 @@ def misfit(spec: Sequence[Any], shape: Sequence[int], mesh: Mesh) -> str | None:
     return None
 
 
-def axis_names(entry: Any) -> tuple[str, ...]:
+def axis_names(entry: AxisName | None) -> tuple[str, ...]:
     """The mesh axes a spec entry (None, a name or a tuple of names) splits over."""
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def checked_rules(mesh: Mesh, rules: Any, caller: str = "compile",
+def checked_rules(mesh: Mesh, rules: object, caller: str = "compile",
                   argument: str = "rules") -> tuple[Rule, ...]:
     """``rules`` (``caller(argument=[...])``) as ``(VariableFilter, PartitionSpec)`` pairs
     whose axes ``mesh`` has; a ``TypeError`` or ``ValueError`` naming the rule otherwise.
@@ -221,7 +201,7 @@ globs the variables' paths, such as /.bias, /.kernel. Fix its filter, or drop th
              f"so every variable is replicated; the variables' paths are such as {examples}")
 
 
-def _checked_rule(mesh: Mesh, where: str, argument: str, index: int, rule: Any) -> Rule:
+def _checked_rule(mesh: Mesh, where: str, argument: str, index: int, rule: object) -> Rule:
     if not (isinstance(rule, tuple | list) and len(rule) == 2
             and isinstance(rule[0], VariableFilter)
             and isinstance(rule[1], PartitionSpec | PerLayer)):
@@ -246,7 +226,7 @@ def _checked_rule(mesh: Mesh, where: str, argument: str, index: int, rule: Any) 
     return PresetRule(rule) if isinstance(rule, PresetRule) else (rule_filter, spec)
 
 
-def _pair_hint(rule: Any, argument: str) -> str:
+def _pair_hint(rule: object, argument: str) -> str:
     """What a rule that is no (filter, spec) pair was probably meant to be."""
     if isinstance(rule, VariableFilter):
         return f": {argument}= is a list of pairs, {argument}=[(filter, spec)]"

@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TypeAlias, TypeGuard
 
 from flax import nnx
 from flax.nnx import filterlib
 
 from graphmod import roles as _roles
 from graphmod._core._managers._manager import Manager
-from graphmod._core._model._layout import Layout
+from graphmod._core._model._layout import Key, Layout
 from graphmod._core._model._owned_layout import map_leaves
 from graphmod._core._selection._filter import Tag, VariableFilter
+from graphmod.typing import JSON, Variables
 
-Selector = Any  # a VariableFilter, a Manager or a Flax filter (see is_flax_filter)
+# A VariableFilter, a Manager or a Flax filter (see is_flax_filter).
+Selector: TypeAlias = "VariableFilter | Manager | filterlib.Filter"
 
 # Flax's filter objects, and its literals: ``...`` and True (everything), False (nothing).
 # A string is a Flax filter too (a tag), but a typo would then select silently: refused.
@@ -33,7 +35,7 @@ _FLAX_FILTERS = (filterlib.All, filterlib.Any, filterlib.Not, filterlib.Everythi
                  filterlib.WithTag, bool, type(...))
 
 
-def is_flax_filter(item: Any) -> bool:
+def is_flax_filter(item: object) -> TypeGuard[filterlib.Filter]:
     """Whether ``item`` is a Flax filter graphmod takes: a ``Variable`` type, one of Flax's
     filter objects or literals, or a function of ``(path, value)`` (Flax's examples'
     ``is_trainable``).
@@ -52,7 +54,7 @@ def is_flax_filter(item: Any) -> bool:
     return isinstance(item, _FLAX_FILTERS) or _is_predicate(item)
 
 
-def _is_predicate(item: Any) -> bool:
+def _is_predicate(item: object) -> bool:
     """Whether ``item`` is a function Flax would call as ``item(path, value)``."""
     if not callable(item) or isinstance(item, VariableFilter | Manager):
         return False
@@ -63,7 +65,7 @@ def _is_predicate(item: Any) -> bool:
     return True
 
 
-def _refusal(item: Any) -> str:
+def _refusal(item: object) -> str:
     """Why ``item`` selects no stored variable, and the fix."""
     if isinstance(item, str):
         return (f"a string is a Flax tag filter, which a typo would leave selecting nothing: "
@@ -78,10 +80,11 @@ def _refusal(item: Any) -> str:
     return "not a selector"
 
 
-def as_selectors(value: Any, argument: str) -> tuple[Selector, ...]:
+def as_selectors(value: object, argument: str) -> tuple[Selector, ...]:
     """``value`` as a tuple of selectors, refused with the argument named if it is not."""
     items = tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) \
         else (value,)
+    selectors: list[Selector] = []
     for item in items:
         if not (isinstance(item, VariableFilter | Manager) or is_flax_filter(item)):
             raise TypeError(f"{argument}: got {item!r}: {_refusal(item)} (a VariableFilter, "
@@ -93,10 +96,11 @@ def as_selectors(value: Any, argument: str) -> tuple[Selector, ...]:
             raise TypeError(f"{argument}: {item!r} selects application calls; a stored "
                             "variable belongs to no call: use bricks=, roles=, name=, "
                             "name_regex= or path=")
-    return items
+        selectors.append(item)
+    return tuple(selectors)
 
 
-def stored_tag(layout: Layout, key: tuple) -> Tag:
+def stored_tag(layout: Layout, key: Key) -> Tag:
     """The tag a filter sees for the model variable at ``key`` (of no application call)."""
     info = layout.by_key[key]
     brick_path = info.path.rpartition(".")[0]
@@ -104,12 +108,12 @@ def stored_tag(layout: Layout, key: tuple) -> Tag:
                layout.bricks_at.get(brick_path))
 
 
-def selected(variables: Mapping, layout: Layout, selectors: tuple[Selector, ...],
-             argument: str) -> dict:
+def selected(variables: Variables, layout: Layout, selectors: tuple[Selector, ...],
+             argument: str) -> dict[str, object]:
     """A tree of bools in the nesting of ``variables``: whether a selector names the leaf."""
     owners = {s.name for s in selectors if isinstance(s, Manager)}
 
-    def model(node: Any, key: tuple) -> Any:
+    def model(node: object, key: Key) -> object:
         if isinstance(node, Mapping):
             return {k: model(v, (*key, k)) for k, v in node.items()}
         return key in chosen
@@ -121,7 +125,7 @@ def selected(variables: Mapping, layout: Layout, selectors: tuple[Selector, ...]
 
 
 def selected_model_keys(layout: Layout, selectors: tuple[Selector, ...],
-                        argument: str) -> set[tuple]:
+                        argument: str) -> set[Key]:
     """The keys of the model's variables that a VariableFilter or a Flax filter among
     ``selectors`` names (with Flax's arguments: the key path and the variable)."""
     filters = [s for s in selectors if isinstance(s, VariableFilter)]
@@ -134,13 +138,15 @@ def selected_model_keys(layout: Layout, selectors: tuple[Selector, ...],
             or any(p(info.key, layout.objects[info.identity]) for p in flax)}
 
 
-def trained_record(layout: Layout, selectors: tuple[Selector, ...] | None) -> Any:
+def trained_record(layout: Layout, selectors: tuple[Selector, ...] | None
+                   ) -> dict[str, JSON] | None:
     """What ``trainable=`` selects, for a training record: None (every PARAMETER leaf), or
     the paths of the model's parameters and the names of the managers whose parameters
     train."""
     if selectors is None:
         return None
     keys = selected_model_keys(layout, selectors, "optimize(trainable=...)")
-    return {"model": [info.path for info in layout.variables
-                      if info.key in keys and info.role.is_a(_roles.PARAMETER)],
-            "managers": sorted(s.name for s in selectors if isinstance(s, Manager))}
+    paths: list[JSON] = [info.path for info in layout.variables
+                         if info.key in keys and info.role.is_a(_roles.PARAMETER)]
+    names: list[JSON] = [*sorted(s.name for s in selectors if isinstance(s, Manager))]
+    return {"model": paths, "managers": names}

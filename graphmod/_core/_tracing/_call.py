@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +20,16 @@ from flax import nnx
 from graphmod import roles as _roles
 from graphmod._core._loops._loop_keys import Layer, mark
 from graphmod._core._tracing._variables import identity_of
+from graphmod.typing import ArrayLike
 
 if TYPE_CHECKING:
     from graphmod._core._managers._manager import Manager
     from graphmod._core._model._layout import VariableInfo
-    from graphmod._core._tracing._frame import Frame, OwnedKey
+    from graphmod._core._tracing._frame import Frame, OwnedInit, OwnedKey
+
+# A value tagged as an auxiliary variable (a measurement: an array), given back as it came.
+A = TypeVar("A")
+M = TypeVar("M", bound=ArrayLike)
 
 
 class OwnedVariable:
@@ -42,7 +47,7 @@ class OwnedVariable:
 
     __slots__ = ("_frame", "_key", "_layer")
 
-    def __init__(self, frame: Frame, key: tuple, layer: Layer = tuple) -> None:
+    def __init__(self, frame: Frame, key: OwnedKey, layer: Layer = tuple) -> None:
         self._frame = frame
         self._key = key
         self._layer = layer  # an ensemble's member reads and writes its slice
@@ -52,7 +57,7 @@ class OwnedVariable:
         return self._frame.read_owned(self._key, layer=self._layer)
 
     @value.setter
-    def value(self, new: Any) -> None:
+    def value(self, new: jax.Array) -> None:
         if self._frame.training and self._frame.mode != "init":
             self._frame.set_owned(self._key, new, self._layer)
         # inference and init never update state: the update is dropped on purpose
@@ -68,11 +73,11 @@ class CallRunner(Protocol):
 
     frame: Frame
 
-    def auxiliary(self, value: Any, role: _roles.Role, name: str) -> None: ...
+    def auxiliary(self, value: object, role: _roles.Role, name: str) -> None: ...
 
-    def arrays(self) -> list[Any]: ...
+    def arrays(self) -> list[jax.Array]: ...
 
-    def layer_arrays(self) -> list[Any]: ...
+    def layer_arrays(self) -> list[jax.Array]: ...
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -107,7 +112,7 @@ class ApplicationCall:
         3.0
     """
 
-    brick: Any
+    brick: nnx.Module
     application: str
     path: str | None
     call_id: int
@@ -116,7 +121,7 @@ class ApplicationCall:
     role: _roles.Role | None = None
     name: str | None = None
     parameter: str | None = None
-    parameter_value: Any = dataclasses.field(default=None, repr=False)
+    parameter_value: jax.Array | None = dataclasses.field(default=None, repr=False)
     # The chain runner that made this call (None outside a compiled program).
     _runner: CallRunner | None = dataclasses.field(default=None, repr=False)
 
@@ -126,7 +131,7 @@ class ApplicationCall:
 
     # -- public API for methods and managers ------------------------------------------
     @property
-    def mesh(self) -> Any:
+    def mesh(self) -> jax.sharding.Mesh | None:
         """The program's ``jax.sharding.Mesh`` (``compile(mesh=...)``, its axes ``Auto``),
         None on one device or outside a program: what ``managers.Sharding`` constrains
         activations on."""
@@ -163,18 +168,18 @@ class ApplicationCall:
                 "compiled program: outside graphmod.compile managers do nothing and there "
                 "is no step key"
             )
-        by_parameter = self.parameter is not None and not per_call
+        parameter = None if per_call else self.parameter  # keyed by the parameter
         parts = (
             self.manager.name if self.manager is not None else "",
-            self.parameter if by_parameter else self.path,
-            "" if by_parameter else self.application,
+            self.path if parameter is None else parameter,
+            self.application if parameter is None else "",
             self.role.name if self.role is not None and per_variable else "",
             (self.name or "") if per_variable else "",
         )
-        return frame.rng(parts, 0 if by_parameter else self.call_id, per_step=per_step,
+        return frame.rng(parts, self.call_id if parameter is None else 0, per_step=per_step,
                          witnesses=self._witnesses)
 
-    def _witnesses(self) -> list[Any]:
+    def _witnesses(self) -> list[jax.Array]:
         """The arrays of this call (what a draw under ``vmap`` is folded by, when mapped)."""
         arrays = self._runner.arrays() if self._runner is not None else []
         return arrays if self.parameter_value is None else [self.parameter_value, *arrays]
@@ -208,7 +213,8 @@ class ApplicationCall:
         return mark(key, self._runner.layer_arrays())  # per layer, per ensemble member
 
     def variable(
-        self, name: str, init: Any, *, role: _roles.Role = _roles.STATE, per_call: bool = False,
+        self, name: str, init: OwnedInit, *, role: _roles.Role = _roles.STATE,
+        per_call: bool = False,
         per_parameter: bool | None = None,
     ) -> OwnedVariable:
         """A variable owned by the current manager for this (path, application), or in a
@@ -251,32 +257,32 @@ class ApplicationCall:
         _roles.as_role(role, argument="call.variable(role=...)")
         if per_parameter is None:
             per_parameter = self.parameter is not None
-        key = self._owned_key(self.manager, name, per_call, per_parameter)
+        key = self._owned_key(self.manager, self.path, name, per_call, per_parameter)
         given = self.parameter_value if per_parameter and _takes_one_argument(init) else None
         assert self._runner is not None
         layer = self._runner.layer_arrays
         frame.owned_value(key, init, role, given, len(_layers(self.brick, frame)), layer)
         return OwnedVariable(frame, key, layer)
 
-    def _owned_key(self, manager: Manager, name: str, per_call: bool, per_parameter: bool
-                   ) -> OwnedKey:
-        """The key of this call's (or parameter's) owned variable ``name``."""
-        if per_parameter and (self.parameter is None or per_call):
+    def _owned_key(self, manager: Manager, path: str, name: str, per_call: bool,
+                   per_parameter: bool) -> OwnedKey:
+        """The key of this call's (at ``path``; or parameter's) owned variable ``name``."""
+        if not per_parameter:
+            return (manager.name, path, self.application, self.call_id if per_call else None,
+                    name)
+        if self.parameter is None or per_call:
             raise ValueError(
                 f"manager {manager.name!r}: call.variable({name!r}, per_parameter=True) "
                 + ("is for rewrite_parameter hooks; this call rewrites an input or output"
                    if self.parameter is None else
                    "cannot also be per_call: a parameter's variable is shared by its calls")
             )
-        if per_parameter:
-            owner, _, parameter = self.parameter.rpartition(".")
-            return (manager.name, owner, parameter, None, name)
-        return (manager.name, self.path, self.application,
-                self.call_id if per_call else None, name)
+        owner, _, parameter = self.parameter.rpartition(".")
+        return (manager.name, owner, parameter, None, name)
 
     def add_auxiliary_variable(
-        self, value: Any, *, roles: Sequence[_roles.Role] = (), name: str | None = None
-    ) -> Any:
+        self, value: A, *, roles: Sequence[_roles.Role] = (), name: str | None = None
+    ) -> A:
         """Tags ``value`` as an auxiliary variable of this call (monitorable); returns it.
 
         With ``roles=[graphmod.roles.COST]`` it is also an auxiliary cost: a scalar that
@@ -294,7 +300,7 @@ class ApplicationCall:
                 self._add_cost(value, name)
         return value
 
-    def report(self, value: Any, name: str) -> Any:
+    def report(self, value: M, name: str) -> M:
         """Tags ``value`` (a scalar measurement of this call, e.g. an activation's mean) as
         an auxiliary variable ``name``, and has :func:`graphmod.optimize` report it in its
         metrics as ``"<manager>:<path>.<application>.<name>"``, fused into the step (no
@@ -325,13 +331,15 @@ class ApplicationCall:
                                   layer=self._runner.layer_arrays)
         return value
 
-    def _add_cost(self, value: Any, name: str) -> None:
+    def _add_cost(self, value: object, name: str) -> None:
+        refused = (f"add_auxiliary_variable(..., roles=[COST], name={name!r}) in "
+                   f"{self.path}.{self.application}: a cost must be a float scalar")
+        if not isinstance(value, ArrayLike):
+            raise ValueError(f"{refused}, got a {type(value).__name__}")
         if jnp.ndim(value) != 0 or not jnp.issubdtype(jnp.result_type(value), jnp.floating):
             raise ValueError(
-                f"add_auxiliary_variable(..., roles=[COST], name={name!r}) in "
-                f"{self.path}.{self.application}: a cost must be a float scalar, got shape "
-                f"{jnp.shape(value)} and dtype {jnp.result_type(value)} (reduce it, e.g. "
-                "with .sum())")
+                f"{refused}, got shape {jnp.shape(value)} and dtype {jnp.result_type(value)} "
+                "(reduce it, e.g. with .sum())")
         where = self.parameter if self.parameter is not None and self.manager is not None \
             else f"{self.path}.{self.application}#{self.call_id}"
         owner = self.manager.name if self.manager is not None \
@@ -342,18 +350,18 @@ class ApplicationCall:
                        layers=_layers(self.brick, frame), layer=self._runner.layer_arrays)
 
 
-def stacked_slices(brick: Any, frame: Frame) -> Iterator[tuple[VariableInfo, int]]:
+def stacked_slices(brick: nnx.Module, frame: Frame) -> Iterator[tuple[VariableInfo, int]]:
     """``brick``'s own variables the trace in progress sees a slice of (inside a loop over
     stacked layers, an ensemble's vmap), each with how many leading axes the slice lacks."""
     for value in vars(brick).values():
-        info = frame.layout.by_identity.get(identity_of(value)) if isinstance(
-            value, nnx.Variable) else None
+        identity = identity_of(value) if isinstance(value, nnx.Variable) else None
+        info = None if identity is None else frame.layout.by_identity.get(identity)
         stacked = 0 if info is None else len(info.shape) - jnp.ndim(value.get_raw_value())
-        if stacked > 0:  # the stored variable has the loops' axes, the slice seen here not
+        if info is not None and stacked > 0:  # the stored variable has the loops' axes
             yield info, stacked
 
 
-def _layers(brick: Any, frame: Frame) -> tuple[int, ...]:
+def _layers(brick: nnx.Module, frame: Frame) -> tuple[int, ...]:
     """The lengths of the loops over layers stacked on leading axes when the trace in
     progress sees a slice of ``brick``'s own variables; ``()`` when it sees the whole (a
     cell broadcast over steps, or no loop at all)."""
@@ -364,7 +372,7 @@ def _layers(brick: Any, frame: Frame) -> tuple[int, ...]:
     return ()
 
 
-def _takes_one_argument(init: Any) -> bool:
+def _takes_one_argument(init: object) -> bool:
     """Whether an owned variable's ``init`` is a callable of exactly one required argument
     (given the parameter's value), not of none (computed from shapes) or an array."""
     if not callable(init) or hasattr(init, "shape"):

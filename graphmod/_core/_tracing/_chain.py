@@ -10,8 +10,9 @@ Python stack of every equation it records, at a cost per frame), which
    ``OUTPUT``, recording them for the computation graph and collecting monitored ones;
 3. runs each manager's ``wrap`` around the method, outermost first; the default ``wrap``
    rewrites the selected inputs and outputs (:meth:`Chain.rewrite_inputs`,
-   :meth:`Chain.rewrite_outputs`), and a parameter read in the call is rewritten by every
-   ``rewrite_parameter`` hook once per JAX trace (:meth:`Chain.read_parameter`);
+   :meth:`Chain.rewrite_outputs`); a parameter read in the call is rewritten by every
+   ``rewrite_parameter`` hook once per JAX trace
+   (``graphmod._core._tracing._parameter_read``, through :meth:`Chain.rewrite`);
 4. opens ``jax.named_scope`` with the brick's path relative to the calling application.
 
 What the trace collects (matches, exclusive claims, rewrites, records, monitored values)
@@ -24,7 +25,7 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 from flax import nnx
@@ -39,17 +40,18 @@ from graphmod.errors import GraphmodError
 
 if TYPE_CHECKING:
     from graphmod._core._managers._manager import Manager
-    from graphmod._core._model._layout import VariableInfo
-    from graphmod._core._tracing._frame import Frame
+    from graphmod._core._tracing._frame import CallInProgress, Frame
 
 # What a chain does with a tagged value it sees: (tag, value, tag name).
-See = Callable[[Tag, Any, str], None]
+See = Callable[[Tag, object, str], None]
+# A value a hook rewrites: a hook gives back one of the same kind (an array for an array).
+V = TypeVar("V")
 
 
 class Chain:
     """The managers matching one application call, and the call's plumbing."""
 
-    def __init__(self, frame: Frame, spec: Spec, brick: Any, path: str) -> None:
+    def __init__(self, frame: Frame, spec: Spec, brick: nnx.Module, path: str) -> None:
         if frame.inner():
             # A call inside an inner trace (a jax.jit, nnx.remat, scan body): no later inner
             # trace may replay it. Calls at the outer level run their Python anyway, so JAX's
@@ -71,10 +73,11 @@ class Chain:
         self.call = ApplicationCall(brick, spec.name, path, self.call_id, frame.training,
                                     _runner=self)
         self.auxiliary_names: dict[str, int] = {}  # name -> times this call tagged it
-        self.inputs: tuple[tuple, dict] = ((), {})  # the method's arguments, once it runs
+        # the method's arguments, once it runs
+        self.inputs: tuple[tuple[object, ...], dict[str, object]] = ((), {})
 
     def bound(self, manager: Manager, role: _roles.Role | None = None,
-              name: str | None = None, parameter: tuple[str, Any] | None = None
+              name: str | None = None, parameter: tuple[str, jax.Array] | None = None
               ) -> ApplicationCall:
         """The call as ``manager``'s hook sees it (rewriting variable ``name``)."""
         path, value = parameter or (None, None)
@@ -90,18 +93,18 @@ class Chain:
         call = f"#{self.call_id}" if self.call_id else ""
         return f"{self.path}.{self.application}{call}.{name}"
 
-    def layer_arrays(self) -> list[Any]:
+    def layer_arrays(self) -> list[jax.Array]:
         """The values of the layer's own variables (an ensemble's vmap maps them)."""
         values = (v.get_raw_value() for v in vars(self.brick).values()
                   if isinstance(v, nnx.Variable))
         return [value for value in values if isinstance(value, jax.Array)]
 
-    def arrays(self) -> list[Any]:
+    def arrays(self) -> list[jax.Array]:
         """The arrays of the call: its inputs and its layer's own variables' values."""
         inputs = [leaf for leaf in jax.tree.leaves(self.inputs) if isinstance(leaf, jax.Array)]
         return [*inputs, *self.layer_arrays()]
 
-    def auxiliary(self, value: Any, role: _roles.Role, name: str) -> None:
+    def auxiliary(self, value: object, role: _roles.Role, name: str) -> None:
         """Tags ``value`` as auxiliary variable ``name``: recorded and monitorable. A name
         the call tags again (a ``sow`` in a loop) is monitored as ``name#1``, ``name#2``..."""
         tag = self.tag(role, name)
@@ -110,12 +113,12 @@ class Chain:
         self.auxiliary_names[name] = again + 1
         self.frame.collect(tag, value, self.monitor_key(f"{name}#{again}" if again else name))
 
-    def note_rewrite(self, by: str, tag: Tag, before: Any, after: Any) -> None:
+    def note_rewrite(self, by: str, tag: Tag, before: object, after: object) -> None:
         self.frame.note_rewrite(by, tag, before, after)
 
     # -- rewrites -------------------------------------------------------------------------
-    def rewrite(self, manager: Manager, hook: str, tag: Tag, value: Any,
-                parameter: tuple[str, Any] | None = None) -> Any:
+    def rewrite(self, manager: Manager, hook: str, tag: Tag, value: V,
+                parameter: tuple[str, jax.Array] | None = None) -> V:
         """``value`` through ``manager``'s ``hook`` if the manager selects ``tag``."""
         if not manager.selects(tag):
             return value
@@ -133,7 +136,9 @@ class Chain:
         self.frame.note_rewrite(manager.name, tag, value, new)
         return new
 
-    def rewrite_inputs(self, manager: Manager, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def rewrite_inputs(self, manager: Manager, args: tuple[object, ...],
+                       kwargs: dict[str, object]
+                       ) -> tuple[tuple[object, ...], dict[str, object]]:
         """``manager.rewrite_input`` applied to each selected input of this call."""
         if not manager.has_hook("rewrite_input"):
             return args, kwargs
@@ -146,7 +151,7 @@ class Chain:
                 bound.arguments[argument] = replaced(bound.arguments[argument], keys, new)
         return bound.args[1:], bound.kwargs
 
-    def rewrite_outputs(self, manager: Manager, out: Any) -> Any:
+    def rewrite_outputs(self, manager: Manager, out: object) -> object:
         """``manager.rewrite_output`` applied to each selected output of this call."""
         if not manager.has_hook("rewrite_output"):
             return out
@@ -156,50 +161,26 @@ class Chain:
             new.append(self.rewrite(manager, "rewrite_output", tag, value))
         return self.spec.with_outputs(out, new)
 
-    def read_parameter(self, info: VariableInfo, base: Any) -> Any:
-        """The value ``base`` of a model variable as this call sees it: rewritten once per
-        call (and JAX trace)."""
-        if not info.role.is_a(_roles.PERSISTENT):
-            return base
-
-        def rewritten() -> Any:
-            tag = self.tag(info.role, info.name, info.path, info.aliases)
-            self.frame.record(tag, base, None)
-            value = base
-            # Model state (running statistics, counters) only for a manager whose roles=
-            # names it: noise, dropout or a cast of BatchNorm's statistics, chosen by path=,
-            # would spoil them.
-            state = info.role.is_a(_roles.STATE)
-            for manager in self.managers:
-                if manager.has_hook("rewrite_parameter") and (
-                        not state or manager.filter.names_role(_roles.STATE)):
-                    value = self.rewrite(manager, "rewrite_parameter", tag, value,
-                                         (info.path, base))
-            if self.frame.monitor:  # as the call reads it
-                self.frame.collect(tag, value, self.monitor_key(info.name))
-            return value
-
-        key = (self.path, self.application, self.call_id, info.identity)
-        return self.frame.rewritten_once(key, rewritten)
-
     # -- running the call -----------------------------------------------------------------
-    def see_inputs(self, args: tuple, kwargs: dict, see: See) -> None:
+    def see_inputs(self, args: tuple[object, ...], kwargs: dict[str, object], see: See
+                   ) -> None:
         bound = self.spec.signature.bind_partial(self.brick, *args, **kwargs)
         for name, argument, keys in self.spec.input_slots(bound.arguments):
             see(self.tag(self.spec.input_role(name), name),
                 nested(bound.arguments[argument], keys), name)
 
-    def see_outputs(self, out: Any, see: See) -> None:
+    def see_outputs(self, out: object, see: See) -> None:
         for name, value in self.spec.output_items(out):
             see(self.tag(self.spec.output_role(name), name), value, name)
 
-    def _record(self, tag: Tag, value: Any, name: str) -> None:
+    def _record(self, tag: Tag, value: object, name: str) -> None:
         self.frame.record(tag, value, None)
 
-    def _collect(self, tag: Tag, value: Any, name: str) -> None:
+    def _collect(self, tag: Tag, value: object, name: str) -> None:
         self.frame.collect(tag, value, self.monitor_key(name))
 
-    def run(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def run(self, method: Callable[..., object], args: tuple[object, ...],
+            kwargs: dict[str, object]) -> Any:
         """Runs ``method`` inside the chain of managers (see the module docstring)."""
         for manager in self.managers:
             if manager.wraps_only or (
@@ -208,7 +189,7 @@ class Chain:
         parent = self.frame.calls[-1] if self.frame.calls else None
         self.inputs = (args, kwargs)
 
-        def innermost(*args: Any, **kwargs: Any) -> Any:
+        def innermost(*args: object, **kwargs: object) -> object:
             self.see_inputs(args, kwargs, self._collect)  # monitored: as the method sees them
             if self.spec.takes_call:
                 kwargs = {**kwargs, "application_call": self.call}
@@ -220,7 +201,7 @@ class Chain:
         # As few frames between the method and its caller as can be (JAX keeps the whole
         # Python stack of every equation it records): one per manager with a wrap, one for
         # each run of managers without.
-        layer: Callable[..., Any] = innermost
+        layer: Callable[..., object] = innermost
         runs = itertools.groupby(reversed(self.managers), key=lambda m: m.has_hook("wrap"))
         for wraps, run in runs:
             inner_first = tuple(run)
@@ -240,8 +221,8 @@ class Chain:
         return out
 
 
-def _rewriting(managers: tuple[Manager, ...], chain: Chain, next: Callable[..., Any],
-               *args: Any, **kwargs: Any) -> Any:
+def _rewriting(managers: tuple[Manager, ...], chain: Chain, next: Callable[..., object],
+               *args: object, **kwargs: object) -> object:
     """The layers of ``managers`` (outermost first) in one: their input rewrites, outermost
     first, ``next``, and their output rewrites, innermost first."""
     for manager in managers:
@@ -252,8 +233,8 @@ def _rewriting(managers: tuple[Manager, ...], chain: Chain, next: Callable[..., 
     return out
 
 
-def _wrapping(manager: Manager, chain: Chain, next: Callable[..., Any],
-              *args: Any, **kwargs: Any) -> Any:
+def _wrapping(manager: Manager, chain: Chain, next: Callable[..., object],
+              *args: object, **kwargs: object) -> object:
     """The layer of a manager with a ``wrap``: the wrap around its rewrites and ``next``
     (so a wrap sees the call's arguments as they came)."""
     rewritten = functools.partial(_rewriting, (manager,), chain, next)
@@ -262,7 +243,7 @@ def _wrapping(manager: Manager, chain: Chain, next: Callable[..., Any],
     return manager.wrap(chain.bound(manager), rewritten, args, kwargs)
 
 
-def _scope_name(parent: Chain | None, path: str, application: str) -> str:
+def _scope_name(parent: CallInProgress | None, path: str, application: str) -> str:
     base = parent.path if parent is not None and parent.path is not None else "/"
     relative = path[len(base):] if path.startswith(base) else path
     relative = relative.strip("/")
@@ -272,7 +253,8 @@ def _scope_name(parent: Chain | None, path: str, application: str) -> str:
 _WHERE = "graphmod: raised in the application "
 
 
-def _note_where(error: Exception, chain: Chain, args: tuple, kwargs: dict) -> None:
+def _note_where(error: Exception, chain: Chain, args: tuple[object, ...],
+                kwargs: dict[str, object]) -> None:
     """Names the innermost application an error came from and what it was given: the
     traceback shows the code, not which layer of a deep model failed or on what (a module
     passed where an array belongs, float token ids). graphmod's own errors name theirs."""
@@ -289,11 +271,11 @@ def _note_where(error: Exception, chain: Chain, args: tuple, kwargs: dict) -> No
                    f"({type(chain.brick).__name__}), called with {', '.join(given) or 'nothing'}")
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     """``float32[3, 5]`` for an array, ``<Type>`` for anything but a container or a plain
     constant."""
-    if has_shape(value):
-        return f"{value.dtype}{list(value.shape)}"
+    if has_shape(value):  # a tuple shape and a dtype
+        return f"{getattr(value, 'dtype', '')}{list(getattr(value, 'shape', ()))}"
     if isinstance(value, (tuple, list)):
         inner = ", ".join(_short(item) for item in value)
         return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"

@@ -18,25 +18,26 @@ Sharp edges
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 from flax import nnx
 
 from graphmod._core._program._arguments import spec
+from graphmod._core._tracing._parameter_read import read_parameter
 
 if TYPE_CHECKING:
     from graphmod._core._tracing._frame import Frame
 
 
-def _variables_by_place(container: Any) -> dict[str, Any]:
+def _variables_by_place(container: object) -> dict[str, nnx.Variable]:
     leaves = jax.tree_util.tree_flatten_with_path(
         container, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
     return {jax.tree_util.keystr(key): leaf for key, leaf in leaves
             if isinstance(leaf, nnx.Variable)}
 
 
-def write_rebound(frame: Frame, owner: str, held: Any, value: Any) -> bool:
+def write_rebound(frame: Frame, owner: str, held: object, value: object) -> bool:
     """Writes the variables of ``value``, rebinding attribute ``owner`` (its path) that
     holds container ``held`` of model variables, to the program; False (nothing written)
     if ``held`` is no such container. Raises naming the place a new container differs."""
@@ -62,7 +63,7 @@ def write_rebound(frame: Frame, owner: str, held: Any, value: Any) -> bool:
             continue
         written = replacement.get_raw_value()
         parameter = not frame.carries(variable)
-        if parameter and written is frame.read(variable)[1]:
+        if parameter and written is read_parameter(variable):
             continue  # as the call read it: apply(..., mutable=True) returns its parameters
         was, now = spec(frame.stored(variable)), spec(written)
         if parameter or now != was:

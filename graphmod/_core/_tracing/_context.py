@@ -44,19 +44,22 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
+from flax import nnx
 from jax._src import config as _jax_config
 
 from graphmod._core._tracing._trace import current_trace
 from graphmod.errors import AttributeOutlivesTrace, ManagerReentered
 
-# The stacks hold frames and managers; their modules import this one, not the reverse.
+# The stacks hold frames and managers; their modules import this one, not the reverse (no
+# import may close a circle, not even under TYPE_CHECKING: tests/test_layers.py).
 Frame = Any
 Manager = Any
 
@@ -69,13 +72,13 @@ _FRAME: contextvars.ContextVar[Frame | None] = contextvars.ContextVar(
 
 # The regions managers' wraps have open, innermost last: (manager name, value) pairs (a
 # precision policy's calls, which every application called inside them belongs to).
-_REGIONS: contextvars.ContextVar[tuple[tuple[str, Any], ...]] = contextvars.ContextVar(
+_REGIONS: contextvars.ContextVar[tuple[tuple[str, object], ...]] = contextvars.ContextVar(
     "graphmod_regions", default=()
 )
 
 # In a shared-token trace: the outer trace, where the frame may be read (else None).
-_SHARED_IN: contextvars.ContextVar[Any] = contextvars.ContextVar("graphmod_shared_in",
-                                                                 default=None)
+_SHARED_IN: contextvars.ContextVar[object] = contextvars.ContextVar("graphmod_shared_in",
+                                                                    default=None)
 _SHARED = "graphmod-shared"  # the token of traces whose inner traces never read a frame
 
 # The trace tokens entered in the current outer trace (see split_trace_caches).
@@ -109,11 +112,21 @@ _TRACE_TOKEN = _jax_config.string_or_object_state(
 
 # (id(module), name) -> (module, whether sown), for each attribute a model's module gained
 # in the trace in progress (see note_new_attribute).
-_NEW_ATTRIBUTES: contextvars.ContextVar[dict[tuple[int, str], tuple[Any, bool]] | None] = (
+_NEW_ATTRIBUTES: contextvars.ContextVar[dict[tuple[int, str], tuple[nnx.Module, bool]] | None] = (
     contextvars.ContextVar("graphmod_new_attributes", default=None))
 
-# id(object) -> [object, the function undoing its marks, number of traces holding them]
-_MARKED: dict[int, list[Any]] = {}
+
+@dataclasses.dataclass
+class _Marked:
+    """An object a trace marked (kept: its id stays its own), the function undoing its
+    marks, and how many traces hold them."""
+
+    obj: object
+    unmark: Callable[[], None]
+    traces: int = 0
+
+
+_MARKED: dict[int, _Marked] = {}  # by id(object)
 _MARK_LOCK = threading.Lock()
 
 
@@ -151,7 +164,7 @@ class NeedsIsolation(BaseException):
 
 
 @contextlib.contextmanager
-def region(owner: str, value: Any) -> Iterator[None]:
+def region(owner: str, value: object) -> Iterator[None]:
     """Opens manager ``owner``'s region holding ``value`` for what runs inside."""
     token = _REGIONS.set((*_REGIONS.get(), (owner, value)))
     try:
@@ -160,7 +173,7 @@ def region(owner: str, value: Any) -> Iterator[None]:
         _REGIONS.reset(token)
 
 
-def regions() -> tuple[tuple[str, Any], ...]:
+def regions() -> tuple[tuple[str, object], ...]:
     """The open regions, ``(manager name, value)``, innermost last."""
     return _REGIONS.get()
 
@@ -177,7 +190,7 @@ def current_frame() -> Frame | None:
     return frame
 
 
-def note_new_attribute(module: Any, name: str) -> None:
+def note_new_attribute(module: nnx.Module, name: str) -> None:
     """Notes that ``module`` of the model gained attribute ``name`` in the trace in progress
     (``graphmod._core._bricks._intercept.assign_in_program``): it must be gone when it ends."""
     added = _NEW_ATTRIBUTES.get()
@@ -185,7 +198,7 @@ def note_new_attribute(module: Any, name: str) -> None:
     added[id(module), name] = (module, False)
 
 
-def note_sown(module: Any, name: str) -> None:
+def note_sown(module: nnx.Module, name: str) -> None:
     """Notes that ``Module.sow`` stored ``name`` on ``module``, as Flax does, for the
     function to pop: if the trace gave the module that attribute, one the function leaves
     is dropped when the trace ends, not refused (a monitorable auxiliary variable all the
@@ -201,7 +214,7 @@ def tracing(frame: Frame, *, isolated: bool) -> Iterator[Frame]:
     the model's modules without the attributes they gained meanwhile, and raises
     :class:`~graphmod.errors.AttributeOutlivesTrace` if the traced function left any."""
     token = _FRAME.set(frame)
-    added: dict[tuple[int, str], tuple[Any, bool]] = {}
+    added: dict[tuple[int, str], tuple[nnx.Module, bool]] = {}
     added_token = _NEW_ATTRIBUTES.set(added)
     frame.layout.reset_node_states()  # NNX lifted transforms rebuild them (_variables)
     try:
@@ -237,8 +250,14 @@ def tracing(frame: Frame, *, isolated: bool) -> Iterator[Frame]:
             "Flax's examples do), or return it with self.sow(...) to monitor it")
 
 
-def traced(shared: Any, make_frame: Callable[[], Frame], fn: Callable[..., Any], /,
-           *args: Any, **kwargs: Any) -> Frame:
+class Isolation(Protocol):
+    """Whether the programs over one layout trace isolated (see :func:`traced`)."""
+
+    isolated: bool
+
+
+def traced(shared: Isolation, make_frame: Callable[[], Frame], fn: Callable[..., object], /,
+           *args: object, **kwargs: object) -> Frame:
     """Runs ``fn(*args, **kwargs)`` in a fresh frame under the shared token, keeping what it
     returns (``frame.out``); again, isolated, if an inner trace read the frame, and isolated
     from then on (``shared.isolated``: one flag for the programs over one layout)."""
@@ -271,12 +290,12 @@ def _note_for(error: Exception) -> str | None:
 
 
 @contextlib.contextmanager
-def _marked(marks: Sequence[tuple[Any, Callable[[], Callable[[], None]]]], model: Any,
+def _marked(marks: Sequence[tuple[object, Callable[[], Callable[[], None]]]], model: object,
             check: Callable[[], None]) -> Iterator[None]:
     """Applies each ``(object, mark)`` (``mark()`` marks it and returns the function that
     undoes it) while any trace holds the object; undoes it when the last one ends. Runs
     ``check`` first if no trace holds ``model`` (under the lock: no trace changes it)."""
-    held: list[Any] = []
+    held: list[object] = []
     try:
         with _MARK_LOCK:
             if id(model) not in _MARKED:
@@ -284,17 +303,17 @@ def _marked(marks: Sequence[tuple[Any, Callable[[], Callable[[], None]]]], model
             for obj, mark in marks:
                 entry = _MARKED.get(id(obj))
                 if entry is None:  # else a trace in progress keeps the marks it applied
-                    entry = _MARKED[id(obj)] = [obj, mark(), 0]
-                entry[2] += 1
+                    entry = _MARKED[id(obj)] = _Marked(obj, mark())
+                entry.traces += 1
                 held.append(obj)
         yield
     finally:
         with _MARK_LOCK:
             for obj in held:
                 entry = _MARKED[id(obj)]
-                entry[2] -= 1
-                if entry[2] == 0:
-                    entry[1]()
+                entry.traces -= 1
+                if entry.traces == 0:
+                    entry.unmark()
                     del _MARKED[id(obj)]
 
 
@@ -316,6 +335,6 @@ def trace_token_shared() -> str:
     return _SHARED
 
 
-def trace_token() -> Any:
+def trace_token() -> str | None:
     """The current trace token (None outside a trace); exposed for the isolation test."""
     return _TRACE_TOKEN.value

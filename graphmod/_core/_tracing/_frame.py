@@ -7,20 +7,23 @@ variables (:class:`~graphmod._core._model._owned.OwnedStore`) and hyperparameter
 rewrite trace, tagged variables (for the computation graph) and monitored values.
 
 The frame owns its state: other modules read it through read-only properties and change it
-through its verbs only (reading and writing variables, noting matches, rewrites and
-exclusive claims, and the snapshot, carry and restore of a ``graphmod.scan`` step).
+through its verbs only (writing variables, keeping the parameter reads of the trace, noting
+matches, rewrites and exclusive claims, and the snapshot, carry and restore of a
+``graphmod.scan`` step). The read of a model variable itself, from the frame to the
+managers' hooks, is :func:`graphmod._core._tracing._parameter_read.read_parameter`.
 """
 
 from __future__ import annotations
 
 import collections
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from graphmod import roles as _roles
 from graphmod._core._loops._loop_keys import Layer, mark
@@ -33,11 +36,42 @@ from graphmod._core._tracing._side_outputs import Collected, LoopSnapshot, Recor
 from graphmod._core._tracing._trace import TraceScope, current_trace
 from graphmod._core._tracing._variables import identity_of
 from graphmod.errors import ManagerConflict, StateEscapesTransform
+from graphmod.typing import ArrayLike
 
 if TYPE_CHECKING:
-    from graphmod._core._model._layout import Layout
+    from graphmod._core._model._layout import Layout, VariableInfo
+    from graphmod.typing import AxisName
 
-__all__ = ["Frame", "OwnedKey", "crc32"]
+__all__ = ["CallInProgress", "Frame", "OwnedInit", "OwnedKey", "crc32"]
+
+# What ``call.variable(name, init)`` starts from: an array, a callable of nothing (computed
+# from the shapes it sees) or, in a parameter hook, of the parameter's initial value.
+OwnedInit: TypeAlias = ArrayLike | Callable[[], ArrayLike] | Callable[[jax.Array], ArrayLike]
+V = TypeVar("V")  # a value a hook rewrites into one of its kind
+
+# What a loop step may change: the model's values (but the parameters') and the owned ones.
+Carry: TypeAlias = tuple[dict[str, jax.Array], dict[OwnedKey, jax.Array]]
+# A parameter read of one call: (brick path, application, call id, variable identity).
+ReadKey: TypeAlias = tuple[str, str, int, str]
+
+
+class CallInProgress(Protocol):
+    """An application call in progress as the frame holds it: its chain runner
+    (``graphmod._core._tracing._chain.Chain``, which imports this module), as the parameter
+    read (``graphmod._core._tracing._parameter_read``) uses it."""
+
+    path: str
+    application: str
+    call_id: int
+    managers: tuple[Manager, ...]
+
+    def tag(self, role: _roles.Role, name: str, path: str | None = None,
+            aliases: tuple[str, ...] = ()) -> Tag: ...
+
+    def monitor_key(self, name: str) -> str: ...
+
+    def rewrite(self, manager: Manager, hook: str, tag: Tag, value: V,
+                parameter: tuple[str, jax.Array] | None = None) -> V: ...
 
 
 def crc32(text: str) -> int:
@@ -50,9 +84,10 @@ class Frame:
     """Per-trace state of a program (see the module docstring)."""
 
     def __init__(
-        self, *, layout: Layout, mode: str, values: dict[str, Any], owned: dict[OwnedKey, Any],
-        hparams: dict[tuple[str, str], Any], managers: tuple[Manager, ...], key: Any = None,
-        axis_name: Any = None, mesh: Any = None,
+        self, *, layout: Layout, mode: str, values: Mapping[str, jax.Array],
+        owned: dict[OwnedKey, jax.Array], hparams: Mapping[tuple[str, str], jax.Array],
+        managers: tuple[Manager, ...], key: jax.Array | None = None,
+        axis_name: AxisName | None = None, mesh: jax.sharding.Mesh | None = None,
         monitor: dict[str, VariableFilter] | None = None, record: bool = False,
         costs: bool = False,
     ) -> None:
@@ -68,7 +103,7 @@ class Frame:
         self.mesh = mesh  # the program's device mesh (compile(mesh=...)), else None
         self.monitor = monitor or {}
         self.collects_costs = costs  # optimize's trace: auxiliary costs are kept
-        self._out: Any = None  # what the traced function returned (see returned)
+        self._out: object = None  # what the traced function returned (see returned)
         self._scope = TraceScope()
         self._values = dict(values)
         self._updated: set[str] = set()
@@ -77,32 +112,96 @@ class Frame:
         self._seen = Collected([] if record else None)
         self._seen_managers: dict[int, Manager] = {id(m): m for m in managers}
         # The application calls in progress (their chain runners, innermost last).
-        self._calls: list[Any] = []
+        self._calls: list[CallInProgress] = []
         self._local_managers: list[Manager] = []
         self._call_counts: collections.Counter[tuple[str, str]] = collections.Counter()
-        self._parameter_cache: dict[tuple[Any, ...], list[tuple[Any, Any]]] = {}
-        self._scan_indices: list[Any] = []
+        # The parameter reads of this trace: per call and variable, (JAX trace, value) pairs.
+        self._parameter_cache: dict[ReadKey, list[tuple[object, jax.Array]]] = {}
+        self._scan_indices: list[jax.Array] = []
         self._held_off: dict[str, str] = {}  # path -> the module flag keeping it in eval mode
 
     # -- read-only views ------------------------------------------------------------------
-    values = property(lambda self: self._values, doc="Model variables by identity.")
-    hparams = property(lambda self: self._hparams, doc="Hyperparameters by (manager, name).")
-    monitored = property(lambda self: self._seen.monitored, doc="Monitored values by key.")
-    costs = property(lambda self: self._seen.costs_out(), doc="Auxiliary costs by owner.")
-    measured = property(lambda self: self._seen.measured_out(), doc="Measurements by key.")
-    records = property(lambda self: self._seen.records, doc="Tagged variables (graph traces).")
-    rewrites = property(lambda self: self._seen.rewrites, doc="The rewrites the trace made.")
-    matches = property(lambda self: self._seen.matches, doc="Matches per id(manager).")
-    unchanged = property(lambda self: self._seen.unchanged, doc="Variables left, by manager.")
-    seen_managers = property(lambda self: self._seen_managers, doc="Managers met, by id.")
-    calls = property(lambda self: self._calls, doc="Chain runners in progress.")
-    base_trace = property(lambda self: self._scope.base, doc="Where side outputs leave.")
-    owned_roles = property(lambda self: self._owned.roles, doc="Owned variables' roles.")
-    owned_updated = property(lambda self: self._owned.updated, doc="Owned keys written.")
-    out = property(lambda self: self._out, doc="What the traced function returned.")
-    held_off = property(lambda self: self._held_off, doc="Layers a module flag held in eval.")
+    @property
+    def values(self) -> dict[str, jax.Array]:
+        """Model variables' values by identity."""
+        return self._values
 
-    def returned(self, out: Any) -> None:
+    @property
+    def hparams(self) -> dict[tuple[str, str], jax.Array]:
+        """Hyperparameters by (manager, name)."""
+        return self._hparams
+
+    @property
+    def monitored(self) -> dict[str, object]:
+        """Monitored values by key."""
+        return self._seen.monitored
+
+    @property
+    def costs(self) -> dict[str, dict[str, ArrayLike]]:
+        """Auxiliary costs by owner, then by key."""
+        return self._seen.costs_out()
+
+    @property
+    def measured(self) -> dict[str, ArrayLike]:
+        """Measurements (``call.report``) by key."""
+        return self._seen.measured_out()
+
+    @property
+    def records(self) -> list[Recorded] | None:
+        """Tagged variables (graph traces only)."""
+        return self._seen.records
+
+    @property
+    def rewrites(self) -> list[Rewrite]:
+        """The rewrites the trace made, in order."""
+        return self._seen.rewrites
+
+    @property
+    def matches(self) -> collections.Counter[int]:
+        """Matches per ``id(manager)``."""
+        return self._seen.matches
+
+    @property
+    def unchanged(self) -> dict[str, set[tuple[str, str, int, str]]]:
+        """Variables left as they were, by manager."""
+        return self._seen.unchanged
+
+    @property
+    def seen_managers(self) -> dict[int, Manager]:
+        """Managers met, by id."""
+        return self._seen_managers
+
+    @property
+    def calls(self) -> Sequence[CallInProgress]:
+        """The application calls in progress (their chain runners), innermost last."""
+        return self._calls
+
+    @property
+    def base_trace(self) -> object:
+        """The JAX trace side outputs leave from."""
+        return self._scope.base
+
+    @property
+    def owned_roles(self) -> dict[OwnedKey, _roles.Role]:
+        """Owned variables' roles."""
+        return self._owned.roles
+
+    @property
+    def owned_updated(self) -> set[OwnedKey]:
+        """Owned keys the trace wrote."""
+        return self._owned.updated
+
+    @property
+    def out(self) -> object:
+        """What the traced function returned."""
+        return self._out
+
+    @property
+    def held_off(self) -> dict[str, str]:
+        """Layers a module flag held in eval mode: path -> flag."""
+        return self._held_off
+
+    def returned(self, out: object) -> None:
         """Keeps what the traced function returned (``frame.out``)."""
         self._out = out
 
@@ -111,52 +210,58 @@ class Frame:
         return self._scope.inner()
 
     # -- model variables -----------------------------------------------------------------
-    def holds(self, variable: Any) -> bool:
+    def variable_info(self, variable: nnx.Variable) -> VariableInfo | None:
+        """What the layout knows of ``variable`` if it is one of the program's model
+        variables or a copy an NNX lifted transform made of one, else None."""
+        identity = identity_of(variable)
+        if identity is None or identity not in self._values:
+            return None
+        return self.layout.by_identity[identity]
+
+    def holds(self, variable: nnx.Variable) -> bool:
         """Whether ``variable`` is one of the program's model variables (the model's own
         object, not a copy made by an NNX lifted transform)."""
         identity = identity_of(variable)
-        return identity in self._values and self.layout.objects.get(identity) is variable
+        return (identity is not None and identity in self._values
+                and self.layout.objects.get(identity) is variable)
 
-    def carries(self, variable: Any) -> bool:
+    def carries(self, variable: nnx.Variable) -> bool:
         """Whether the program threads ``variable``'s writes through (every one but the
         parameters, which a forward pass never writes: NNX transforms only echo them)."""
-        return not self.layout.by_identity[identity_of(variable)].role.is_a(_roles.PARAMETER)
+        return not self._info(variable).role.is_a(_roles.PARAMETER)
 
-    def stored(self, variable: Any) -> Any:
+    def stored(self, variable: nnx.Variable) -> jax.Array:
         """The program's current value of ``variable``, without rewrites."""
-        return self._values[identity_of(variable)]
+        return self._values[self._info(variable).identity]
 
-    def read(self, variable: Any) -> tuple[bool, Any]:
-        """``(True, value)`` as the innermost application call sees it, else ``(False, None)``.
-
-        A copy of a model variable made by an NNX lifted transform reads its own value (the
-        transform's: a layer's slice inside ``nnx.scan``), rewritten like the original's.
-        """
-        identity = identity_of(variable)
-        if identity not in self._values:
-            return False, None
-        base = self._values[identity] if self.holds(variable) else variable.get_raw_value()
-        if self._calls and self._calls[-1].path is not None:
-            return True, self._calls[-1].read_parameter(self.layout.by_identity[identity], base)
-        return True, base
-
-    def rewritten_once(self, key: tuple[Any, ...], rewrite: Callable[[], Any]) -> Any:
-        """``rewrite()`` once per ``key`` (a call and a variable) and JAX trace: a value
-        rewritten inside an inner trace (a scan body) must not leak out of it."""
+    def read_before(self, key: ReadKey) -> jax.Array | None:
+        """What parameter read ``key`` (a call and a variable) gave in the JAX trace in
+        progress (see :meth:`note_read`), None if it was not made there."""
         trace = current_trace()
-        cached = self._parameter_cache.setdefault(key, [])
-        for cached_trace, cached_value in cached:  # trace states are not hashable
-            if cached_trace == trace:
-                return cached_value
-        value = rewrite()
-        cached.append((trace, value))
-        return value
+        for cached_trace, value in self._parameter_cache.get(key, ()):
+            if cached_trace == trace:  # trace states are not hashable
+                return value
+        return None
 
-    def write(self, variable: Any, value: Any) -> None:
+    def note_read(self, key: ReadKey, value: jax.Array) -> None:
+        """Keeps ``value``, what parameter read ``key`` gave in the JAX trace in progress: a
+        value rewritten inside an inner trace (a scan body) must not leak out of it."""
+        self._parameter_cache.setdefault(key, []).append((current_trace(), value))
+
+    def write(self, variable: nnx.Variable, value: ArrayLike) -> None:
+        """Sets the program's value of ``variable``: ``value`` as an array (a traced array
+        is kept as it is; a number written, ``self.count = 0``, is one as jit returns it)."""
+        info = self._info(variable)
+        self.check_base_trace(f"writing {info.path}")
+        self._values[info.identity] = jnp.asarray(value)
+        self._updated.add(info.identity)
+
+    def _info(self, variable: nnx.Variable) -> VariableInfo:
+        """What the layout knows of model variable ``variable`` (or a transform's copy)."""
         identity = identity_of(variable)
-        self.check_base_trace(f"writing {self.layout.by_identity[identity].path}")
-        self._values[identity] = value
-        self._updated.add(identity)
+        if identity is None:
+            raise KeyError(f"{type(variable).__name__} is none of the program's variables")
+        return self.layout.by_identity[identity]
 
     def check_base_trace(self, what: str, where: str | None = None) -> None:
         """Raises :class:`~graphmod.errors.StateEscapesTransform` if a side output would be
@@ -173,7 +278,7 @@ class Frame:
         return call_id
 
     @contextmanager
-    def calling(self, call: Any) -> Iterator[None]:
+    def calling(self, call: CallInProgress) -> Iterator[None]:
         self._calls.append(call)
         try:
             yield
@@ -256,7 +361,7 @@ class Frame:
 
     # -- randomness -----------------------------------------------------------------------
     def rng(self, parts: tuple[str, ...], call_id: int, *, per_step: bool = True,
-            witnesses: Callable[[], Sequence[Any]] = tuple) -> Any:
+            witnesses: Callable[[], Sequence[jax.Array]] = tuple) -> jax.Array:
         """The key of a draw: the step key folded with CRC32 of ``parts`` and the call id,
         then (``per_step``) with ``graphmod.scan``'s step indices, with the device index
         under ``axis_name``; inside a loop body JAX traces once (``nnx.scan``, ``lax.scan``,
@@ -284,24 +389,26 @@ class Frame:
         return key
 
     # -- manager-owned variables and hyperparameters -----------------------------------------
-    def owned_value(self, key: OwnedKey, init: Any, role: _roles.Role, parameter: Any = None,
-                    stacked: int = 1, layer: Layer = tuple) -> None:
+    def owned_value(self, key: OwnedKey, init: OwnedInit, role: _roles.Role,
+                    parameter: jax.Array | None = None, stacked: int = 1,
+                    layer: Layer = tuple) -> None:
         """Makes sure owned variable ``key`` exists (see :meth:`OwnedStore.ensure`)."""
         self._owned.ensure(key, init, role, parameter, stacked, layer)
 
-    def read_owned(self, key: OwnedKey, stored: bool = False, layer: Layer = tuple) -> Any:
+    def read_owned(self, key: OwnedKey, stored: bool = False, layer: Layer = tuple
+                   ) -> jax.Array:
         """Owned variable ``key`` as the current trace sees it, or found it (``stored``)."""
         return self._owned.stored(key, layer) if stored else self._owned.read(key, layer)
 
-    def set_owned(self, key: OwnedKey, value: Any, layer: Layer = tuple) -> None:
+    def set_owned(self, key: OwnedKey, value: jax.Array, layer: Layer = tuple) -> None:
         """Sets owned variable ``key`` (see :meth:`OwnedStore.write`)."""
         self._owned.write(key, value, layer)
 
-    def owned_out(self) -> dict[OwnedKey, Any]:
+    def owned_out(self) -> dict[OwnedKey, jax.Array]:
         """The owned variables at the end of the trace (see :meth:`OwnedStore.out`)."""
         return self._owned.out()
 
-    def hparam(self, manager: Manager, name: str) -> Any:
+    def hparam(self, manager: Manager, name: str) -> jax.Array:
         key = (manager.name, name)
         if key not in self._hparams:
             if self.mode != "init":
@@ -313,12 +420,12 @@ class Frame:
         return self._hparams[key]
 
     # -- what the trace saw ---------------------------------------------------------------
-    def record(self, tag: Tag, value: Any, manager: str | None) -> None:
+    def record(self, tag: Tag, value: object, manager: str | None) -> None:
         """Notes a tagged variable for the computation graph (when one is being built)."""
         if self._seen.records is not None:
             self._seen.records.append(Recorded(tag, *shape_and_dtype(value), manager))
 
-    def note_rewrite(self, by: str, tag: Tag, before: Any, after: Any) -> None:
+    def note_rewrite(self, by: str, tag: Tag, before: object, after: object) -> None:
         """Notes ``by``'s rewrite of ``tag`` (``by``: a manager, or ``nnx.Dropout``)."""
         self._seen.rewrites.append(Rewrite.of(by, tag, before, after))
         self.record(tag, after, by)
@@ -330,28 +437,29 @@ class Frame:
 
     def rewrote_around(self, by: str) -> bool:
         """Whether ``by`` rewrote a value of an application call in progress around this."""
-        return self._seen.rewrote_in(by, self._calls)
+        return self._seen.rewrote_in(by, ((c.path, c.application, c.call_id)
+                                          for c in self._calls))
 
     def note_held_off(self, path: str, flag: str) -> None:
         """Notes that the Flax layer at ``path`` stays in eval mode in a training trace by a
         flag on the module (``deterministic=True``: ``model.eval()``); the program warns."""
         self._held_off[path] = flag
 
-    def add_cost(self, owner: str, key: str, value: Any, *, layers: tuple = (),
-                 layer: Layer = tuple) -> None:
+    def add_cost(self, owner: str, key: str, value: ArrayLike, *,
+                 layers: tuple[int, ...] = (), layer: Layer = tuple) -> None:
         """Notes an auxiliary cost of ``owner`` (a manager, or an application's variable),
         once per ``key`` in a trace (a parameter's cost, read by several calls, counts once;
         a layer's in loops over ``layers`` stacked layers: summed). Only optimize keeps costs."""
         if self._keeps(f"the auxiliary cost {key}", layers):
             self._seen.add_cost(owner, key, value, layers, layer)
 
-    def add_measurement(self, key: str, value: Any, *, layers: tuple = (),
+    def add_measurement(self, key: str, value: ArrayLike, *, layers: tuple[int, ...] = (),
                         layer: Layer = tuple) -> None:
         """Notes a measurement (``call.report``): optimize's metric ``key`` (a layer's: stacked)."""
         if self._keeps(f"the measurement {key}", layers):
             self._seen.add_measurement(key, value, layers, layer)
 
-    def _keeps(self, what: str, layers: tuple) -> bool:
+    def _keeps(self, what: str, layers: tuple[int, ...]) -> bool:
         """Whether optimize keeps this trace's values; raises if ``what`` cannot leave it."""
         if not self.collects_costs:
             return False
@@ -364,7 +472,7 @@ class Frame:
             self.check_base_trace(what)
         return True
 
-    def collect(self, tag: Tag, value: Any, key: str) -> None:
+    def collect(self, tag: Tag, value: object, key: str) -> None:
         """Stores ``value`` as a monitored output if a monitor selects ``tag``."""
         for label, monitor_filter in self.monitor.items():
             if monitor_filter.matches(tag, self.layout.instance_paths):
@@ -378,7 +486,7 @@ class Frame:
         return LoopSnapshot(dict(self._call_counts), len(self._seen.rewrites),
                             len(self._seen.records) if self._seen.records is not None else 0)
 
-    def carry(self) -> tuple[dict[str, Any], dict[OwnedKey, Any]]:
+    def carry(self) -> Carry:
         """The state a loop step may change: the model's variables but the parameters,
         and the owned variables."""
         model = {identity: value for identity, value in self._values.items()
@@ -386,7 +494,7 @@ class Frame:
         return model, dict(self._owned.values)
 
     @contextmanager
-    def loop_body(self, snapshot: LoopSnapshot, carry: tuple[dict, dict]) -> Iterator[None]:
+    def loop_body(self, snapshot: LoopSnapshot, carry: Carry) -> Iterator[None]:
         """Traces one step of a loop: from ``snapshot``'s calls, with ``carry``'s values,
         the step's trace as the base (its side outputs leave through the carry) and its
         own monitored values."""
@@ -405,14 +513,14 @@ class Frame:
         finally:
             self._seen.monitored = saved
 
-    def carried(self, carry: tuple[dict, dict]) -> tuple[tuple[dict, dict], dict[str, Any]]:
+    def carried(self, carry: Carry) -> tuple[Carry, dict[str, object]]:
         """The new values of ``carry``'s entries after a step, and the step's monitored
         values (inside :meth:`loop_body`)."""
         model, owned = carry
         new = ({i: self._values[i] for i in model}, {k: self._owned.values[k] for k in owned})
         return new, self._seen.monitored
 
-    def after_loop(self, carry: tuple[dict, dict], monitored: dict[str, Any], *,
+    def after_loop(self, carry: Carry, monitored: dict[str, object], *,
                    owned_written: bool) -> None:
         """Takes a loop's final carry and its stacked monitored values; the owned variables
         count as written if ``owned_written`` (at ``init`` they are the values from before
@@ -424,7 +532,7 @@ class Frame:
         self._seen.monitored.update(monitored)
 
     @contextmanager
-    def loop_step(self, index: Any) -> Iterator[None]:
+    def loop_step(self, index: jax.Array) -> Iterator[None]:
         """Folds a loop's step ``index`` into every draw of the block (see :meth:`rng`).
 
         Each step rewrites parameters anew: without ``jit`` (``jax.disable_jit``) every

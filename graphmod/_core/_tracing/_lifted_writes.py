@@ -20,16 +20,20 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Any
+from typing import TypeAlias
 
-# One dict per graphmod.remat region in progress, innermost last: id(variable) ->
-# (variable, value written in the region).
-_REGIONS: contextvars.ContextVar[tuple[dict[int, tuple[Any, Any]], ...]] = (
+import jax
+from flax import nnx
+
+# A region's writes: id(variable) -> (variable, value written in the region).
+Writes: TypeAlias = dict[int, tuple[nnx.Variable, jax.Array]]
+# One per graphmod.remat region in progress, innermost last.
+_REGIONS: contextvars.ContextVar[tuple[Writes, ...]] = (
     contextvars.ContextVar("graphmod_lifted", default=()))
 
 
 @contextlib.contextmanager
-def lifting() -> Iterator[dict[int, tuple[Any, Any]]]:
+def lifting() -> Iterator[Writes]:
     """A region whose writes to other levels' variables are kept; yields them, in the order
     first written.
 
@@ -39,12 +43,12 @@ def lifting() -> Iterator[dict[int, tuple[Any, Any]]]:
         >>> count = nnx.BatchStat(jnp.zeros(()))
         >>> with lifting() as writes:
         ...     write(count, jnp.ones(()))
-        ...     float(read(count)[1])
+        ...     float(read(count))
         1.0
         >>> [float(value) for _, value in writes.values()], float(count.get_value())
         ([1.0], 0.0)
     """
-    writes: dict[int, tuple[Any, Any]] = {}
+    writes: Writes = {}
     token = _REGIONS.set((*_REGIONS.get(), writes))
     try:
         yield writes
@@ -52,21 +56,20 @@ def lifting() -> Iterator[dict[int, tuple[Any, Any]]]:
         _REGIONS.reset(token)
 
 
-def lifts(variable: Any) -> bool:
+def lifts(variable: nnx.Variable) -> bool:
     """Whether a write to ``variable`` is kept by the innermost region: one is in progress
     and Flax would refuse the write (the variable belongs to another trace level)."""
     return bool(_REGIONS.get()) and not variable._trace_state.is_valid()
 
 
-def write(variable: Any, value: Any) -> None:
+def write(variable: nnx.Variable, value: jax.Array) -> None:
     """Keeps ``value`` as ``variable``'s in the innermost region."""
     _REGIONS.get()[-1][id(variable)] = (variable, value)
 
 
-def read(variable: Any) -> tuple[bool, Any]:
-    """``(True, value)`` if a region in progress kept a write to ``variable`` (the
-    innermost's), else ``(False, None)``."""
+def read(variable: nnx.Variable) -> jax.Array | None:
+    """The value a region in progress kept as ``variable``'s (the innermost's), else None."""
     for writes in reversed(_REGIONS.get()):
         if id(variable) in writes:
-            return True, writes[id(variable)][1]
-    return False, None
+            return writes[id(variable)][1]
+    return None

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import html
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence, Set
+from typing import TYPE_CHECKING
 
 import jax
 
 from graphmod._core._display._table import html_table, text_table
+from graphmod._core._managers._order import ManagerOrder
 from graphmod._core._program._arguments import spec
 
+if TYPE_CHECKING:
+    from treescope.renderers import TreescopeSubtreeRenderer
+    from treescope.rendering_parts import RenderableAndLineAnnotations
 
-def shape_and_dtype(value: Any) -> tuple[tuple[int, ...], str]:
+    from graphmod._core._managers._manager import Manager
+    from graphmod._core._selection._filter import Tag
+
+
+def shape_and_dtype(value: object) -> tuple[tuple[int, ...], str]:
     """The shape and dtype of an array-like value, for records (a pytree: its leaves')."""
     leaves = jax.tree.leaves(value)
     if len(leaves) == 1:
@@ -41,7 +49,7 @@ class Rewrite:
     dtype_out: str
 
     @classmethod
-    def of(cls, by: str, tag: Any, before: Any, after: Any) -> Rewrite:
+    def of(cls, by: str, tag: Tag, before: object, after: object) -> Rewrite:
         """``by``'s rewrite of tagged variable ``tag`` from ``before`` to ``after``."""
         return cls(by, tag.brick_path, tag.application, tag.call_id, tag.role.name, tag.label,
                    *shape_and_dtype(before), *shape_and_dtype(after))
@@ -62,7 +70,7 @@ class Rewrite:
         (a cast: ``float32->bfloat16``)."""
         return _change(self.dtype_in, self.dtype_out)
 
-    def row(self, index: int) -> tuple[Any, ...]:
+    def row(self, index: int) -> tuple[int | str, ...]:
         if self.role == "CALL":
             return (index, self.manager, self.path, self.application, self.call_id,
                     self.role, "-", "-", "-")
@@ -99,12 +107,13 @@ class RewriteTrace:
     order: tuple[str, ...] = ()
 
     @classmethod
-    def traced(cls, mode: str, rewrites: list[Rewrite], unchanged: dict[str, set[Any]],
-               managers: Sequence[Any] = ()) -> RewriteTrace:
+    def traced(cls, mode: str, rewrites: Sequence[Rewrite],
+               unchanged: Mapping[str, Set[tuple[str, str, int, str]]],
+               managers: Sequence[Manager] = ()) -> RewriteTrace:
         """The trace of ``mode`` from a frame's rewrites, the variables left by manager and
         the managers in their resolved order (a ``ManagerOrder``, whose ``lines()`` say
         which constraint moved what)."""
-        lines = managers.lines() if hasattr(managers, "lines") else []
+        lines = managers.lines() if isinstance(managers, ManagerOrder) else []
         return cls(mode, tuple(rewrites),
                    tuple((by, len(left)) for by, left in unchanged.items()), tuple(lines))
 
@@ -145,7 +154,7 @@ class RewriteTrace:
     def _repr_html_(self) -> str:
         return self._html()
 
-    def _treescope(self, modes: Sequence[str] = ()) -> Any:
+    def _treescope(self, modes: Sequence[str] = ()) -> RenderableAndLineAnnotations:
         """Treescope's rendering: the caption, then a foldable node per brick path whose
         lines are its rewrites (manager, application and call, role, variable, shape,
         dtype)."""
@@ -166,7 +175,8 @@ class RewriteTrace:
             prefix=f"{self._caption(modes)}", children=nodes, suffix="",
             expand_state=parts.ExpandState.EXPANDED)
 
-    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    def __treescope_repr__(self, path: str | None, subtree_renderer: TreescopeSubtreeRenderer
+                           ) -> RenderableAndLineAnnotations:
         return self._treescope()
 
 
@@ -240,7 +250,8 @@ class Rewrites:
         return "".join(trace._html(modes) for trace, modes in self._shown()
                        ) or "<p>no trace yet</p>"
 
-    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    def __treescope_repr__(self, path: str | None, subtree_renderer: TreescopeSubtreeRenderer
+                           ) -> RenderableAndLineAnnotations:
         """Treescope's rendering: each mode's trace (once for modes that agree)."""
         from treescope import rendering_parts as parts  # Flax's display: where it renders
 

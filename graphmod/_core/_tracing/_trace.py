@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import jax.extend
 
 from graphmod.errors import StateEscapesTransform
 
 
-def current_trace() -> Any:
-    """An opaque token of the JAX trace in progress (equal tokens: same trace)."""
+def current_trace() -> object:
+    """An opaque token of the JAX trace in progress (equal tokens: same trace; JAX's
+    ``OpaqueTraceState``, not public)."""
     return jax.extend.core.get_opaque_trace_state(convention="nnx")
 
 
@@ -35,7 +35,7 @@ class TraceScope:
         self._base = current_trace()
 
     @property
-    def base(self) -> Any:
+    def base(self) -> object:
         return self._base
 
     def inner(self) -> bool:

@@ -3,7 +3,9 @@
 Inside a compiled program every variable of the model reads the program's value for it (a
 tracer), possibly rewritten by the managers of the innermost application call, and writes go
 to the program's output instead of the stored array. The redirection lives in
-:class:`Tracked`: ``get_value``/``set_value`` consult the current frame, and ``__getattr__``
+:class:`Tracked`: ``get_value`` is the parameter read
+(:func:`~graphmod._core._tracing._parameter_read.read_parameter`), ``set_value`` writes to the
+current frame, and ``__getattr__``
 forwards array attributes (``W.T``, ``W.reshape``, ``W.astype``, ``W.sum()``) to the
 redirected value, since Flax forwards them to the raw array otherwise. ``W.shape``,
 ``W.ndim`` and ``W.size`` are the stored array's: reading them runs no manager.
@@ -26,9 +28,11 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 from flax import nnx
 from flax.nnx import graphlib, tracers
@@ -37,30 +41,39 @@ from flax.typing import MISSING
 from graphmod import roles
 from graphmod._core._tracing import _lifted_writes
 from graphmod._core._tracing._context import current_frame
+from graphmod._core._tracing._parameter_read import read_parameter
+from graphmod.typing import ArrayLike
+
+if TYPE_CHECKING:
+    from flax.nnx.pytreelib import PytreeState
 
 __all__ = ["Bias", "Filter", "Parameter", "State", "Weight"]
 
 IDENTITY_KEY = "graphmod_identity"
 
+if TYPE_CHECKING:  # a mixin of Flax variable classes, checked as one
+    _VariableMixin = nnx.Variable
+else:
+    _VariableMixin = object
 
-class Tracked:
+
+class Tracked(_VariableMixin):
     """Mixin: reads and writes go through the active program's frame, if any."""
 
     __slots__ = ()
 
-    def get_value(self, *, index: Any = MISSING) -> Any:
-        frame = current_frame()
-        found, value = (False, None) if frame is None else frame.read(self)
-        if not found:
-            return super().get_value(index=index)  # type: ignore[misc]
+    def get_value(self, *, index: object = MISSING) -> jax.Array:
+        value = read_parameter(self)
+        if value is None:
+            return super().get_value(index=index)
         if index is MISSING or index is ...:
             return value
         return value[index]
 
-    def set_value(self, value: Any, *, index: Any = MISSING) -> None:
+    def set_value(self, value: ArrayLike, *, index: object = MISSING) -> None:
         frame = current_frame()
         if frame is None or not frame.holds(self):
-            super().set_value(value, index=index)  # type: ignore[misc]
+            super().set_value(value, index=index)
             return
         if index is not MISSING and index is not ...:
             value = frame.stored(self).at[index].set(value)
@@ -72,30 +85,30 @@ class Tracked:
     # count update are then program state like any other write.
     def _check_can_update(self) -> None:
         if not (_held(self) or _lifted_writes.lifts(self)):
-            super()._check_can_update()  # type: ignore[misc]
+            super()._check_can_update()
 
     @property
     def _can_update(self) -> bool:
-        return _held(self) or _lifted_writes.lifts(self) or super()._can_update  # type: ignore[misc]
+        return _held(self) or _lifted_writes.lifts(self) or super()._can_update
 
     # NNX lifted transforms (nnx.scan, nnx.vmap, nnx.remat, ...) take the raw values of the
     # variables they are given (as pytree leaves: the ``_raw_value`` slot) and write the
     # results back. While a program traces, the model's own variables yield the program's
     # values and take back non-parameter results (running statistics, RNG counts) into the
     # program, never into the model. The transform's copies hold its values (a layer's
-    # slice inside nnx.scan/nnx.vmap): a copy reads its own (``Frame.read``).
+    # slice inside nnx.scan/nnx.vmap): a copy reads its own (``read_parameter``).
     # Inside a graphmod.remat region, a copy's write at another trace level is kept by the
     # region (graphmod._core._tracing._lifted_writes) and read back from it.
     @property
-    def _raw_value(self) -> Any:
+    def _raw_value(self) -> jax.Array:
         frame = current_frame()
         if frame is not None and frame.holds(self):
             return frame.stored(self)
-        found, value = _lifted_writes.read(self)
-        return value if found else _RAW_VALUE.__get__(self)
+        lifted = _lifted_writes.read(self)
+        return _RAW_VALUE.__get__(self) if lifted is None else lifted
 
     @_raw_value.setter
-    def _raw_value(self, value: Any) -> None:
+    def _raw_value(self, value: jax.Array) -> None:  # what NNX transforms write back
         frame = current_frame()
         if frame is not None and frame.holds(self):
             if frame.carries(self):
@@ -105,11 +118,11 @@ class Tracked:
         else:
             _RAW_VALUE.__set__(self, value)
 
-    def update_from_state(self, variable_state: Any) -> None:
+    def update_from_state(self, variable_state: nnx.Variable) -> None:
         if _held(self):
             self._raw_value = variable_state.get_raw_value()
         else:
-            super().update_from_state(variable_state)  # type: ignore[misc]
+            super().update_from_state(variable_state)
 
     # The shape describes the stored array, which no manager changes: reading it (a parent's
     # ``self.layer.kernel.shape``, as Gemma's attention reads its heads) runs no manager, so
@@ -117,10 +130,10 @@ class Tracked:
     @property
     def shape(self) -> tuple[int, ...]:
         if current_frame() is None:
-            return super().shape  # type: ignore[misc]
+            return super().shape
         return tuple(np.shape(self._raw_value))
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         metadata = object.__getattribute__(self, "_var_metadata")
         if name in metadata:
             return metadata[name]
@@ -132,10 +145,11 @@ class Tracked:
 _OF_SHAPE = {"ndim": len, "size": math.prod}  # array attributes the shape alone answers
 
 
-_RAW_VALUE = nnx.Variable._raw_value  # the slot a Variable keeps its array in
+# The slot a Variable keeps its array in.
+_RAW_VALUE: types.MemberDescriptorType = vars(nnx.Variable)["_raw_value"]
 
 
-def _held(variable: Any) -> bool:
+def _held(variable: nnx.Variable) -> bool:
     frame = current_frame()
     return frame is not None and frame.holds(variable)
 
@@ -231,7 +245,7 @@ def parameter_role(name: str) -> roles.Role:
     return roles.PARAMETER
 
 
-def store_raw(variable: nnx.Variable, value: Any) -> None:
+def store_raw(variable: nnx.Variable, value: ArrayLike) -> None:
     """Sets the array ``variable`` keeps, bypassing Flax's trace-level check (for
     graphmod's own stand-ins, filled while a program's trace starts)."""
     _RAW_VALUE.__set__(variable, value)
@@ -248,7 +262,7 @@ def tracked_class(cls: type) -> type:
     if issubclass(cls, Tracked):
         return cls
 
-    def __reduce__(self: Any) -> tuple[Any, ...]:
+    def __reduce__(self: nnx.Variable) -> tuple[object, ...]:
         # Pickle and deepcopy as the original class, tracked again on load.
         return _unpickle_tracked, (cls, self.__getstate__())
 
@@ -268,7 +282,7 @@ def _equal_to_original(meta: type) -> type:
                                                       "__hash__": meta.__hash__})
 
 
-def _unpickle_tracked(cls: type, state: dict[str, Any]) -> nnx.Variable:
+def _unpickle_tracked(cls: type[nnx.Variable], state: dict[str, object]) -> nnx.Variable:
     variable = cls.__new__(cls)
     variable.__setstate__(state)
     object.__setattr__(variable, "__class__", tracked_class(cls))
@@ -297,7 +311,7 @@ def mark_variable(variable: nnx.Variable, identity: str) -> Callable[[], None]:
 _ABSENT = object()
 
 
-def _metadata(variable: nnx.Variable) -> dict[str, Any]:
+def _metadata(variable: nnx.Variable) -> dict[str, Any]:  # Flax's type
     return object.__getattribute__(variable, "_var_metadata")
 
 
@@ -317,7 +331,7 @@ class _ModelTraceState(tracers.TraceState):
             current_frame() is not None and bool(graphlib.GRAPH_CONTEXT.ref_index_stack))
 
 
-def adopt_node(node: Any) -> Any:
+def adopt_node(node: object) -> PytreeState | None:
     """Gives an NNX node of a compiled model a :class:`_ModelTraceState` (same trace);
     returns the node's ``PytreeState`` holding it (None for other graph nodes).
 

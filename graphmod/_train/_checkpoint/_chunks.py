@@ -31,7 +31,7 @@ import collections
 import math
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,9 @@ import numpy as np
 from graphmod._train._checkpoint._errors import CheckpointError, failure_reason
 from graphmod._train._checkpoint._format import checksum, corrupted
 from graphmod._train._checkpoint._parts import open_part, read_piece
+
+if TYPE_CHECKING:
+    from numpy.lib.npyio import NpzFile
 
 Region = tuple[slice, ...]
 # (part, the chunk's index among that part's chunks) -> the chunk's raw bytes
@@ -93,7 +96,7 @@ def read_region(path: str, entry: list[Any], members: list[int], piece: PieceRea
     return out
 
 
-def _checked(path: str, where: str, piece: Any, size: list[int], dtype: str,
+def _checked(path: str, where: str, piece: np.ndarray, size: list[int], dtype: str,
              crc: str) -> np.ndarray:
     """A chunk's raw bytes as an array of ``size`` and ``dtype``, once checked."""
     piece, kind = np.asarray(piece), jnp.dtype(dtype)
@@ -108,7 +111,7 @@ def _checked(path: str, where: str, piece: Any, size: list[int], dtype: str,
 
 
 def local_array(path: str, entry: list[Any], members: list[int], piece: PieceReader,
-                sharding: Any) -> Any:
+                sharding: jax.sharding.Sharding | None) -> np.ndarray | jax.Array:
     """The array of ``entry`` placed by ``sharding`` across processes, read from the
     regions this process's devices hold (each distinct one once); whole on the host when
     ``sharding`` is None or places it on this process's devices alone."""
@@ -117,7 +120,8 @@ def local_array(path: str, entry: list[Any], members: list[int], piece: PieceRea
     shape = tuple(entry[1])
     regions: dict[tuple, np.ndarray] = {}
 
-    def region(index: Region) -> np.ndarray:
+    def region(index: Region | None) -> np.ndarray:
+        assert index is not None  # a shard's index: JAX asserts so itself before calling
         bounds = tuple(cut.indices(n)[:2] for cut, n in zip(index, shape, strict=True))
         if bounds not in regions:
             regions[bounds] = read_region(path, entry, members, piece,
@@ -137,12 +141,12 @@ class PartFiles:
         self.path = path
         self._counts = collections.Counter(part for *_, chunks in entries
                                            for part, *_ in chunks)
-        self._open: dict[int, Any] = {}
+        self._open: dict[int, NpzFile] = {}
 
     def __enter__(self) -> PartFiles:
         return self
 
-    def __exit__(self, *_: Any) -> None:
+    def __exit__(self, *_: object) -> None:
         for archive in self._open.values():
             archive.close()
         self._open.clear()
@@ -156,7 +160,7 @@ class PartFiles:
         except (OSError, ValueError) as error:
             raise self._unreadable(part, error) from None
 
-    def _opened(self, part: int) -> Any:
+    def _opened(self, part: int) -> NpzFile:
         name = f"part-{part}.npz"
         where = os.path.join(self.path, name)
         if not os.path.isfile(where):

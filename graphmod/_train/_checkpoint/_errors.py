@@ -15,7 +15,6 @@ import re
 import sys
 import threading
 import time
-from typing import Any
 
 log = logging.getLogger("graphmod.checkpoint")
 _ORBAX_READ = re.compile(r"OCDBT|tensorstore|orbax")
@@ -80,7 +79,7 @@ def quiet_orbax() -> None:
     if getattr(previous, "graphmod_quiet", False):
         return
 
-    def hook(unraisable: Any) -> None:
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
         error = unraisable.exc_value
         if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
             log.debug("orbax: a read finished after its restore failed", exc_info=error)

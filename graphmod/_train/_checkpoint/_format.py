@@ -42,7 +42,7 @@ import os
 import re
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +51,7 @@ import numpy as np
 from graphmod._core._number_checks import is_real_number, is_whole_number
 from graphmod._core._program._arguments import is_key
 from graphmod._train._checkpoint._errors import CheckpointError
+from graphmod.typing import JSON, PyTree
 
 FORMAT = 2
 MARKER = "graphmod-checkpoint.json"  # in every checkpoint folder: what makes it graphmod's
@@ -58,20 +59,23 @@ _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,256}")
 CHUNKED_FORMAT = 3  # a multi-process run's: each array in the chunks its processes held
 LEGACY_FORMAT = 1  # graphmod 0.1's: one pytree of arrays, no run id, no checksums
 Chunk = tuple[int, list[int], np.ndarray]  # (leaf index, start, the piece on the host)
+_State = TypeVar("_State")  # a state's tree (a TrainState, a dict), its template's too
+# An array's entry in the meta record, [path, shape, dtype, checksum or chunks], is a JSON
+# list of mixed types, which Python types as list[Any] (check_record validated it).
 
 
-def is_run_id(value: Any) -> bool:
+def is_run_id(value: object) -> TypeGuard[str]:
     """Whether ``value`` can be a run id: it names files, so only letters, digits, ``_``
     and ``-``, 1 to 256 of them (a uuid4's hex, by default)."""
     return isinstance(value, str) and _RUN_ID.fullmatch(value) is not None
 
 
-def marker_record(run_id: str, step: int) -> dict[str, Any]:
+def marker_record(run_id: str, step: int) -> dict[str, JSON]:
     """The marker graphmod writes into the folder of ``step``'s checkpoint (``MARKER``)."""
     return {"graphmod": "checkpoint", "run_id": run_id, "step": step}
 
 
-def marker_error(marker: Any, step: int) -> str | None:
+def marker_error(marker: JSON, step: int) -> str | None:
     """Why ``marker`` (read from the folder named ``step``) is not graphmod's marker of that
     step, or None.
 
@@ -88,7 +92,7 @@ def marker_error(marker: Any, step: int) -> str | None:
     return None
 
 
-def leaf_specs(state: Any) -> dict[str, list[Any]]:
+def leaf_specs(state: PyTree) -> dict[str, JSON]:
     """``{leaf path: [shape, dtype]}`` of a state (a key: its key data's shape, its key dtype).
 
     Examples:
@@ -97,25 +101,24 @@ def leaf_specs(state: Any) -> dict[str, list[Any]]:
         >>> leaf_specs({"w": jnp.ones((2, 3)), "rng": jax.random.key(0)})
         {"['rng']": [[2], 'key<fry>'], "['w']": [[2, 3], 'float32']}
     """
-    out = {}
+    out: dict[str, JSON] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         if is_key(leaf):  # described by its key data, for arrays and abstract keys alike
-            data = jax.eval_shape(jax.random.key_data, leaf)
-            shape, dtype = list(data.shape), str(leaf.dtype)
+            shape, dtype = jax.eval_shape(jax.random.key_data, leaf).shape, str(leaf.dtype)
         else:
-            shape, dtype = list(np.shape(leaf)), str(jnp.result_type(leaf))
-        out[jax.tree_util.keystr(path)] = [shape, dtype]
+            shape, dtype = np.shape(leaf), str(jnp.result_type(leaf))
+        out[jax.tree_util.keystr(path)] = [[*shape], dtype]
     return out
 
 
-def storable(state: Any) -> list[np.ndarray]:
+def storable(state: PyTree) -> list[np.ndarray]:
     """The state's leaves as whole host NumPy arrays (keys as key data), safe to write
     later (one process: every array is whole on its devices)."""
     # np.array copies: the loop donates the state's buffers at the next step
     return [np.array(_data(leaf)) for leaf in jax.tree.leaves(state)]
 
 
-def _data(leaf: Any) -> Any:
+def _data(leaf: Any) -> Any:  # a leaf of jax.tree.leaves: an array, a number, a key
     """A leaf as it is stored: a key as its key data, anything else as it is."""
     return jax.random.key_data(leaf) if is_key(leaf) else leaf
 
@@ -134,7 +137,7 @@ def shard_chunks(array: jax.Array) -> list[tuple[list[int], np.ndarray]]:
             for shard in array.addressable_shards if shard.replica_id == 0]
 
 
-def owned_chunks(state: Any) -> list[Chunk]:
+def owned_chunks(state: PyTree) -> list[Chunk]:
     """The pieces of the state's leaves (keys as key data) this process writes in a run of
     several processes: of an array split over processes, its :func:`shard_chunks`; what
     is whole in every process (a Python number, an array on one process's devices) is
@@ -149,7 +152,7 @@ def owned_chunks(state: Any) -> list[Chunk]:
     return out
 
 
-def stored_specs(template: Any) -> list[tuple[list[int], str]]:
+def stored_specs(template: PyTree) -> list[tuple[list[int], str]]:
     """The shape and dtype each leaf of ``template`` is stored with (keys: their key data)."""
     def one(leaf: Any) -> tuple[list[int], str]:
         if is_key(leaf):
@@ -180,9 +183,9 @@ def stored_positions(path: str, entries: list[list[Any]], paths: Sequence[str]) 
     return [index[leaf] for leaf in paths]
 
 
-def restored(template: Any, leaves: list[np.ndarray]) -> Any:
+def restored(template: _State, leaves: Sequence[np.ndarray | jax.Array]) -> _State:
     """The stored ``leaves`` as a state shaped like ``template`` (keys wrapped again)."""
-    def back(want: Any, got: Any) -> Any:
+    def back(want: Any, got: np.ndarray | jax.Array) -> jax.Array:
         if is_key(want):  # the key's implementation is part of its dtype
             return jax.random.wrap_key_data(jnp.asarray(got), impl=want.dtype._impl)
         if isinstance(got, jax.Array):  # placed across processes already (local_array)
@@ -196,7 +199,7 @@ def restored(template: Any, leaves: list[np.ndarray]) -> Any:
 def checksum(array: np.ndarray) -> str:
     """CRC-32 of an array's bytes in C order, as 8 hex digits (zlib releases the GIL)."""
     data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    return f"{zlib.crc32(data):08x}"
+    return f"{zlib.crc32(data.data):08x}"
 
 
 def checksums(arrays: list[np.ndarray]) -> list[str]:
@@ -209,21 +212,28 @@ def checksums(arrays: list[np.ndarray]) -> list[str]:
         return list(pool.map(checksum, arrays))
 
 
-def array_entries(paths: list[str], arrays: list[np.ndarray]) -> list[list[Any]]:
+def array_list(record: Mapping[str, JSON]) -> list[list[Any]]:
+    """The entries of a meta record's array list, which :func:`check_record` validated."""
+    arrays = record["arrays"]
+    return [entry for entry in arrays if isinstance(entry, list)] \
+        if isinstance(arrays, list) else []
+
+
+def array_entries(paths: list[str], arrays: list[np.ndarray]) -> list[JSON]:
     """The meta record's ``[path, shape, dtype, checksum]`` of each array."""
-    return [[p, list(a.shape), str(a.dtype), c]
+    return [[p, [*a.shape], str(a.dtype), c]
             for p, a, c in zip(paths, arrays, checksums(arrays), strict=True)]
 
 
-def check_compatible(directory: str, saved: Mapping[str, Any],
-                     want: Mapping[str, list[Any]]) -> None:
+def check_compatible(directory: str, saved: Mapping[str, JSON],
+                     want: Mapping[str, JSON]) -> None:
     """Raises naming the differing leaf paths unless ``want`` (a template's
     :func:`leaf_specs`) is the saved state's."""
     differing = sorted(
         [f"{p} (missing in the checkpoint)" for p in want if p not in saved]
         + [f"{p} (only in the checkpoint)" for p in saved if p not in want]
-        + [f"{p}: checkpoint {saved[p][0]} {saved[p][1]}, program {want[p][0]} {want[p][1]}"
-           for p in want if p in saved and list(saved[p]) != list(want[p])]
+        + [f"{p}: checkpoint {_spec(saved[p])}, program {_spec(want[p])}"
+           for p in want if p in saved and saved[p] != want[p]]
     )
     if differing:
         raise ValueError(
@@ -233,7 +243,7 @@ def check_compatible(directory: str, saved: Mapping[str, Any],
         )
 
 
-def check_record(path: str, record: Any, *, legacy: bool, step: int | None = None,
+def check_record(path: str, record: JSON, *, legacy: bool, step: int | None = None,
                  loop: bool = False) -> None:
     """Raises a :class:`CheckpointError` unless ``record`` is a meta record of this format
     with a well-formed array list (``legacy``: a format-1 record passes as it is), naming
@@ -273,15 +283,16 @@ def check_record(path: str, record: Any, *, legacy: bool, step: int | None = Non
     arrays = record.get("arrays")
     if not isinstance(arrays, list) or not all(_well_formed(a) for a in arrays):
         raise CheckpointError(path, "the meta record's array list is malformed")
+    entries: list[list[Any]] = [a for a in arrays if isinstance(a, list)]  # all: well formed
     if record["format"] == FORMAT:
-        if not all(isinstance(a[3], str) for a in arrays):
+        if not all(isinstance(a[3], str) for a in entries):
             raise CheckpointError(path, "the meta record's array list is malformed")
         return
     parts = record.get("parts")
-    if not is_whole_number(parts, least=1):
+    if not _whole(parts, least=1):
         raise CheckpointError(path, f"the meta record's part count {parts!r} is not a whole "
                               "number >= 1")
-    for name, shape, _, chunks in arrays:
+    for name, shape, _, chunks in entries:
         why = _tiling_error(shape, chunks, parts)
         if why:
             raise CheckpointError(path, f"the chunks of array {name} {why}")
@@ -297,7 +308,7 @@ _LISTS = ("data_changes", "setting_changes")
 _OBJECTS = ("plugins", "metrics")
 
 
-def _check_loop_record(path: str, record: dict[str, Any], step: int | None,
+def _check_loop_record(path: str, record: dict[str, JSON], step: int | None,
                        required: bool) -> None:
     """Raises a :class:`CheckpointError` naming the first field of a loop's counters
     (those of ``_LOOP_FIELDS`` and beside them) that is missing or of the wrong type."""
@@ -313,12 +324,13 @@ def _check_loop_record(path: str, record: dict[str, Any], step: int | None,
         raise CheckpointError(path, f"the meta record's 'time' is {time!r:.80}, not an object "
                               f"of {', '.join(_TIME_COUNTS + _TIME_SECONDS)}")
     for name in _TIME_COUNTS:
-        if name in time and not is_whole_number(time[name], least=0):
+        if name in time and not _whole(time[name]):
             raise CheckpointError(path, f"the meta record's 'time.{name}' is {time[name]!r}, "
                                   "not a whole number >= 0")
     for name in _TIME_SECONDS:
-        if name in time and not (is_real_number(time[name]) and time[name] >= 0):
-            raise CheckpointError(path, f"the meta record's 'time.{name}' is {time[name]!r}, "
+        seconds = time.get(name, 0)
+        if not (_real(seconds) and seconds >= 0):
+            raise CheckpointError(path, f"the meta record's 'time.{name}' is {seconds!r}, "
                                   "not a number of seconds >= 0")
     if step is not None and time.get("step") != step:
         raise CheckpointError(path, f"the meta record's 'time.step' is {time.get('step')!r}, "
@@ -346,7 +358,7 @@ def _check_loop_record(path: str, record: dict[str, Any], step: int | None,
 _MODEL_FIELDS = ("name", "steps", "schedule", "reads")
 
 
-def _check_models(path: str, models: Any) -> None:
+def _check_models(path: str, models: JSON) -> None:
     """Raises a :class:`CheckpointError` naming the first malformed part of a loop's
     ``models`` record (a list of objects of name, steps, schedule and reads)."""
     if not isinstance(models, list) or not models:
@@ -367,7 +379,7 @@ def _check_models(path: str, models: Any) -> None:
             if not valid:
                 raise CheckpointError(path, f"the meta record's 'models[{i}].{key}' is "
                                       f"{model[key]!r:.80}, not {kind}")
-    names = [model["name"] for model in models]
+    names = [model["name"] for model in models if isinstance(model, dict)]  # all (checked)
     if len(set(names)) != len(names):
         raise CheckpointError(path, f"the meta record's 'models' names a model twice: {names}")
 
@@ -391,28 +403,30 @@ def corrupted(path: str, what: str, found: str, recorded: str) -> CheckpointErro
                            f"{recorded}): the data is corrupted")
 
 
-def _tiling_error(shape: list[int], chunks: Any, parts: int) -> str | None:
+def _tiling_error(shape: list[int], chunks: JSON, parts: int) -> str | None:
     """Why ``chunks`` (``[part, start, shape, checksum]`` each, parts below ``parts``) do
     not lie inside an array of ``shape`` and add up to its size, or None (whether they
     overlap is checked as they are read: ``_chunks.read_region``)."""
-    def counts(values: Any) -> bool:
+    def counts(values: JSON) -> TypeGuard[list[int]]:
         return _whole_numbers(values) and len(values) == len(shape)
 
     if not isinstance(chunks, list):
         return "are not a list"
+    sizes = []
     for chunk in chunks:
-        if not (isinstance(chunk, list) and len(chunk) == 4 and is_whole_number(chunk[0], least=0)
+        if not (isinstance(chunk, list) and len(chunk) == 4 and _whole(chunk[0])
                 and chunk[0] < parts and counts(chunk[1]) and counts(chunk[2])
                 and isinstance(chunk[3], str)):
             return f"are malformed ({chunk!r:.80})"
         if any(a + n > d for a, n, d in zip(chunk[1], chunk[2], shape, strict=True)):
             return f"reach outside its shape {shape} (at {chunk[1]}, {chunk[2]})"
-    if sum(math.prod(c[2]) for c in chunks) != math.prod(shape):
+        sizes.append(math.prod(chunk[2]))
+    if sum(sizes) != math.prod(shape):
         return f"do not add up to its shape {shape}"
     return None
 
 
-def _well_formed(entry: Any) -> bool:
+def _well_formed(entry: JSON) -> bool:
     """Whether a meta array entry is ``[path, shape, plain dtype name, checksum]`` (the
     checksum a string, or a chunk list that :func:`_tiling_error` checks)."""
     if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
@@ -425,6 +439,21 @@ def _well_formed(entry: Any) -> bool:
         return False
 
 
-def _whole_numbers(values: Any) -> bool:
+def _whole_numbers(values: JSON) -> TypeGuard[list[int]]:
     """Whether a value read from JSON is a list of ints >= 0 (a shape, a start)."""
     return isinstance(values, list) and all(is_whole_number(v, least=0) for v in values)
+
+
+def _whole(value: JSON, least: int = 0) -> TypeGuard[int]:
+    """Whether a value read from JSON is an int >= ``least`` (a bool is no count)."""
+    return is_whole_number(value, least=least)
+
+
+def _real(value: JSON) -> TypeGuard[int | float]:
+    """Whether a value read from JSON is a number (a bool is none)."""
+    return is_real_number(value)
+
+
+def _spec(spec: JSON) -> str:
+    """A leaf's ``[shape, dtype]`` of a tree record, as a message shows it."""
+    return " ".join(map(str, spec)) if isinstance(spec, list) else repr(spec)

@@ -32,13 +32,16 @@ import socket
 import stat
 import time
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 from graphmod._train._checkpoint._errors import CheckpointError
+
+if TYPE_CHECKING:
+    from graphmod.typing import JSON
 
 LOCK_NAME = "graphmod.lock"
 _ATTEMPTS = 20  # tries at a lock file its holders keep deleting (each try is immediate)
@@ -209,7 +212,7 @@ def _held_by_graphmod(fd: int) -> bool:
     return not data or _record(data) is not None
 
 
-def _record(data: bytes) -> dict[str, Any] | None:
+def _record(data: bytes) -> dict[str, JSON] | None:
     """The holder's record in a lock file's bytes, or None if they hold none."""
     try:
         record = json.loads(data)

@@ -25,27 +25,34 @@ from __future__ import annotations
 import json
 import os
 import zipfile
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from numpy.lib.npyio import NpzFile
 
-def write_part(path: str, pieces: list[np.ndarray], listed: list[list[Any]]) -> None:
+
+def write_part(path: str, pieces: list[np.ndarray], listed: Sequence[Sequence[object]]
+               ) -> None:
     """Writes ``pieces`` (as raw bytes) and their ``listed`` entries to ``path`` at once."""
     members = {f"c{i}": np.ascontiguousarray(piece).reshape(-1).view(np.uint8)
                for i, piece in enumerate(pieces)}
     members["chunks"] = np.frombuffer(json.dumps(listed).encode(), np.uint8)
     temporary = f"{path}.tmp"
     with open(temporary, "wb") as file:
-        np.savez(file, **members)
+        # The members are c0, c1, ... and chunks: none is savez's own allow_pickle keyword.
+        np.savez(file, **members)  # pyright: ignore[reportArgumentType]
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, path)
 
 
-def open_part(path: str) -> tuple[Any, list[Any]]:
-    """The archive of the part at ``path`` (a NumPy ``NpzFile``, to close) and its entries,
-    no chunk read yet; ``OSError`` or ``ValueError`` (saying why) if it cannot be read."""
+def open_part(path: str) -> tuple[NpzFile, list[Any]]:
+    """The archive of the part at ``path`` (a NumPy ``NpzFile``, to close) and its entries
+    (JSON lists of mixed types), no chunk read yet; ``OSError`` or ``ValueError`` (saying
+    why) if it cannot be read."""
     if not zipfile.is_zipfile(path):  # np.load would take it for a pickle, and refuse it
         raise ValueError("not a whole part (no zip archive)")
     try:
@@ -62,7 +69,7 @@ def open_part(path: str) -> tuple[Any, list[Any]]:
     return archive, listed
 
 
-def read_piece(archive: Any, member: int | str) -> np.ndarray:
+def read_piece(archive: NpzFile, member: int | str) -> np.ndarray:
     """Chunk ``member`` (its index among the part's chunks, or a member's name) of an
     :func:`open_part` archive, as raw bytes; ``ValueError`` if the archive does not hold
     it whole."""

@@ -17,7 +17,7 @@ import re
 import stat
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,7 @@ from graphmod._train._checkpoint._format import (
     FORMAT,
     LEGACY_FORMAT,
     MARKER,
+    array_list,
     check_arrays,
     check_compatible,
     check_record,
@@ -50,6 +51,10 @@ from graphmod._train._checkpoint._format import (
     stored_positions,
     stored_specs,
 )
+from graphmod.typing import JSON, PyTree
+
+if TYPE_CHECKING:
+    from orbax.checkpoint import args as ocp_args
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 PART_SUFFIX = ".graphmod-part"  # a part of a checkpoint of several processes, not assembled
@@ -57,7 +62,15 @@ SET_ASIDE = ".unverified"
 _STEP = re.compile(r"[0-9]+")  # a step's folder is str(step): zero-padded names are not one
 _INCOMPLETE = re.compile(rf"[0-9]+({re.escape(TMP_SUFFIX)}|{re.escape(PART_SUFFIX)}).*")
 _SET_ASIDE = re.compile(rf"[0-9]+{re.escape(SET_ASIDE)}.*")
-_MISSING = object()  # a JSON file that is not there
+_T = TypeVar("_T")
+_State = TypeVar("_State")
+
+
+class _Missing:
+    """What :func:`_json_file` reads where no file is."""
+
+
+_MISSING = _Missing()  # a JSON file that is not there
 _MARKER_BYTES = 4096  # a marker is a line of JSON: a bigger one is not graphmod's
 
 
@@ -130,9 +143,10 @@ class CheckpointReader:
                     f"{int(name)}, without leading zeros)"), None
         try:
             marker = _json_file(os.path.join(path, MARKER), _MARKER_BYTES)
-            if marker is not _MISSING:
+            if not isinstance(marker, _Missing):
                 why = marker_error(marker, int(name))
-                return (why, None) if why else (None, marker["run_id"])
+                run_id = marker.get("run_id") if isinstance(marker, dict) else None
+                return (why, None) if why or not isinstance(run_id, str) else (None, run_id)
             meta = _json_file(os.path.join(path, "meta", "metadata"))
         except ValueError as error:
             return str(error), None
@@ -187,7 +201,7 @@ class CheckpointReader:
 
     # -- reading and verifying --------------------------------------------------------------
     def _read_meta(self, step: int, *, legacy: bool = False,
-                   loop: bool = False) -> dict[str, Any]:
+                   loop: bool = False) -> dict[str, JSON]:
         """``step``'s meta record, checked for format, a well-formed array list, its step and
         run id (the folder's and its marker's) and a loop's counters (``loop``: required);
         ``legacy``: a format-1 record is returned as it is."""
@@ -221,13 +235,14 @@ class CheckpointReader:
                                   f"{record.get('run_id')!r}, its marker names run {run_id}")
         return record
 
-    def _read_arrays(self, step: int, record: dict[str, Any],
-                     shardings: list[Any] | None = None) -> list[Any]:
+    def _read_arrays(self, step: int, record: dict[str, JSON],
+                     shardings: list[jax.sharding.Sharding | None] | None = None
+                     ) -> list[np.ndarray | jax.Array]:
         """The arrays of ``step``, each checked against the meta's shape, dtype, checksum;
         with ``shardings`` (one per array), those of a checkpoint of several processes
         placed by them (see :func:`local_array`)."""
         path = self._path(step)
-        entries = record["arrays"]
+        entries = array_list(record)
         if record["format"] == CHUNKED_FORMAT:
             with PartFiles(path, entries) as parts:
                 return [local_array(path, entry, members, parts, sharding)
@@ -240,9 +255,10 @@ class CheckpointReader:
         arrays = [np.zeros(shape, jnp.dtype(dtype)) if no else np.asarray(next(stored))
                   for (_, shape, dtype, _), no in zip(entries, empty, strict=True)]
         check_arrays(path, entries, arrays)
-        return arrays
+        return list(arrays)
 
-    def _orbax_restore(self, path: str, what: str, **items: Any) -> dict[str, Any]:
+    def _orbax_restore(self, path: str, what: str, **items: ocp_args.CheckpointArgs
+                       ) -> dict[str, Any]:  # orbax's items, as orbax types them
         """Orbax's read of ``items`` from ``path``; a failure is a CheckpointError saying
         that ``what`` cannot be read."""
         try:
@@ -253,7 +269,7 @@ class CheckpointReader:
             raise CheckpointError(path, f"the {what} cannot be read ({failure_reason(error)})") \
                 from None
 
-    def _read_stored(self, path: str, entries: list[list[Any]]) -> list[Any]:
+    def _read_stored(self, path: str, entries: list[list[Any]]) -> list[np.ndarray]:
         """Orbax's read of the (non-empty) arrays ``entries`` lists, or a CheckpointError."""
         if not os.path.isdir(os.path.join(path, "state")):
             raise CheckpointError(path, "no state directory: the arrays are missing")
@@ -274,7 +290,7 @@ class CheckpointReader:
             return error.reason
         return None
 
-    def _read_legacy(self, step: int, template: Any) -> list[np.ndarray]:
+    def _read_legacy(self, step: int, template: PyTree) -> list[np.ndarray]:
         """The arrays of a format-1 checkpoint (one pytree shaped like ``template``), which
         carries no checksums: restored unverified, with a warning."""
         path = self._path(step)
@@ -294,7 +310,7 @@ class CheckpointReader:
         return [np.asarray(leaf) for leaf in jax.tree.leaves(got)]
 
     def meta(self, step: int | None = None, *,
-             skipped: Callable[[str], None] | None = None) -> dict[str, Any]:
+             skipped: Callable[[str], None] | None = None) -> dict[str, JSON]:
         """The meta record of ``step`` (default: the newest one whose meta can be read; each
         newer one that cannot is passed to ``skipped`` as ``"step N: reason"``). Its
         ``"step"`` says which checkpoint it is."""
@@ -303,13 +319,13 @@ class CheckpointReader:
             return read(self._step(step))
         return self._first(read, skipped)
 
-    def provenance(self, step: int | None = None) -> Any:
+    def provenance(self, step: int | None = None) -> Provenance | None:
         """The provenance record saved at ``step`` (default: the latest), or None."""
         record = self.meta(step).get("provenance")
         return None if record is None else Provenance.from_dict(record)
 
-    def restore(self, template: Any, step: int | None = None, *,
-                loop: bool = False) -> tuple[Any, dict[str, Any]]:
+    def restore(self, template: _State, step: int | None = None, *,
+                loop: bool = False) -> tuple[_State, dict[str, JSON]]:
         """The state saved at ``step`` shaped like ``template``, and its meta record (whose
         ``"step"`` says which checkpoint it is; ``loop``: one that holds a loop's counters,
         checked). Without ``step``: the newest checkpoint that verifies, warning about each
@@ -341,29 +357,32 @@ class CheckpointReader:
                 warn(f"{self.directory}: not read, and left alone: {_listed(foreign)}")
         return restored(template, arrays), record
 
-    def _load(self, step: int, *, template: Any, specs: dict[str, list[Any]],
-              want: list[tuple[list[int], str]], shardings: list[Any], loop: bool
-              ) -> tuple[dict[str, Any], list[Any]]:
+    def _load(self, step: int, *, template: PyTree, specs: dict[str, JSON],
+              want: list[tuple[list[int], str]],
+              shardings: list[jax.sharding.Sharding | None], loop: bool
+              ) -> tuple[dict[str, JSON], list[np.ndarray | jax.Array]]:
         """``step``'s meta record and verified arrays, for a state shaped like ``template``
         (its ``leaf_specs`` ``specs``; its leaves stored as ``want`` and placed by
         ``shardings``; ``loop``: a loop's record)."""
         record = self._read_meta(step, legacy=True, loop=loop)
-        check_compatible(self._path(step), record.get("tree", {}), specs)
+        tree = record.get("tree", {})  # a leaf's [shape, dtype] by path
+        check_compatible(self._path(step), tree if isinstance(tree, dict) else {}, specs)
         if record["format"] == LEGACY_FORMAT:
-            return record, self._read_legacy(step, template)
-        entries = record["arrays"]
+            return record, list(self._read_legacy(step, template))
+        entries = array_list(record)
         positions = stored_positions(self._path(step), entries, list(specs))
         if [(entries[i][1], entries[i][2]) for i in positions] != want:
             raise CheckpointError(self._path(step), "the meta record's array list does not "
                                   "match its tree of leaves")
-        placed: list[Any] = [None] * len(positions)  # each leaf's sharding, in stored order
+        # each leaf's sharding, in stored order
+        placed: list[jax.sharding.Sharding | None] = [None] * len(positions)
         for leaf, i in enumerate(positions):
             placed[i] = shardings[leaf]
         arrays = self._read_arrays(step, record, placed)
         return record, [arrays[i] for i in positions]
 
-    def _first(self, load: Callable[[int], Any],
-               skipped: Callable[[str], None] | None = None) -> Any:
+    def _first(self, load: Callable[[int], _T],
+               skipped: Callable[[str], None] | None = None) -> _T:
         """What ``load`` gives for the newest step it accepts; each newer one it refuses is
         passed to ``skipped`` as ``"step N: reason"``."""
         refused = []
@@ -401,14 +420,15 @@ class CheckpointReader:
         return step
 
 
-def _agreed(load: Callable[[int], Any], path: Callable[[int], str]) -> Callable[[int], Any]:
+def _agreed(load: Callable[[int], _T], path: Callable[[int], str]) -> Callable[[int], _T]:
     """``load`` run by every process of a run together, one step at a time (each reads only
     the chunks its devices hold, so only together do they know whether a checkpoint
     verifies): a step that one process cannot load, none loads."""
-    def together(step: int) -> Any:
+    def together(step: int) -> _T:
         failure: BaseException | None = None
+        loaded: list[_T] = []  # the step's, where it loads here
         try:
-            result = load(step)
+            loaded.append(load(step))
         except Exception as error:  # every process reaches the gather below
             failure = error
         code = 0 if failure is None else 1 if isinstance(failure, CheckpointError) else 2
@@ -421,17 +441,19 @@ def _agreed(load: Callable[[int], Any], path: Callable[[int], str]) -> Callable[
         if codes.any():
             raise CheckpointError(path(step), f"process {np.flatnonzero(codes).tolist()} "
                                   "cannot read or verify its chunks of it")
-        return result
+        return loaded[0]
 
     return together
 
 
-def _concrete(sharding: Any) -> Any:
+def _concrete(sharding: object) -> jax.sharding.Sharding | None:
     """``sharding`` if it names devices; None for one over an abstract mesh (a template
     traced under ``jax.set_mesh``): such leaves are restored as unplaced arrays, which the
     step places as it runs."""
-    return None if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh) \
-        else sharding
+    if not isinstance(sharding, jax.sharding.Sharding) or isinstance(
+            getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
+        return None
+    return sharding
 
 
 def _listed(entries: dict[str, str]) -> str:
@@ -452,7 +474,7 @@ def _is_folder(path: str) -> bool:
         return False
 
 
-def _json_file(path: str, limit: int | None = None) -> Any:
+def _json_file(path: str, limit: int | None = None) -> JSON | _Missing:
     """The JSON value in the file at ``path`` (``_MISSING`` if there is none), read without
     following a link (the file's, or its folder's); ``ValueError`` saying why it is not
     graphmod's (``limit``: the most bytes it may hold)."""
@@ -482,23 +504,26 @@ def _json_file(path: str, limit: int | None = None) -> Any:
         raise ValueError(f"its {what} is not JSON") from None
 
 
-def _written_before_markers(meta: Any, step: int) -> tuple[str | None, str | None]:
+def _written_before_markers(meta: JSON | _Missing, step: int
+                            ) -> tuple[str | None, str | None]:
     """What :meth:`CheckpointReader._examine` says of the folder of ``step`` that has no
     marker and whose meta record is ``meta``: graphmod's checkpoint, written before markers,
     if the record names that step (graphmod 0.1's in its counters, where it has them)."""
-    if meta is _MISSING:
+    if isinstance(meta, _Missing):
         return f"no graphmod marker ({MARKER}) and no meta record", None
-    if isinstance(meta, dict) and meta.get("format") == LEGACY_FORMAT \
-            and isinstance(meta.get("tree"), dict):
-        named = meta["time"].get("step") if isinstance(meta.get("time"), dict) else step
-    elif isinstance(meta, dict) and meta.get("format") in (FORMAT, CHUNKED_FORMAT) \
-            and is_run_id(meta.get("run_id")):
+    if not isinstance(meta, dict):
+        return f"no graphmod marker ({MARKER}), and its meta record is not graphmod's", None
+    time = meta.get("time")
+    if meta.get("format") == LEGACY_FORMAT and isinstance(meta.get("tree"), dict):
+        named = time.get("step") if isinstance(time, dict) else step
+    elif meta.get("format") in (FORMAT, CHUNKED_FORMAT) and is_run_id(meta.get("run_id")):
         named = meta.get("step")
     else:
         return f"no graphmod marker ({MARKER}), and its meta record is not graphmod's", None
     if not (is_whole_number(named) and named == step):
         return f"no graphmod marker ({MARKER}), and its meta record names step {named!r}", None
-    return None, meta.get("run_id")
+    run_id = meta.get("run_id")  # a run id (checked), or none in graphmod 0.1's
+    return None, run_id if isinstance(run_id, str) else None
 
 
 def _link_inside(path: str) -> str | None:

@@ -10,7 +10,7 @@ import shutil
 import threading
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -44,6 +44,10 @@ from graphmod._train._checkpoint._reader import (
     TMP_SUFFIX,
     CheckpointReader,
 )
+from graphmod.typing import JSON, PyTree
+
+if TYPE_CHECKING:
+    from orbax.checkpoint import args as ocp_args
 
 PART_TIMEOUT_S = 1800  # how long process 0 waits for the others' parts of a checkpoint
 RUN_ID_BYTES = 256  # the longest run id a run of several processes agrees on
@@ -123,7 +127,7 @@ class Checkpointer(CheckpointReader):
         self._own = None
         return deleted, aside
 
-    def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
+    def save(self, step: int, state: PyTree, meta: Mapping[str, JSON]) -> None:
         """Starts writing ``state`` and ``meta`` for ``step``: copies the arrays to the host
         and returns (the previous write is waited for first, and its error raised). In a
         run of several processes every process must call it, at the same step."""
@@ -133,7 +137,8 @@ class Checkpointer(CheckpointReader):
         self.wait()  # a failure raised here leaves the count of saves (below) unchanged
         if jax.process_count() > 1 and not self._saves:
             self.run_id = _agreed(self.run_id)  # process 0's: each process made its own
-        record = {**meta, "format": FORMAT, "run_id": self.run_id, "step": step, "tree": tree}
+        record: dict[str, JSON] = {**meta, "format": FORMAT, "run_id": self.run_id,
+                                   "step": step, "tree": tree}
         if jax.process_count() > 1:
             chunks = owned_chunks(state)  # this process's pieces, copied before it goes on
             record.update(format=CHUNKED_FORMAT, parts=jax.process_count())
@@ -163,7 +168,7 @@ class Checkpointer(CheckpointReader):
         self._thread.start()
 
     def _write(self, step: int, paths: list[str], arrays: list[np.ndarray],
-               record: dict[str, Any]) -> None:
+               record: dict[str, JSON]) -> None:
         """Checksums, writes and prunes (in the writer thread when asynchronous)."""
         record["arrays"] = array_entries(paths, arrays)
         own = self._owned()
@@ -209,11 +214,12 @@ class Checkpointer(CheckpointReader):
                 own.remove(step)
         os.rename(written, target)  # never replaces a folder that holds anything
 
-    def _orbax_save(self, path: str, record: dict[str, Any], arrays: list[np.ndarray]) -> None:
+    def _orbax_save(self, path: str, record: dict[str, JSON], arrays: list[np.ndarray]
+                    ) -> None:
         """Orbax's write of ``record`` as the ``meta`` item and the non-empty ``arrays`` as
         the ``state`` item (orbax writes no empty array: the record has them)."""
         ocp = self._ocp
-        items = {"meta": ocp.args.JsonSave(record)}
+        items: dict[str, ocp_args.CheckpointArgs] = {"meta": ocp.args.JsonSave(record)}
         stored = [a for a in arrays if a.size]
         if stored:
             items["state"] = ocp.args.StandardSave(stored)
@@ -239,7 +245,7 @@ class Checkpointer(CheckpointReader):
         return self._path(f"{name}-whole" if process is None else f"{name}-{process}.npz")
 
     def _write_part(self, step: int, paths: list[str], specs: list[tuple[list[int], str]],
-                    chunks: list[Chunk], record: dict[str, Any], barrier: str) -> None:
+                    chunks: list[Chunk], record: dict[str, JSON], barrier: str) -> None:
         """Writes this process's ``chunks`` of ``step`` as its part, waits until every
         process has written its own, then (process 0) assembles the checkpoint, which every
         process waits for."""
@@ -286,20 +292,20 @@ class Checkpointer(CheckpointReader):
             self._barrier()(key=f"{barrier}-assembled", timeout_ms=PART_TIMEOUT_S * 1000)
 
     def _assemble(self, step: int, paths: list[str], specs: list[tuple[list[int], str]],
-                  record: dict[str, Any], own: list[int]) -> None:
+                  record: dict[str, JSON], own: list[int]) -> None:
         """Process 0, once every process's part of ``step`` is written: the meta record
         listing every chunk, the parts moved beside it, all renamed to ``<step>`` at once."""
-        parts = [self._part_path(step, p) for p in range(record["parts"])]
+        parts = [self._part_path(step, p) for p in range(jax.process_count())]  # its "parts"
         missing = [str(p) for p, where in enumerate(parts) if not os.path.isfile(where)]
         if missing:
             raise CheckpointError(self._path(step), f"process {', '.join(missing)} wrote no "
                                   f"part of step {step} (its own error says why)",
                                   "resume from the last checkpoint")
-        chunks: list[list[Any]] = [[] for _ in paths]
+        chunks: list[list[JSON]] = [[] for _ in paths]
         for p, where in enumerate(parts):
             for leaf, start, shape, crc in read_part(where, pieces=False)[0]:
                 chunks[leaf].append([p, start, shape, crc])
-        record["arrays"] = [[path, shape, dtype, listed] for path, (shape, dtype), listed
+        record["arrays"] = [[path, [*shape], dtype, listed] for path, (shape, dtype), listed
                             in zip(paths, specs, chunks, strict=True)]
         whole = self._part_path(step)
         _delete(whole)

@@ -13,12 +13,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time as _time
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Mapping
+from typing import NamedTuple, TypeAlias
 
 from graphmod._core._display._table import html_table, text_table
 from graphmod._train._events import AnyOf, Event, Template, Time, as_template, plugin_name
+from graphmod._train._loop._steps import Step
 from graphmod._train._plugin import Plugin
+from graphmod.typing import JSON, LoopLike
+
+Listener: TypeAlias = Callable[[Event], object]
+"""What a loop calls with each event it matches: a :class:`Plugin`, or a plain callable."""
+
+PluginEntry: TypeAlias = "tuple[Registration, Plugin]"
+"""The registration of a :class:`Plugin` instance (not a plain callable), with the plugin."""
 
 
 class PluginError(RuntimeError):
@@ -39,7 +47,7 @@ class Registration:
     """One registered plugin: its template (None: its own handlers), priority and name."""
 
     template: Template | None
-    plugin: Any
+    plugin: Listener
     priority: int
     order: int
     name: str
@@ -152,7 +160,7 @@ class PluginTable:
         self.templates: list[Template] = []  # alternatives apart, for planning fused steps
         self._orders: tuple[list[Registration], list[Registration]] = ([], [])
         self._previous: dict[tuple[int, str], Time] = {}
-        self._settling: list[Registration] = []  # plugins with work put off (settle)
+        self._settling: list[PluginEntry] = []  # plugins with work put off (settle)
 
     def __repr__(self) -> str:
         """The plugins in order, each with the events it runs on (a :class:`Plugin`
@@ -161,7 +169,7 @@ class PluginTable:
         return ", ".join(e.name if e.template is None else f"{e.name} at {e.template!r}"
                          for e in self.entries) or "none"
 
-    def register(self, template: Template | str | None, plugin: Any,
+    def register(self, template: Template | str | None, plugin: object,
                  priority: int | None) -> None:
         """Adds ``plugin`` (see :meth:`graphmod.Loop.on`); a plain callable whose name is
         taken gets a numbered one, two :class:`Plugin` s with one name are refused."""
@@ -178,35 +186,40 @@ class PluginTable:
                                  "them (names key plugin state in checkpoints)")
             name = next(f"{name}_{i}" for i in range(2, len(taken) + 3)
                         if f"{name}_{i}" not in taken)
-        if priority is None:
-            priority = getattr(plugin, "priority", 0)
-        self.entries.append(Registration(template, plugin, priority, len(self.entries), name))
+        rank: int = getattr(plugin, "priority", 0) if priority is None else priority
+        self.entries.append(Registration(template, plugin, rank, len(self.entries), name))
         if isinstance(plugin, Plugin) and type(plugin).settle is not Plugin.settle:
-            self._settling.append(self.entries[-1])  # it may put work off (Plugin.due)
+            self._settling.append((self.entries[-1], plugin))  # it may put work off (due)
         self.templates += [] if template is None else _parts(template)
         # Dispatch orders, computed once: registration order, and LIFO for *_end events.
         self._orders = (sorted(self.entries, key=lambda e: (-e.priority, e.order)),
                         sorted(self.entries, key=lambda e: (-e.priority, -e.order)))
 
-    def _plugin_objects(self) -> list[Registration]:
+    def _plugin_objects(self) -> list[PluginEntry]:
         """The registrations of :class:`Plugin` instances (not plain callables), in order."""
-        return [e for e in self.entries if isinstance(e.plugin, Plugin)]
+        return [(e, e.plugin) for e in self.entries if isinstance(e.plugin, Plugin)]
 
-    def wrap(self, step: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(self, step: Step) -> Step:
         """``step`` wrapped by each plugin's ``wrap_step``, the first registered outermost."""
-        for entry in reversed(self._plugin_objects()):
-            step = entry.plugin.wrap_step(step)
+        for _, plugin in reversed(self._plugin_objects()):
+            step = plugin.wrap_step(step)
         return step
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, JSON]:
         """Each :class:`Plugin`'s ``state_dict()``, by name (as checkpoints hold them)."""
-        return {e.name: e.plugin.state_dict() for e in self._plugin_objects()}
+        return {e.name: plugin.state_dict() for e, plugin in self._plugin_objects()}
 
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
+    def load_state_dict(self, saved: Mapping[str, JSON]) -> None:
         """Gives each :class:`Plugin` named in ``saved`` its state back."""
-        for entry in self._plugin_objects():
-            if entry.name in saved:
-                entry.plugin.load_state_dict(saved[entry.name])
+        for entry, plugin in self._plugin_objects():
+            if entry.name not in saved:
+                continue
+            state = saved[entry.name]
+            if not isinstance(state, dict):
+                raise TypeError(f"loop.load_state_dict: the state of plugin {entry.name!r} is "
+                                f"a {type(state).__name__}, not the dict its state_dict() "
+                                "returns; was the checkpoint written by this plugin?")
+            plugin.load_state_dict(state)
 
     def saves_on_interrupt(self) -> bool:
         """Whether a plugin (a Checkpoint) saves the run on an interrupt."""
@@ -217,7 +230,7 @@ class PluginTable:
         progress included, so an event a plugin fires is not timed as training."""
         return self.seconds + (now - self._began if self._began is not None else 0.0)
 
-    def previous(self, issuer: Any, type: str, default: Time) -> Time:
+    def previous(self, issuer: object, type: str, default: Time) -> Time:
         """The time of the last event of ``type`` from ``issuer`` (``default``: none yet)."""
         return self._previous.get((id(issuer), type), default)
 
@@ -241,9 +254,9 @@ class PluginTable:
         """Calls ``settle(event)`` of each plugin whose ``due`` event was delivered with
         every event it set off (a Checkpoint saves then, after Validation and
         EarlyStopping recorded that event's results)."""
-        for order, entry in enumerate(self._settling):
-            if (due := entry.plugin.due) is not None:
-                self._call(entry, due, order, entry.plugin.settle)
+        for order, (entry, plugin) in enumerate(self._settling):
+            if (due := plugin.due) is not None:
+                self._call(entry, due, order, plugin.settle)
 
     def deliver_interrupt(self, event: Event, error: BaseException) -> None:
         """Gives each plugin, last registered first, the ``interrupt`` event: a
@@ -251,7 +264,7 @@ class PluginTable:
         saves), a callable if its template matches. A plugin's error becomes a note of
         ``error``; a second Ctrl-C stops the delivery."""
         for order, entry in enumerate(reversed(self.entries)):
-            handler = None
+            handler: Listener | None = None
             if isinstance(entry.plugin, Plugin):
                 handler = getattr(entry.plugin, "on_interrupt", None)
                 if handler is None:
@@ -266,7 +279,7 @@ class PluginTable:
                 break  # Ctrl-C again (in an interactive session): abort, saving nothing more
 
     def _call(self, entry: Registration, event: Event, order: int,
-              handler: Callable[[Event], Any] | None = None) -> None:
+              handler: Listener | None = None) -> None:
         begin = _time.perf_counter()
         outermost = self._began is None  # a plugin's time counts once, however nested
         if outermost:
@@ -288,29 +301,29 @@ class PluginTable:
                 self._began = None
             self.trace.append(Dispatch(event.type, event.time.step, entry.name, order, spent))
 
-    def setup(self, loop: Any) -> list[Registration]:
+    def setup(self, loop: LoopLike) -> list[PluginEntry]:
         """Sets the plugins up in order; if one raises, those set up are torn down."""
-        done: list[Registration] = []
-        for entry in self._plugin_objects():
+        done: list[PluginEntry] = []
+        for entry, plugin in self._plugin_objects():
             try:
-                entry.plugin.setup(loop)  # may restore the loop (Checkpoint(resume=True))
+                plugin.setup(loop)  # may restore the loop (Checkpoint(resume=True))
             except BaseException as exc:
                 error = _plugin_error(entry.name, "in setup", exc)
                 self.teardown(loop, done, error)
                 if error is exc:
                     raise
                 raise error from exc
-            done.append(entry)
+            done.append((entry, plugin))
         return done
 
-    def teardown(self, loop: Any, done: list[Registration],
+    def teardown(self, loop: LoopLike, done: list[PluginEntry],
                  error: BaseException | None) -> None:
         """Tears every set-up plugin down (LIFO), also when one raises: the run's own error
         wins, else the first teardown error is raised; the others become its notes."""
         failures: list[BaseException] = []
-        for entry in reversed(done):
+        for entry, plugin in reversed(done):
             try:
-                entry.plugin.teardown(loop, error)
+                plugin.teardown(loop, error)
             except Exception as exc:
                 failures.append(_plugin_error(entry.name, "in teardown", exc))
         if not failures:

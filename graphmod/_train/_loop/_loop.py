@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time as _time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 import jax
 
@@ -20,16 +20,22 @@ from graphmod._records._record import Provenance
 from graphmod._train._command import working_directory
 from graphmod._train._events import Event, Template, Time, check_event_types
 from graphmod._train._interrupt import SignalGuard, StopAgreement, report_unsaved
-from graphmod._train._loop._dispatch import DispatchTrace, PluginTable
-from graphmod._train._loop._models import Models, loop_step, run_provenance
+from graphmod._train._loop._dispatch import DispatchTrace, Listener, PluginTable
+from graphmod._train._loop._models import LoopStep, Models, loop_step, run_provenance
 from graphmod._train._loop._resume import (
+    LoopSettings,
+    RestoresPosition,
     loop_record,
     read_checkpoint,
     recorded_models,
     resume_changes,
+    saved_loop,
+    saved_settings,
 )
 from graphmod._train._loop._steps import (
     ReadAhead,
+    Step,
+    StepMetrics,
     batch_placer,
     bounded,
     call_step,
@@ -47,7 +53,14 @@ from graphmod._train._loop._steps import (
 )
 from graphmod._train._optimize import TrainStep
 from graphmod._train._schedule import Schedule
+from graphmod._train._train_state import TrainState
 from graphmod.data._grain import as_source
+from graphmod.typing import JSON, Batch, PathLike, PyTree
+
+if TYPE_CHECKING:  # the plugins import the loop's modules
+    from graphmod.plugins._control import BackgroundRun
+
+_Registered = TypeVar("_Registered")  # a plugin, handed back by Loop.on
 
 
 class Loop:
@@ -102,12 +115,12 @@ class Loop:
 
     def __init__(
         self,
-        step: Callable[..., Any],
-        data: Iterable[Any],
+        step: LoopStep,
+        data: Iterable[Batch],
         *,
         epochs: int | None = None,
         steps: int | None = None,
-        plugins: Iterable[Any] = (),
+        plugins: Iterable[Listener] = (),
         steps_per_call: int = 1,
         allow_data_change: bool = False,
         schedules: Mapping[str, Schedule] | None = None,
@@ -119,8 +132,8 @@ class Loop:
                             steps_per_call=steps_per_call)
         check_transforms_source(step.steps.values() if isinstance(step, Models) else [step],
                                 data, allow_data_change)
-        self.step = step
-        self.data = data
+        self.step: Step | Models = step
+        self.data: Iterable[Batch] = data
         self.epochs = epochs if epochs is not None or steps is not None else 1
         self.max_steps = steps
         self.steps_per_call = steps_per_call
@@ -128,18 +141,18 @@ class Loop:
         # Where the run started: a script's relative arguments are relative to it (resume).
         self.started_in = working_directory()
         # Data changes allowed on resumes: [{"step": ..., "fields": [...]}] (in checkpoints).
-        self.data_changes: list[dict[str, Any]] = []
-        self.setting_changes: list[dict[str, Any]] = []  # resumed with other settings
+        self.data_changes: list[JSON] = []
+        self.setting_changes: list[JSON] = []  # resumed with other settings
         self.time = Time()
         self.position = 0  # batches done in the current epoch
-        self.state: Any = None
+        self.state: PyTree = None
         self._plugins = PluginTable()
         self._put = batch_placer(step)
         self._clock: tuple[float, Time] | None = None
-        self._metrics: Any = {}
+        self._metrics: StepMetrics = {}
         self._started = False
         self._guard: SignalGuard | None = None  # set while run() handles stop signals
-        self._stopped: dict[str, Any] | None = None  # the stop its checkpoints record
+        self._stopped: dict[str, JSON] | None = None  # the stop its checkpoints record
         self._agreement: StopAgreement | None = None  # set while a run of processes runs
         self.started_at: str | None = None  # wall-clock start of the run (UTC, ISO 8601)
         self.ended_at: str | None = None
@@ -154,8 +167,8 @@ class Loop:
                 "\n  " + repr(self.step).replace("\n", "\n  "))
 
     # -- registration -------------------------------------------------------------------------
-    def on(self, template: Template | str | None, plugin: Any, *,
-           priority: int | None = None) -> Any:
+    def on(self, template: Template | str | None, plugin: _Registered, *,
+           priority: int | None = None) -> _Registered:
         """Registers ``plugin`` for events matching ``template``; None: a :class:`Plugin`'s
         own ``every`` (its ``on_<type>`` methods when that is None), every event for a
         plain callable."""
@@ -163,12 +176,12 @@ class Loop:
         return plugin
 
     @property
-    def plugins(self) -> list[Any]:
+    def plugins(self) -> list[Listener]:
         """The registered plugins, in registration order."""
         return [e.plugin for e in self._plugins.entries]
 
     # -- what plugins call --------------------------------------------------------------------
-    def fire(self, type: str, **data: Any) -> None:
+    def fire(self, type: str, **data: object) -> None:
         """Queues an event issued by the plugin being dispatched (or the loop)."""
         current = self._plugins.current
         issuer = current.plugin if current is not None else self
@@ -179,7 +192,7 @@ class Loop:
         ``reason`` a progress bar or log shows, e.g. ``"early stopping: ..."``)."""
         self.fire("terminate", reason=reason)
 
-    def update_state(self, fn: Callable[[Any], Any]) -> None:
+    def update_state(self, fn: Callable[[PyTree], PyTree]) -> None:
         """Replaces the train state by ``fn(state)``, cast to each leaf's dtype (no retrace)."""
         current = self._plugins.current
         self.state = cast_like(fn(self.state), self.state,
@@ -202,7 +215,7 @@ class Loop:
         self._plugins.trace = trace
 
     @property
-    def metrics(self) -> Any:
+    def metrics(self) -> StepMetrics:
         """The latest step's metrics (on the device until read)."""
         return self._metrics
 
@@ -235,7 +248,7 @@ class Loop:
         """
         return run_provenance(self)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, JSON]:
         """Everything but the train state needed to continue exactly: counters, timelines,
         data position, the loop's settings and each plugin's state (JSON-serialisable); once
         the run is stopped (Ctrl-C, SIGTERM, ...), ``"stopped"``: the signal (None where
@@ -245,27 +258,29 @@ class Loop:
             record["stopped"] = self._stopped
         return record
 
-    def load_state_dict(self, meta: dict[str, Any]) -> None:
+    def load_state_dict(self, meta: Mapping[str, JSON]) -> None:
         """Continues from :meth:`state_dict`'s record (the run's ``begin`` is not repeated).
 
         Refuses, before changing anything, data whose description (size, shapes, dtypes,
         content hash, batch size, seed, shuffling) differs from the one the checkpoint's
         provenance records, unless the loop was made with ``allow_data_change=True``."""
         changes = resume_changes(meta, self.data, self.step, self.allow_data_change)
-        self.time = Time(**meta["time"])
-        self.started_at = meta.get("started_at")
-        self.position = int(meta["position"])
+        saved = saved_loop(meta)
+        self.time = saved.time
+        self.started_at = saved.started_at
+        self.position = saved.position
         self._started = True
-        self._plugins.load_state_dict(meta.get("plugins", {}))
-        self._metrics = dict(meta.get("metrics", {}))  # a finished run's, resumed: its last
-        if meta.get("data") is not None and hasattr(self.data, "load_state_dict"):
-            self.data.load_state_dict(meta["data"])
+        self._plugins.load_state_dict(saved.plugins)
+        self._metrics = saved.metrics  # a finished run's, resumed: its last
+        if saved.data is not None and isinstance(self.data, RestoresPosition):
+            self.data.load_state_dict(saved.data)
         self.data_changes, self.setting_changes = changes
 
     @classmethod
-    def resume(cls, directory: str, step: Callable[..., Any], data: Iterable[Any], *,
-               plugins: Iterable[Any] = (), state: Any = None, checkpoint: int | None = None,
-               allow_data_change: bool = False, **settings: Any) -> Any:
+    def resume(cls, directory: PathLike, step: LoopStep, data: Iterable[Batch], *,
+               plugins: Iterable[Listener] = (), state: PyTree | None = None,
+               checkpoint: int | None = None, allow_data_change: bool = False,
+               **settings: Unpack[LoopSettings]) -> Any:
         """Continues the run saved in ``directory`` exactly where its latest checkpoint
         stopped, and returns the final state.
 
@@ -284,13 +299,14 @@ class Loop:
         """
         data = as_source(data)  # one GrainSource for the checks and the run
         restored, meta = read_checkpoint(directory, state, step, data, checkpoint)
-        loop = cls(step, data, plugins=plugins, allow_data_change=allow_data_change,
-                   **{**meta["loop"], **recorded_models(meta, step, settings), **settings})
+        chosen: LoopSettings = {**saved_settings(meta), **recorded_models(meta, step, settings),
+                                **settings}
+        loop = cls(step, data, plugins=plugins, allow_data_change=allow_data_change, **chosen)
         loop.load_state_dict(meta)
         return loop.run(restored)
 
     # -- running --------------------------------------------------------------------------------
-    def run(self, state: Any) -> Any:
+    def run(self, state: PyTree) -> Any:  # the state the user's step returned last
         """Runs to the end (epochs/steps) or a ``terminate``; returns the final state.
 
         Ctrl-C or SIGTERM (in the main thread; more signals with ``GRAPHMOD_STOP_SIGNALS``,
@@ -330,13 +346,13 @@ class Loop:
                 raise guard.stop(self.time.step, ended=True)
         return self.state
 
-    def _run_plugins(self, step: Callable[..., Any], multi: Callable[..., Any] | None) -> None:
+    def _run_plugins(self, step: Step | Models, multi: Step | None) -> None:
         """Sets the plugins up, runs, and tears them down (also on an error or Ctrl-C)."""
         done = self._plugins.setup(self)
         error: BaseException | None = None
         try:
-            if isinstance(self.step, TrainStep):  # a restored state, saved on any mesh
-                self.state = self.step.place(self.state)
+            if isinstance(self.step, TrainStep) and isinstance(self.state, TrainState):
+                self.state = self.step.place(self.state)  # restored: saved on any mesh
             self._agree_on_stops()
             self._check_interrupt()
             self._run_events(step, multi)
@@ -366,7 +382,7 @@ class Loop:
             self._agreement = StopAgreement.start(self.time.step)
             guard.notify_peers = self._agreement is not None
 
-    def _run_events(self, step: Callable[..., Any], multi: Callable[..., Any] | None) -> None:
+    def _run_events(self, step: Step | Models, multi: Step | None) -> None:
         """``begin`` (unless resumed), the epochs with their steps, ``end``."""
         self._clock = (_time.perf_counter(), self.time)
         self._plugins.seconds = 0.0
@@ -402,7 +418,7 @@ class Loop:
             return True
         return self.epochs is not None and self.time.epoch >= self.epochs
 
-    def _run_epoch(self, step: Callable[..., Any], multi: Callable[..., Any] | None) -> bool:
+    def _run_epoch(self, step: Step | Models, multi: Step | None) -> bool:
         """Runs the epoch's steps until its batches or the run's steps run out; returns
         whether every batch of the epoch was taken."""
         batches = ReadAhead(epoch_batches(self.data, self.time.epoch, self.position),
@@ -440,13 +456,19 @@ class Loop:
         return Time(t.step + steps, t.epoch, t.examples + examples, base.seconds + elapsed,
                     base.train_seconds + elapsed - self._plugins.plugin_seconds(now))
 
-    def _event(self, type: str, issuer: Any, data: dict[str, Any], fresh: bool = False
+    def _event(self, type: str, issuer: object, data: dict[str, object], fresh: bool = False
                ) -> Event:
         if self._clock is not None and not fresh:  # fresh: the time was just advanced
             self.time = self._now()
         start = self.start_time  # the first event of a type covers the run so far
         # An event fired with metrics (e.g. "validated") carries them as its metrics.
-        metrics = data.pop("metrics") if "metrics" in data else self._metrics
+        metrics = self._metrics
+        if "metrics" in data:
+            fired = data.pop("metrics")
+            if not isinstance(fired, Mapping):
+                raise TypeError(f"loop.fire({type!r}, metrics=...): expected a dict of metrics "
+                                f"by name, got {fired.__class__.__name__}")
+            metrics = fired
         return Event(type, issuer, self.time, self._plugins.previous(issuer, type, start),
                      self, self.state, metrics, data)
 
@@ -469,7 +491,7 @@ class Loop:
                            saved=self._plugins.saves_on_interrupt())
 
     # -- in the background ----------------------------------------------------------------------
-    def start(self, state: Any) -> Any:
+    def start(self, state: PyTree) -> BackgroundRun:
         """Runs the loop in a background thread and returns a handle at once (a
         ``BackgroundRun``): the notebook stays usable while it trains, its progress bar
         updating. The handle's ``status()``, ``pause()``, ``resume()``,

@@ -46,13 +46,14 @@ Sharp edges
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from time import perf_counter
-from typing import Any
+from typing import TypeAlias
 
 import jax
 
 from graphmod import roles as _roles
+from graphmod._core._model._layout import Layout
 from graphmod._records._collect import (
     models_inputs,
     models_provenance,
@@ -62,13 +63,20 @@ from graphmod._records._collect import (
 from graphmod._records._record import Provenance
 from graphmod._train._batch import step_arguments
 from graphmod._train._loop._dispatch import Dispatch
-from graphmod._train._loop._steps import check_batch, check_start_state
+from graphmod._train._loop._steps import (
+    EpochSource,
+    Step,
+    StepMetrics,
+    check_batch,
+    check_start_state,
+)
 from graphmod._train._optimize import TrainStep
 from graphmod._train._schedule import Schedule
-from graphmod.typing import LoopLike, ModelLayout
+from graphmod.typing import JSON, ArrayLike, Batch, LoopLike, PyTree
 
-Step = Callable[..., tuple[Any, Mapping[str, Any]]]
-"""``step(state, *batch, **reads) -> (state, metrics)``, e.g. a :func:`graphmod.optimize`."""
+LoopStep: TypeAlias = Step | Mapping[str, Step | None]
+"""What ``Loop(step, ...)`` takes: a train step, or a dict of them by model name (a step
+None: a frozen model)."""
 
 
 class Models:
@@ -132,7 +140,7 @@ class Models:
             return f"{name}{when}{read}: " + repr(step).replace("\n", "\n    ")
         return "Models:\n  " + "\n  ".join(map(line, self.steps))
 
-    def record(self) -> list[dict[str, Any]]:
+    def record(self) -> list[dict[str, JSON]]:
         """What a checkpoint records of these models, in their order (data, never code):
         each one's ``name``, whether it ``steps`` (False: frozen), its ``schedule`` as the
         schedule's description (None: every iteration) and the models it ``reads``.
@@ -153,11 +161,14 @@ class Models:
                  "reads": list(self.reads.get(name, ()))}
                 for name, step in self.steps.items()]
 
-    def __call__(self, iteration: int, states: dict[str, Any], batch: Any,
-                 metrics: Mapping[str, Any], record: Callable[[Dispatch], None] | None = None
-                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    def __call__(self, iteration: int, states: PyTree, batch: Batch,
+                 metrics: StepMetrics, record: Callable[[Dispatch], None] | None = None
+                 ) -> tuple[dict[str, PyTree], dict[str, ArrayLike]]:
         # The loop's hot path: per model step a few dict operations and, with ``record``,
         # one trace row made without a Python frame (about 1 µs a model step, no sync).
+        if type(states) is not dict and not isinstance(states, Mapping):
+            raise TypeError(f"Loop: the state of a loop over models is a dict of their states "
+                            f"by name, got {type(states).__name__} (from update_state?)")
         args, kwargs = step_arguments(batch)
         states, metrics = dict(states), dict(metrics)
         for name, step, holds, reads, order in self._plan:
@@ -185,7 +196,8 @@ class Models:
         steps = {name: None if step is None else wrap(step) for name, step in self.steps.items()}
         return Models(steps, schedules=self.schedules, reads=self.reads)
 
-    def check(self, states: Any, data: Any, epoch: int, position: int) -> None:
+    def check(self, states: PyTree, data: Iterable[Batch], epoch: int, position: int
+              ) -> None:
         """Refuses, before anything runs, ``states`` that are no dict of these models' states
         and a first batch (of a resumable source) a model's step cannot take with what it
         reads, naming the model."""
@@ -198,7 +210,7 @@ class Models:
         for name, step in self.steps.items():
             check_start_state(step, states[name], f"Loop.run(state[{name!r}])")
         _check_own_buffers(states, self.steps)
-        if not hasattr(data, "iter_epoch"):
+        if not isinstance(data, EpochSource):
             return  # a plain iterable is not read ahead (the step's own trace says)
         first = next(iter(data.iter_epoch(epoch, start=position)), None)
         if first is None:
@@ -223,14 +235,15 @@ def _holds(schedule: Schedule | None) -> Callable[[int], bool] | None:
     return None if schedule is None else schedule.holds_at
 
 
-def variables_of(state: Any) -> Any:
+def variables_of(state: PyTree) -> PyTree:
     """A model's variables as a read passes them: a TrainState's ``variables``, else the
     state itself (a frozen model's variables)."""
     return getattr(state, "variables", state)
 
 
-def loop_step(step: Any, schedules: Mapping[str, Schedule] | None,
-              reads: Mapping[str, Sequence[str] | str] | None, steps_per_call: int) -> Any:
+def loop_step(step: LoopStep, schedules: Mapping[str, Schedule] | None,
+              reads: Mapping[str, Sequence[str] | str] | None, steps_per_call: int
+              ) -> Step | Models:
     """The step a ``Loop`` runs: ``step`` itself, or :class:`Models` for a dict of them."""
     if not isinstance(step, Mapping):
         if schedules or reads:
@@ -244,35 +257,42 @@ def loop_step(step: Any, schedules: Mapping[str, Schedule] | None,
     return Models(step, schedules=schedules, reads=reads)
 
 
-def run_inputs(loop: LoopLike) -> dict[str, Any]:
+def run_inputs(loop: LoopLike) -> dict[str, object]:
     """The inputs of a loop's run record: its :func:`graphmod.optimize` step's, or for
     several models each one's (see ``models_inputs``); refuses, naming the model, a step
     that is no ``graphmod.optimize`` step (its model is unknown)."""
     step = loop.step
     if isinstance(step, Models):
+        trained: dict[str, TrainStep | None] = {}
         for name, one in step.steps.items():
             if one is not None and not isinstance(one, TrainStep):
                 raise TypeError(f"capture(loop): model {name!r}'s step is not a "
                                 "graphmod.optimize step, so its model is unknown; capture "
                                 "its program instead")
-        return models_inputs(step.record(), step.steps, loop)
+            trained[name] = one
+        return models_inputs(step.record(), trained, loop)
+    return training_inputs(_train_step(step), loop)
+
+
+def _train_step(step: object) -> TrainStep:
+    """A loop's one step, refused unless a :func:`graphmod.optimize` step's."""
     if not isinstance(step, TrainStep):
         raise TypeError("capture(loop): the loop's step is not a graphmod.optimize step, "
                         "so its model is unknown; capture the program instead")
-    return training_inputs(step, loop)
+    return step
 
 
-def run_provenance(loop: LoopLike, inputs: Mapping[str, Any] | None = None) -> Provenance:
+def run_provenance(loop: LoopLike, inputs: Mapping[str, object] | None = None) -> Provenance:
     """A loop's run record (``inputs``: a cached :func:`run_inputs`; the derived fields,
     what the run did so far, are made now)."""
     if inputs is None:
         inputs = run_inputs(loop)
     if isinstance(loop.step, Models):
         return models_provenance(inputs, loop)
-    return training_provenance(loop.step, loop, inputs)
+    return training_provenance(_train_step(loop.step), loop, inputs)
 
 
-def model_state(loop: LoopLike, state: Any, model: str | None, who: str) -> Any:
+def model_state(loop: LoopLike, state: PyTree, model: str | None, who: str) -> PyTree:
     """The state of ``model`` in a loop's ``state`` (the whole state for a loop of one
     step, where ``model`` is None), refusing a missing or wrong name with the fix."""
     steps = loop.step
@@ -287,17 +307,25 @@ def model_state(loop: LoopLike, state: Any, model: str | None, who: str) -> Any:
     if model not in steps.steps:
         raise ValueError(f"{who}(model={model!r}): the loop has no such model; it has "
                          f"{list(steps.names)}")
-    return state[model]
+    return _by_model(state, who)[model]
 
 
-def with_model_state(loop: LoopLike, state: Any, model: str | None, new: Any) -> Any:
+def with_model_state(loop: LoopLike, state: PyTree, model: str | None, new: PyTree) -> PyTree:
     """``state`` (a loop's) with ``model``'s state replaced by ``new``."""
     if not isinstance(loop.step, Models):
         return new
-    return {**state, model: new}
+    return {**_by_model(state, "update_state"), model: new}
 
 
-def _check_model(name: Any, step: Any) -> None:
+def _by_model(state: PyTree, who: str) -> Mapping[str, PyTree]:
+    """The state of a loop over several models: a dict of their states by name."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{who}: the state of a loop over several models is a dict of their "
+                        f"states by name, got {type(state).__name__}")
+    return state
+
+
+def _check_model(name: object, step: object) -> None:
     if not isinstance(name, str) or not name or "/" in name:
         raise ValueError(f"Loop(steps): model name {name!r} must be a non-empty string "
                          "without '/' (metrics are named model/metric)")
@@ -311,7 +339,7 @@ def _check_model(name: Any, step: Any) -> None:
 
 
 def _check_unread(name: str, step: TrainStep, reads: Sequence[str],
-                  steps: Mapping[str, Any]) -> None:
+                  steps: Mapping[str, Step | None]) -> None:
     """Refuses a step whose function needs an argument named after a model it does not
     read (the likely slip: a missing ``reads`` entry)."""
     fn = step.program.fn
@@ -328,7 +356,7 @@ def _check_unread(name: str, step: TrainStep, reads: Sequence[str],
                 "to pass it that model's variables")
 
 
-def _check_trained_once(reader: str, read: Sequence[str], steps: Mapping[str, Any]) -> None:
+def _check_trained_once(reader: str, read: Sequence[str], steps: Mapping[str, Step | None]) -> None:
     """Refuses a reader whose own program holds the parameters of a model it reads (the
     slip of compiling the generator's cost over ``nnx.Dict(gen=gen, disc=disc)``): its
     optimizer would train them too, as its cost differentiates them, besides their own
@@ -353,13 +381,13 @@ def _check_trained_once(reader: str, read: Sequence[str], steps: Mapping[str, An
                     f"(or choose what it trains with optimize(..., trainable=...))")
 
 
-def _parameters(layout: ModelLayout) -> list[tuple[str, Any]]:
+def _parameters(layout: Layout) -> list[tuple[str, object]]:
     """``(path, nnx.Variable)`` of each PARAMETER of a program's model."""
     return [(info.path, layout.objects[info.identity]) for info in layout.variables
             if info.role.is_a(_roles.PARAMETER)]
 
 
-def _check_own_buffers(states: Mapping[str, Any], steps: Mapping[str, Any]) -> None:
+def _check_own_buffers(states: Mapping[str, PyTree], steps: Mapping[str, Step | None]) -> None:
     """Refuses two models given one array (``{"a": state, "b": state}``) where one of them
     is a :func:`graphmod.optimize` step's: it donates its state's buffers, which the other
     model's state would then miss (a step of your own that donates nothing may share)."""
@@ -378,7 +406,7 @@ def _check_own_buffers(states: Mapping[str, Any], steps: Mapping[str, Any]) -> N
                     f"jax.tree.map(jnp.copy, state)")
 
 
-def _known(name: Any, steps: Mapping[str, Any], argument: str) -> str:
+def _known(name: str, steps: Mapping[str, Step | None], argument: str) -> str:
     if name not in steps:
         raise ValueError(f"Loop({argument}): {name!r} is not a model of this loop; its models "
                          f"are {list(steps)}")
@@ -388,7 +416,7 @@ def _known(name: Any, steps: Mapping[str, Any], argument: str) -> str:
     return name
 
 
-def _schedules(schedules: Mapping[str, Schedule], steps: Mapping[str, Any]
+def _schedules(schedules: Mapping[str, Schedule], steps: Mapping[str, Step | None]
                ) -> dict[str, Schedule]:
     if not isinstance(schedules, Mapping):
         raise TypeError(f"Loop(schedules=...): expected a dict of schedules by model name, "
@@ -404,7 +432,7 @@ def _schedules(schedules: Mapping[str, Schedule], steps: Mapping[str, Any]
     return dict(schedules)
 
 
-def _reads(reads: Mapping[str, Sequence[str] | str], steps: Mapping[str, Any]
+def _reads(reads: Mapping[str, Sequence[str] | str], steps: Mapping[str, Step | None]
            ) -> dict[str, tuple[str, ...]]:
     if not isinstance(reads, Mapping):
         raise TypeError(f"Loop(reads=...): expected a dict of the models each step reads, "

@@ -12,8 +12,8 @@ import collections
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
+from typing import Protocol, TypeAlias, TypeVar, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +32,39 @@ from graphmod._core._sharding import Placement, mesh_context
 from graphmod._train._batch import step_arguments
 from graphmod._train._events import On, Template, Time
 from graphmod._train._optimize import TrainStep
+from graphmod._train._schedule import Schedule
 from graphmod._train._train_state import TrainState
+from graphmod.typing import ArrayLike, Batch, PyTree
 
 _PLANNABLE = ("step", "epoch", "examples")
+_R = TypeVar("_R")
+
+StepMetrics: TypeAlias = Mapping[str, ArrayLike]
+"""A step's metrics by name, scalars on the device until read (a step's own dict)."""
+
+Step: TypeAlias = Callable[..., tuple[PyTree, StepMetrics]]
+"""``step(state, *batch, **reads) -> (state, metrics)``, e.g. a :func:`graphmod.optimize`."""
+
+Placer: TypeAlias = Callable[[Batch, bool], Batch]
+"""``put(batch, stacked)``: a batch (or a stack of them) placed on the devices."""
 
 
-def batch_size(batch: Any) -> int:
+@runtime_checkable
+class EpochSource(Protocol):
+    """Data that iterate any epoch from any position (an ``ArraySource``, a
+    ``GrainSource``): a loop resumes inside an epoch and reads a first batch ahead."""
+
+    def iter_epoch(self, epoch: int, start: int = 0) -> Iterable[Batch]: ...
+
+
+@runtime_checkable
+class Describes(Protocol):
+    """Data that describe themselves (size, shapes, dtypes, content hash, ...)."""
+
+    def describe(self) -> Mapping[str, object]: ...
+
+
+def batch_size(batch: Batch) -> int:
     """The number of examples in ``batch`` (its first array's leading dimension)."""
     first = batch
     while isinstance(first, dict | tuple | list):  # the common shapes, without flattening
@@ -47,15 +74,15 @@ def batch_size(batch: Any) -> int:
     return int(np.shape(first)[0])
 
 
-def call_step(step: Callable[..., Any], state: Any, batch: Any) -> Any:
+def call_step(step: Step, state: PyTree, batch: Batch) -> tuple[PyTree, StepMetrics]:
     """``step(state, ...)`` with the batch bound to its arguments."""
     args, kwargs = step_arguments(batch)
     return step(state, *args, **kwargs)
 
 
-def epoch_batches(data: Iterable[Any], epoch: int, position: int) -> Iterator[Any]:
+def epoch_batches(data: Iterable[Batch], epoch: int, position: int) -> Iterator[Batch]:
     """The batches of ``epoch`` from batch ``position`` on."""
-    if hasattr(data, "iter_epoch"):
+    if isinstance(data, EpochSource):
         return iter(data.iter_epoch(epoch, start=position))
     iterator = iter(data)
     for _ in range(position):  # resume inside an epoch of a plain iterable
@@ -63,18 +90,18 @@ def epoch_batches(data: Iterable[Any], epoch: int, position: int) -> Iterator[An
     return iterator
 
 
-def _placement(step: Any) -> Placement | None:
+def _placement(step: object) -> Placement | None:
     """The mesh placement of a ``graphmod.optimize`` step's program (None: one device)."""
     return step.program.placement if isinstance(step, TrainStep) else None
 
 
-def step_mesh(step: Any) -> contextlib.AbstractContextManager:
+def step_mesh(step: object) -> contextlib.AbstractContextManager[object]:
     """The mesh of a ``graphmod.optimize`` step's program set as the context mesh for the
     loop's own work on its arrays (nothing for other steps): see ``mesh_context``."""
     return mesh_context(_placement(step))
 
 
-def batch_placer(step: Any) -> Callable[[Any, bool], Any] | None:
+def batch_placer(step: object) -> Placer | None:
     """How the loop puts batches on the devices ahead of ``step``: split over the mesh of
     a step whose program has one (with several processes, the first batch is compared
     across them, the rest are not: see ``Placement.put_batch``), on the default accelerator
@@ -90,7 +117,7 @@ def batch_placer(step: Any) -> Callable[[Any, bool], Any] | None:
     return None
 
 
-def steps_in_flight(step: Any) -> int | None:
+def steps_in_flight(step: object) -> int | None:
     """How many calls the loop may dispatch before it waits for one: unbounded (None),
     except for a step on a mesh of several CPU devices, where XLA's CPU all-reduce
     deadlocks with about 50 steps in flight on 8 devices (pure JAX too; jax 0.10)."""
@@ -99,19 +126,29 @@ def steps_in_flight(step: Any) -> int | None:
     return 16 if len(devices) > 1 and devices[0].platform == "cpu" else None
 
 
-def bounded(call: Callable[..., Any], limit: int | None) -> Callable[..., Any]:
+def bounded(call: Callable[..., _R], limit: int | None) -> Callable[..., _R]:
     """``call``, waiting for its result every ``limit`` calls (``call`` itself for None)."""
     if limit is None:
         return call
     calls = itertools.count(1)
 
-    def waiting(*args: Any) -> Any:
+    def waiting(*args: object) -> _R:
         out = call(*args)
         if next(calls) % limit == 0:
             jax.block_until_ready(out)
         return out
 
     return waiting
+
+
+@dataclasses.dataclass(slots=True)
+class _Read:
+    """One batch read ahead: its number of examples, the batch as read, and the batch
+    put on the devices (None: not yet)."""
+
+    size: int
+    host: Batch
+    device: Batch | None = None
 
 
 class ReadAhead:
@@ -122,15 +159,13 @@ class ReadAhead:
     the taken one's step is dispatched.
     """
 
-    def __init__(self, batches: Iterator[Any], ahead: int,
-                 put: Callable[[Any, bool], Any] | None) -> None:
+    def __init__(self, batches: Iterator[Batch], ahead: int, put: Placer | None) -> None:
         self.produced = False  # whether the epoch yielded any batch
         self._ended = False  # whether the epoch's iterator is exhausted
         self._batches = batches
         self._ahead = ahead
         self._put = put
-        # [size, host batch, device batch or None] of each batch read.
-        self._buffer: collections.deque[list[Any]] = collections.deque()
+        self._buffer: collections.deque[_Read] = collections.deque()
 
     def fill(self) -> list[int]:
         """Reads ahead; the sizes of the buffered batches (none: the epoch is over)."""
@@ -141,28 +176,33 @@ class ReadAhead:
                 self._ended = True
                 break
             self.produced = True
-            self._buffer.append([batch_size(host), host, None])
-        return [entry[0] for entry in self._buffer]
+            self._buffer.append(_Read(batch_size(host), host))
+        return [entry.size for entry in self._buffer]
 
     @property
     def over(self) -> bool:
         """Whether every batch of the epoch has been taken."""
         return self._ended and not self._buffer
 
-    def take(self, count: int) -> tuple[int, Any]:
+    def take(self, count: int) -> tuple[int, Batch]:
         """The next ``count`` batches' number of examples and their batch (stacked along a
         new leading axis when ``count > 1``), ready for the step."""
         chunk = [self._buffer.popleft() for _ in range(count)]
-        put = self._put or (lambda batch, stacked: batch)
+        put = self._put or _unplaced
         if count == 1:
-            size, host, device = chunk[0]
-            batch = device if device is not None else put(host, False)
+            size, device = chunk[0].size, chunk[0].device
+            batch = device if device is not None else put(chunk[0].host, False)
         else:
-            size = sum(entry[0] for entry in chunk)
-            batch = put(jax.tree.map(lambda *xs: np.stack(xs), *[e[1] for e in chunk]), True)
-        if self._put is not None and self._buffer and self._buffer[0][2] is None:
-            self._buffer[0][2] = self._put(self._buffer[0][1], False)
+            size = sum(entry.size for entry in chunk)
+            batch = put(jax.tree.map(lambda *xs: np.stack(xs), *[e.host for e in chunk]), True)
+        if self._put is not None and self._buffer and self._buffer[0].device is None:
+            self._buffer[0].device = self._put(self._buffer[0].host, False)
         return size, batch
+
+
+def _unplaced(batch: Batch, stacked: bool) -> Batch:
+    """A batch left where it is (on the CPU, where jit takes NumPy batches directly)."""
+    return batch
 
 
 def steps_to_fuse(templates: list[Template], now: Time, sizes: list[int], per_call: int,
@@ -177,31 +217,38 @@ def steps_to_fuse(templates: list[Template], now: Time, sizes: list[int], per_ca
         limit = min(limit, max_steps - now.step)
     if limit <= 1:
         return 1
-    plans = []
+    plans: list[dict[str, Schedule]] = []
     for t in templates:
         if "step" not in t.types():
             continue
-        fields = t.schedules() if isinstance(t, On) and t.issuer is None else None
+        # A template of one issuer, or a predicate, is not planned (one step at a time).
+        fields = t.schedules() if isinstance(t, On) and _any_issuer(t) else None
         if fields is None:
             return 1
         if fields and all(k in _PLANNABLE for k in fields):
             plans.append(fields)
     for i in range(1, limit):
         nxt = dataclasses.replace(now, step=now.step + 1, examples=now.examples + sizes[i - 1])
-        for fields in plans:
-            if all(s(getattr(now, k), getattr(nxt, k)) for k, s in fields.items()):
+        for plan in plans:
+            if all(s(getattr(now, k), getattr(nxt, k)) for k, s in plan.items()):
                 return i
         now = nxt
     return limit
 
 
-def cast_like(new: Any, old: Any, who: str) -> Any:
+def _any_issuer(template: On) -> bool:
+    # Read apart: pyright takes ``template.issuer is None`` (declared ``object``) for never.
+    issuer = template.issuer
+    return issuer is None
+
+
+def cast_like(new: PyTree, old: PyTree, who: str) -> PyTree:
     """``new`` (a state ``who`` made from ``old``) with each leaf cast to ``old``'s dtype, so
     that the step does not retrace; raises if the structure changed."""
     if jax.tree.structure(new) != jax.tree.structure(old):
         raise ValueError(f"{who}: update_state(fn) must keep the state's structure")
 
-    def cast(n: Any, o: Any) -> Any:
+    def cast(n: object, o: object) -> object:
         dtype = getattr(o, "dtype", None)
         if n is o or dtype is None or is_key(o):
             return n  # a leaf fn kept costs nothing (Anneal touches one of hundreds)
@@ -210,7 +257,7 @@ def cast_like(new: Any, old: Any, who: str) -> Any:
     return jax.tree.map(cast, new, old)
 
 
-def donated(state: Any) -> list[str]:
+def donated(state: PyTree) -> list[str]:
     """The paths of a state's arrays donated to a step call (``[0]``, ``.variables['model']``
     ...): that call took over their buffers, or never returned."""
     return [jax.tree_util.keystr(path) for path, leaf in
@@ -218,26 +265,26 @@ def donated(state: Any) -> list[str]:
             if isinstance(leaf, jax.Array) and leaf.is_deleted()]
 
 
-def fused_steps(step: Callable[..., Any], own: Callable[..., Any]) -> Callable[..., Any]:
+def fused_steps(step: Step, own: Step) -> Step:
     """A function running ``step`` over stacked batches in one ``lax.scan`` call; ``own``
     is the loop's step before plugins wrapped it."""
     # A graphmod.optimize step keeps one fused function across loops and resumes.
-    if step is own and callable(getattr(step, "steps", None)):
-        return step.steps  # type: ignore[attr-defined]
+    if step is own and isinstance(step, TrainStep):
+        return step.steps
 
-    def run(state: Any, batches: Any) -> tuple[Any, Any]:
+    def run(state: PyTree, batches: Batch) -> tuple[PyTree, StepMetrics]:
         return jax.lax.scan(lambda s, b: call_step(step, s, b), state, batches)
 
     return jax.jit(run, donate_argnums=0)
 
 
-def check_loop_settings(step: Any, data: Any, **counts: int | None) -> None:
+def check_loop_settings(step: object, data: object, **counts: int | None) -> None:
     """Refuses a step, data or counts ``Loop`` cannot run, naming the argument."""
     if not callable(step):
         raise TypeError(f"Loop(step, data): step must be callable, got {step!r}")
     if not isinstance(data, Iterable):
         raise TypeError(f"Loop(step, data): data must be iterable, got {type(data).__name__}")
-    if hasattr(data, "__len__") and len(data) == 0:
+    if isinstance(data, Sized) and len(data) == 0:
         raise ValueError("Loop(step, data): the data source is empty (no batch per epoch)")
     if isinstance(data, Iterator) and (counts.get("epochs") or 1) > 1:
         raise ValueError(
@@ -251,7 +298,7 @@ def check_loop_settings(step: Any, data: Any, **counts: int | None) -> None:
                              f"{label}=10")
 
 
-def _identity(description: Mapping[str, Any]) -> Any:
+def _identity(description: Mapping[str, object]) -> object:
     """What tells a data source from another: its content hash (``ArraySource``), else its
     whole description but the name (a Grain pipeline's lineage, seeds, first batch hash)."""
     if description.get("sha256") is not None:
@@ -259,17 +306,16 @@ def _identity(description: Mapping[str, Any]) -> Any:
     return {k: v for k, v in description.items() if k != "name"}
 
 
-def check_transforms_source(steps: Iterable[Any], data: Any, allowed: bool) -> None:
+def check_transforms_source(steps: Iterable[object], data: object, allowed: bool) -> None:
     """Refuses a step whose program's transforms were fitted on other data than ``data``
     (by the sources' descriptions: content hashes where they have one), unless the caller
     ``allowed`` it; sources that do not describe themselves are not compared."""
-    describe = getattr(data, "describe", None)
     fitted = [getattr(getattr(step, "program", None), "transforms", None) for step in steps]
-    sources = [t.record().get("source") for t in fitted if t is not None]
-    sources = [source for source in sources if source]
-    if allowed or not sources or not callable(describe):
+    recorded = [t.record().get("source") for t in fitted if t is not None]
+    sources = [source for source in recorded if isinstance(source, Mapping) and source]
+    if allowed or not sources or not isinstance(data, Describes):
         return
-    now = dict(describe())  # hashes the data: only when there is something to compare
+    now = dict(data.describe())  # hashes the data: only when there is something to compare
     for source in sources:
         if _identity(source) == _identity(now):
             continue
@@ -283,20 +329,20 @@ def check_transforms_source(steps: Iterable[Any], data: Any, allowed: bool) -> N
             "allow_data_change=True to train on these data anyway")
 
 
-def check_first_batch(step: Any, data: Iterable[Any], epoch: int, position: int) -> None:
+def check_first_batch(step: object, data: Iterable[Batch], epoch: int, position: int) -> None:
     """Refuses data whose batches the step's function cannot take (a dict batch's keys
     that are not its arguments; arrays whose rank, feature size or dtype differ from
     ``init``'s examples), before any plugin sets up: nothing is written. Reads the first
     batch of a resumable source (``iter_epoch``, deterministic by its contract); a plain
     iterable is not read ahead (the step's own trace names the mismatch)."""
-    if not (isinstance(step, TrainStep) and hasattr(data, "iter_epoch")):
+    if not (isinstance(step, TrainStep) and isinstance(data, EpochSource)):
         return
     first = next(iter(data.iter_epoch(epoch, start=position)), None)
     if first is not None:
         check_batch(step, first)
 
 
-def check_batch(step: TrainStep, batch: Any, reads: Mapping[str, Any] | None = None,
+def check_batch(step: TrainStep, batch: Batch, reads: Mapping[str, PyTree] | None = None,
                 who: str = "Loop.run") -> None:
     """Refuses a batch (with the variables of the models the step ``reads``, passed by
     name) that ``step``'s function cannot take, naming the mismatch; see
@@ -317,7 +363,7 @@ def check_batch(step: TrainStep, batch: Any, reads: Mapping[str, Any] | None = N
                              ) from None
 
 
-def check_start_state(step: Any, state: Any, who: str = "Loop.run(state)") -> None:
+def check_start_state(step: object, state: PyTree, who: str = "Loop.run(state)") -> None:
     """Refuses a state the step cannot take, naming the argument (``who``) and the fix."""
     if state is None:
         raise TypeError(f"{who}: state is None; pass the train state to start from,"
