@@ -1,10 +1,15 @@
 """Side-by-side train-step benchmark: graphmod against hand-written JAX and Flax NNX.
 
 One regularized train step of the digits MLP (64-256-256-10, ReLU, Adam, batch 128) written
-four ways, timed in one process:
+five ways, timed in one process:
 
 ``hand (jax.jit, dicts)``
-    the reference: pure JAX over plain dicts, jitted and donating, written out by hand.
+    the reference: pure JAX over plain dicts, jitted and donating, written out by hand,
+    deriving its keys as graphmod does (the step key folded per layer, then split).
+``hand, leanest``
+    the same with the leanest randomness and statistics a JAX user would write: every
+    dropout and noise key split from the step key in one batch, ``bernoulli`` + ``select``
+    for the masks, batch variances as ``E[x²] - E[x]²``.
 ``graphmod``
     ``graphmod.compile`` with ``managers.Dropout`` (inputs of every linear layer),
     ``managers.WeightNoise`` (additive Gaussian noise on every ``W``) and
@@ -80,10 +85,12 @@ Batch = tuple[jax.Array, jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
-    """The regularizers' strengths: dropout rate and weight-noise standard deviation."""
+    """The regularizers: dropout rate, weight-noise standard deviation (None: without it)
+    and whether batch norm runs (``step_anatomy.py`` takes them one at a time)."""
 
-    dropout: float = 0.2
-    noise: float = 0.01
+    dropout: float | None = 0.2
+    noise: float | None = 0.01
+    batch_norm: bool = True
 
 
 def cross_entropy(logits: jax.Array, y: jax.Array) -> jax.Array:
@@ -98,12 +105,15 @@ def graphmod_step(dims: Sequence[int], rates: Rates | None, seed: int, batch: Ba
     mlp = graphmod.bricks.MLP(list(dims), activation=jax.nn.relu, rngs=nnx.Rngs(seed))
     chosen: list[graphmod.Manager] = []
     if rates is not None:
-        chosen = [
-            managers.Dropout(rates.dropout, bricks=mlp.linear_layers, roles=[roles.INPUT]),
-            managers.WeightNoise(rates.noise, roles=[roles.WEIGHT]),
-            managers.BatchNorm(momentum=MOMENTUM, epsilon=EPSILON,
-                               bricks=mlp.linear_layers[:-1], roles=[roles.OUTPUT]),
-        ]
+        if rates.dropout is not None:
+            chosen.append(managers.Dropout(rates.dropout, bricks=mlp.linear_layers,
+                                           roles=[roles.INPUT]))
+        if rates.noise is not None:
+            chosen.append(managers.WeightNoise(rates.noise, roles=[roles.WEIGHT]))
+        if rates.batch_norm:
+            chosen.append(managers.BatchNorm(momentum=MOMENTUM, epsilon=EPSILON,
+                                             bricks=mlp.linear_layers[:-1],
+                                             roles=[roles.OUTPUT]))
     program = graphmod.compile(lambda m, x, y: cross_entropy(m(x), y), mlp, managers=chosen)
     step = graphmod.optimize(program, optax.adam(LR))
     state = step.init(program.init(*batch), jax.random.key(seed))
@@ -123,28 +133,37 @@ def initial_weights(state: Any) -> list[tuple[np.ndarray, np.ndarray]]:
 
 # -- by hand over plain dicts -----------------------------------------------------------------
 def hand_forward(params: dict, stats: dict, x: jax.Array, key: jax.Array | None,
-                 rates: Rates | None) -> tuple[jax.Array, dict]:
+                 rates: Rates | None, lean: bool = False) -> tuple[jax.Array, dict]:
     """The regularized MLP in pure JAX: ``(logits, new running statistics)``; ``key`` None
-    is inference (no dropout or noise, running statistics)."""
+    is inference (no dropout or noise, running statistics).
+
+    Keys as graphmod derives them (one ``fold_in`` per layer, then a split), or with
+    ``lean`` as the leanest hand-written step would: every dropout and noise key split from
+    the step key in one batch, and batch variances as ``E[x²] - E[x]²``."""
     layers = params["linear"]
     new_stats = []
     h = x
+    keys = None if key is None or not lean else jax.random.split(key, 2 * len(layers))
     for i, layer in enumerate(layers):
         w = layer["W"]
         if key is not None and rates is not None:
-            k_drop, k_noise = jax.random.split(jax.random.fold_in(key, i))
-            keep = 1.0 - rates.dropout
-            mask = jax.random.bernoulli(k_drop, keep, h.shape)
-            h = jnp.where(mask, h / keep, 0.0)
-            w = w + rates.noise * jax.random.normal(k_noise, w.shape, w.dtype)
+            k_drop, k_noise = (keys[2 * i], keys[2 * i + 1]) if keys is not None else (
+                jax.random.split(jax.random.fold_in(key, i)))
+            if rates.dropout is not None:
+                keep = 1.0 - rates.dropout
+                mask = jax.random.bernoulli(k_drop, keep, h.shape)
+                h = jax.lax.select(mask, h / keep, jnp.zeros_like(h))
+            if rates.noise is not None:
+                w = w + rates.noise * jax.random.normal(k_noise, w.shape, w.dtype)
         z = h @ w + layer["b"]
         if i == len(layers) - 1:
             return z, {"bn": new_stats}
-        if rates is not None:
+        if rates is not None and rates.batch_norm:
             bn, running = params["bn"][i], stats["bn"][i]
             if key is not None:
                 mean = z.mean(0)
-                var = jnp.mean(jnp.square(z - mean), 0)
+                var = (jnp.mean(jnp.square(z), 0) - jnp.square(mean) if lean
+                       else jnp.mean(jnp.square(z - mean), 0))
                 new_stats.append({
                     "mean": MOMENTUM * running["mean"] + (1 - MOMENTUM) * mean,
                     "var": MOMENTUM * running["var"] + (1 - MOMENTUM) * var,
@@ -167,16 +186,17 @@ def plain_layout(variables: dict) -> dict:
 
 
 def hand_step(weights: list[tuple[np.ndarray, np.ndarray]], rates: Rates | None, seed: int,
-              nested: bool = False) -> tuple[Callable[..., Any], dict]:
+              nested: bool = False, lean: bool = False) -> tuple[Callable[..., Any], dict]:
     """A jitted, donating ``step(state, x, y) -> (state, loss)`` over plain dicts;
-    ``nested`` (without managers): its parameters nested as graphmod's variables."""
+    ``nested`` (without managers): its parameters nested as graphmod's variables; ``lean``:
+    keys and variances as the leanest hand-written step (:func:`hand_forward`)."""
     hidden = [w.shape[1] for w, _ in weights[:-1]]
     params: dict[str, Any] = {"linear": [{"W": jnp.asarray(w), "b": jnp.asarray(b)}
                                          for w, b in weights]}
     if nested:
         params = graphmod_layout(params)
     stats: dict[str, Any] = {"bn": []}
-    if rates is not None:
+    if rates is not None and rates.batch_norm:
         params["bn"] = [{"scale": jnp.ones(n), "bias": jnp.zeros(n)} for n in hidden]
         stats["bn"] = [{"mean": jnp.zeros(n), "var": jnp.ones(n)} for n in hidden]
     tx = optax.adam(LR)
@@ -190,7 +210,7 @@ def hand_step(weights: list[tuple[np.ndarray, np.ndarray]], rates: Rates | None,
 
         def loss(params: dict) -> tuple[jax.Array, dict]:
             logits, new_stats = hand_forward(plain_layout(params) if nested else params,
-                                             state["stats"], x, key, rates)
+                                             state["stats"], x, key, rates, lean)
             return cross_entropy(logits, y), new_stats
 
         (value, new_stats), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
@@ -220,10 +240,10 @@ class NNXMLP(nnx.Module):
         pairs = list(itertools.pairwise(dims))
         self.linears = nnx.List(nnx.Linear(a, b, rngs=rngs) for a, b in pairs)
         self.regularized = rates is not None
-        self.noise_std = rates.noise if rates is not None else 0.0
+        self.noise_std = rates.noise or 0.0 if rates is not None else 0.0
         self.deterministic = False
         if rates is not None:
-            self.drops = nnx.List(nnx.Dropout(rates.dropout, rngs=rngs) for _ in pairs)
+            self.drops = nnx.List(nnx.Dropout(rates.dropout or 0.0, rngs=rngs) for _ in pairs)
             self.norms = nnx.List(
                 nnx.BatchNorm(b, momentum=MOMENTUM, epsilon=EPSILON, use_fast_variance=False,
                               rngs=rngs) for _, b in pairs[:-1])
@@ -321,15 +341,18 @@ def compiler(step: Callable[..., Any], holder: list, batch: Batch, wrap: bool = 
 
 
 def build_variants(seed: int, batch: Batch, rates: Rates) -> list[Variant]:
-    """The four regularized digits-MLP steps, sharing their initial weights."""
+    """The five regularized digits-MLP steps, sharing their initial weights."""
     step, state, _ = graphmod_step(DIMS, rates, seed, batch)
     weights = initial_weights(state)
     hand, hand_state = hand_step(weights, rates, seed)
+    lean, lean_state = hand_step(weights, rates, seed, lean=True)
     split, split_state = nnx_split_step(*nnx_model(DIMS, rates, seed, weights))
     jit_model, jit_optimizer = nnx_model(DIMS, rates, seed, weights)
 
     variants = []
     for name, fn, first, wrap in [("hand (jax.jit, dicts)", hand, hand_state, False),
+                                  ("hand, leanest (one key split, E[x²]-E[x]²)", lean,
+                                   lean_state, False),
                                   ("graphmod", step, state, True),
                                   ("flax nnx (jax.jit, split)", split, split_state, False)]:
         call, holder = functional(fn, first)
@@ -410,7 +433,7 @@ def interleave(variants: Sequence[Variant], batches: Sequence[Batch], repeats: i
 
 
 def check_same_math(seed: int, batch: Batch, steps: int = 3) -> float:
-    """With dropout and noise off, the three step bodies agree from the same weights.
+    """With dropout and noise off, the four step bodies agree from the same weights.
 
     Returns the largest absolute difference of the losses and running means after
     ``steps`` steps; raises if one is off by more than 1e-4.
@@ -419,14 +442,17 @@ def check_same_math(seed: int, batch: Batch, steps: int = 3) -> float:
     step, state, _ = graphmod_step(DIMS, off, seed, batch)
     weights = initial_weights(state)
     hand, hand_state = hand_step(weights, off, seed)
+    lean, lean_state = hand_step(weights, off, seed, lean=True)
     model, optimizer = nnx_model(DIMS, off, seed, weights)
     split, split_state = nnx_split_step(model, optimizer)
     worst = 0.0
     for _ in range(steps):
         state, metrics = step(state, *batch)
         hand_state, hand_loss = hand(hand_state, *batch)
+        lean_state, lean_loss = lean(lean_state, *batch)
         split_state, split_loss = split(split_state, *batch)
-        losses = [float(metrics["loss"]), float(hand_loss), float(split_loss)]
+        losses = [float(metrics["loss"]), float(hand_loss), float(lean_loss),
+                  float(split_loss)]
         worst = max(worst, max(losses) - min(losses))
     bn = state.variables["managers"]["batch_norm"]
     graphmod_mean = np.asarray(bn["/linear_layers/0"]["apply"]["output.mean"])
@@ -474,30 +500,36 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def step_table(variants: Sequence[Variant]) -> tuple[str, list[dict]]:
-    reference = statistics.median(variants[0].times)
+    """Each variant against the first (hand-written, keys as graphmod derives them) and the
+    second (the leanest hand-written step): median step time and XLA flops."""
+    hand, leanest = variants[0], variants[1]
+    reference, lean = (statistics.median(v.times) for v in (hand, leanest))
     rows = []
     lines = [
-        "| variant | median step (µs) | p10-p90 (µs) | ratio to hand | first call (s) "
-        "| trace / lower / XLA compile (s) | HLO instructions | XLA flops (ratio) |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|",
+        "| variant | median step (µs) | p10-p90 (µs) | ratio to hand | ratio to leanest "
+        "| first call (s) | trace / lower / XLA compile (s) | HLO instructions "
+        "| XLA flops (ratio to leanest) |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for v in variants:
         median = statistics.median(v.times)
         row = {
             "variant": v.name, "median_us": median * 1e6,
             "p10_us": percentile(v.times, 10) * 1e6, "p90_us": percentile(v.times, 90) * 1e6,
-            "ratio": median / reference, "first_call_s": v.first_call_s,
+            "ratio": median / reference, "ratio_leanest": median / lean,
+            "first_call_s": v.first_call_s,
             **{f"{stage}_s": seconds for stage, seconds in v.compile_s.items()},
             "hlo_instructions": v.hlo_instructions, "flops": v.flops,
         }
         rows.append(row)
         stages = " / ".join(f"{v.compile_s[k]:.2f}" for k in ("trace", "lower", "compile"))
         count = "—" if v.hlo_instructions is None else str(v.hlo_instructions)
-        flops = "—" if not v.flops or not variants[0].flops else (
-            f"{v.flops:.3g} ({v.flops / variants[0].flops:.3f})")
+        flops = "—" if not v.flops or not leanest.flops else (
+            f"{v.flops:.3g} ({v.flops / leanest.flops:.3f})")
         lines.append(
             f"| {v.name} | {row['median_us']:.0f} | {row['p10_us']:.0f}-{row['p90_us']:.0f} "
-            f"| {row['ratio']:.2f} | {v.first_call_s:.2f} | {stages} | {count} | {flops} |")
+            f"| {row['ratio']:.2f} | {row['ratio_leanest']:.3f} | {v.first_call_s:.2f} "
+            f"| {stages} | {count} | {flops} |")
     return "\n".join(lines), rows
 
 
