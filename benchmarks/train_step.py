@@ -13,8 +13,8 @@ five ways, timed in one process:
 ``graphmod``
     ``graphmod.compile`` with ``managers.Dropout`` (inputs of every linear layer),
     ``managers.WeightNoise`` (additive Gaussian noise on every ``W``) and
-    ``managers.BatchNorm`` (outputs of the hidden linear layers), stepped by
-    ``graphmod.optimize``.
+    ``managers.BatchNorm`` (outputs of the hidden linear layers, ``use_fast_variance=True``:
+    the leanest step's statistics), stepped by ``graphmod.optimize``.
 ``flax nnx (jax.jit, split)``
     ``nnx.Linear``, ``nnx.Dropout``, ``nnx.BatchNorm`` and weight noise by hand, stepped by
     ``jax.jit`` over the ``nnx.split`` state of the model and its ``nnx.Optimizer``.
@@ -22,8 +22,9 @@ five ways, timed in one process:
     the same model stepped by ``nnx.jit`` (modules passed straight in).
 
 The math is the same in all of them (inverted dropout, ``W + std * N(0, 1)``, batch
-statistics with biased variance and ``running = m * running + (1 - m) * batch``); the random
-streams differ. Before timing, the variants are built with dropout and noise off from the
+statistics with biased variance and ``running = m * running + (1 - m) * batch``; the variance
+as ``E[x²] - E[x]²`` in graphmod's and the leanest, ``E[(x - E[x])²]`` in the others); the
+random streams differ. Before timing, the variants are built with dropout and noise off from the
 same initial weights and checked to give the same losses and running statistics.
 
 Timing: the variants run round-robin, each repetition timing a block of steps ended by
@@ -91,6 +92,9 @@ class Rates:
     dropout: float | None = 0.2
     noise: float | None = 0.01
     batch_norm: bool = True
+    # graphmod's BatchNorm computes E[x²] - E[x]², as the leanest step does (the other
+    # variants' variance: E[(x - E[x])²])
+    fast_variance: bool = True
 
 
 def cross_entropy(logits: jax.Array, y: jax.Array) -> jax.Array:
@@ -112,6 +116,7 @@ def graphmod_step(dims: Sequence[int], rates: Rates | None, seed: int, batch: Ba
             chosen.append(managers.WeightNoise(rates.noise, roles=[roles.WEIGHT]))
         if rates.batch_norm:
             chosen.append(managers.BatchNorm(momentum=MOMENTUM, epsilon=EPSILON,
+                                             use_fast_variance=rates.fast_variance,
                                              bricks=mlp.linear_layers[:-1],
                                              roles=[roles.OUTPUT]))
     program = graphmod.compile(lambda m, x, y: cross_entropy(m(x), y), mlp, managers=chosen)

@@ -109,6 +109,26 @@ def test_batch_norm_on_a_linear_input_matches_flax_layers() -> None:
     _close(program.infer(new, x), array(flax_lin(flax_bn(x))))
 
 
+def test_the_fast_variance_is_flaxs_and_the_two_pass_one_within_rounding() -> None:
+    x = normal(3, 16, 3, mean=2.0, std=0.5)
+    fast = _program(momentum=MOMENTUM, use_fast_variance=True)
+    out, new = fast.train(fast.init(x), x, rng=key(0))
+    flax_fast = nnx.BatchNorm(3, momentum=MOMENTUM, epsilon=EPSILON, use_fast_variance=True,
+                              rngs=nnx.Rngs(0))
+    _close(out, array(flax_fast(x)), 1e-6)
+    _close(_owned(new)["var"], array(flax_fast.var[...]), 1e-7)
+    # E[x²] - E[x]² against E[(x - E[x])²]: the same statistics to float32 rounding.
+    two_pass = _program(momentum=MOMENTUM)
+    assert not two_pass.managers[0].use_fast_variance  # the default: two passes
+    _close(two_pass.train(two_pass.init(x), x, rng=key(0))[0], out, 1e-4)
+    _, var = batch_stats(x, -1)
+    _close(_owned(new)["var"], MOMENTUM * ONES + (1 - MOMENTUM) * var, 1e-5)
+    # never negative where rounding makes E[x²] - E[x]² so (a constant feature)
+    constant = jnp.full((8, 3), 1e3, jnp.float32)
+    _, new = fast.train(fast.init(constant), constant, rng=key(0))
+    assert bool(jnp.all(_owned(new)["var"] >= MOMENTUM))
+
+
 def test_scale_and_shift_receive_the_gradients_of_the_hand_written_function() -> None:
     program = _program(lambda m, x: jnp.sum(jnp.sin(m(x))))
     x = normal(1, 16, 3, mean=1.0, std=3.0)
@@ -188,6 +208,11 @@ def test_use_scale_and_use_bias_false_own_no_scale_or_bias() -> None:
 def test_bad_arguments_raise_naming_the_argument(kwargs: dict, argument: str) -> None:
     with pytest.raises(ValueError, match=rf"BatchNorm\({argument}="):
         managers.BatchNorm(**kwargs)
+
+
+def test_a_fast_variance_flag_that_is_no_bool_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"BatchNorm\(use_fast_variance='yes'\)"):
+        managers.BatchNorm(use_fast_variance="yes")  # pyright: ignore[reportArgumentType]
 
 
 def test_a_bad_axis_raises_naming_it() -> None:

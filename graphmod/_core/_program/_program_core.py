@@ -118,6 +118,7 @@ class ProgramCore(VariablesByRole):
         self._inits = 0  # how many times init ran: records made before are stale
         self._origin: ProgramCore | None = None  # the program this one was derived from
         self._derived: dict[Callable[..., object], ProgramCore] = {}  # by derive, by function
+        self._key_folds: tuple[int, ...] = ()  # the draws its traces made (Frame.key_folds)
 
     # -- public properties ------------------------------------------------------------------
     @property
@@ -350,10 +351,12 @@ class ProgramCore(VariablesByRole):
             return Frame(layout=self._shared.layout, mode=mode, values=values, owned=owned,
                          hparams=hparams, managers=self._managers, key=key,
                          axis_name=self._axis_name, mesh=placement and placement.mesh,
-                         monitor=self._monitor, record=record, costs=costs)
+                         monitor=self._monitor, record=record, costs=costs,
+                         folds=self._key_folds)
 
         frame = _context.traced(self._shared, fresh, self._function, self.model, *args,
                                 **kwargs)
+        self._key_folds = tuple(dict.fromkeys((*self._key_folds, *frame.key_folds)))
         if not record:
             self.rewrites.store(RewriteTrace.traced(mode, frame.rewrites, frame.unchanged,
                                                     frame.managers))

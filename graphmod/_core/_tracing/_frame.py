@@ -89,7 +89,7 @@ class Frame:
         managers: tuple[Manager, ...], key: jax.Array | None = None,
         axis_name: AxisName | None = None, mesh: jax.sharding.Mesh | None = None,
         monitor: dict[str, VariableFilter] | None = None, record: bool = False,
-        costs: bool = False,
+        costs: bool = False, folds: Sequence[int] = (),
     ) -> None:
         self.layout = layout
         self.mode = mode
@@ -99,6 +99,13 @@ class Frame:
         # theirs, constraints resolved and then priority (see graphmod._core._managers._order).
         self._call_managers = [m for m in resolve_order(managers) if m.applies_to_calls]
         self.key = key
+        # The draws a trace of the program made before (``folds``: CRC32s), keyed in one
+        # batched fold of the step key: the very keys one ``fold_in`` each would give (the
+        # hash is elementwise), in one hash for all instead of one per draw.
+        self._folds: dict[int, None] = {}  # what this trace draws, in order (key_folds)
+        self._fold_index = {fold: i for i, fold in enumerate(folds)}
+        self._folded = (jax.vmap(jax.random.fold_in, (None, 0))(
+            key, jnp.asarray(folds, jnp.uint32)) if key is not None and folds else None)
         self.axis_name = axis_name
         self.mesh = mesh  # the program's device mesh (compile(mesh=...)), else None
         self.monitor = monitor or {}
@@ -121,6 +128,12 @@ class Frame:
         self._held_off: dict[str, str] = {}  # path -> the module flag keeping it in eval mode
 
     # -- read-only views ------------------------------------------------------------------
+    @property
+    def key_folds(self) -> tuple[int, ...]:
+        """The CRC32s of the draws this trace made (:meth:`rng`), in order: the next trace
+        of the program folds them in one batch (``Frame(folds=...)``)."""
+        return tuple(self._folds)
+
     @property
     def values(self) -> dict[str, jax.Array]:
         """Model variables' values by identity."""
@@ -368,6 +381,8 @@ class Frame:
         ...; ``per_step``) with the position of every loop around it, outermost first, and
         under ``vmap`` (``per_step`` or not) with the mapped index if a ``witnesses()``
         array is mapped (see ``graphmod._core._loops._loop_keys``)."""
+        fold = crc32("|".join(parts) + f"#{call_id}")  # known at trace time (ids are ints)
+        self._folds[fold] = None
         if self.mode == "init":
             return jax.random.key(0)  # placeholder: init only needs shapes
         if not self.training:
@@ -378,8 +393,9 @@ class Frame:
             )
         if self.key is None:
             raise RuntimeError("this program was traced without a key: pass rng= to train")
-        # One fold for everything known at trace time (call ids are Python ints).
-        key = jax.random.fold_in(self.key, crc32("|".join(parts) + f"#{call_id}"))
+        index = self._fold_index.get(fold)
+        key = (jax.random.fold_in(self.key, fold) if self._folded is None or index is None
+               else self._folded[index])
         for index in self._scan_indices if per_step else ():
             key = jax.random.fold_in(key, index)
         if self.axis_name is not None:
