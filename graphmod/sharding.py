@@ -40,7 +40,7 @@ from graphmod._core._selection._rules import PresetRule, misfit
 __all__ = ["annotated", "data_parallel", "fsdp", "misfit", "per_layer", "tensor_parallel"]
 
 
-class _Preset(TypedDict):
+class Preset(TypedDict):
     """A preset's arguments of :func:`graphmod.compile`: ``compile(..., mesh=mesh,
     **preset)``."""
 
@@ -74,7 +74,7 @@ def per_layer(spec: PartitionSpec) -> PerLayer:
     return PerLayer(spec)
 
 
-def data_parallel(axis: str = "data") -> _Preset:
+def data_parallel(axis: str = "data") -> Preset:
     """Every variable replicated, batches split along ``axis``.
 
     Examples:
@@ -85,7 +85,7 @@ def data_parallel(axis: str = "data") -> _Preset:
     return {"rules": [], "batch_axis": axis}
 
 
-def fsdp(axis: str = "data") -> _Preset:
+def fsdp(axis: str = "data") -> Preset:
     """Fully sharded data parallel: every weight split along its first dimension over
     ``axis`` (so are the optimizer's moments), biases and norms replicated, batches split
     along ``axis``. A weight stacked over Flax's scanned layers (or an ensemble's members)
@@ -102,7 +102,7 @@ def fsdp(axis: str = "data") -> _Preset:
                                   per_layer(PartitionSpec(axis))))], "batch_axis": axis}
 
 
-def tensor_parallel(axis: str = "model", batch_axis: str | None = "data") -> _Preset:
+def tensor_parallel(axis: str = "model", batch_axis: str | None = "data") -> Preset:
     """Megatron-style tensor parallelism for graphmod's bricks and Flax's attention, over
     the mesh axis ``axis``.
 
@@ -143,7 +143,7 @@ def tensor_parallel(axis: str = "model", batch_axis: str | None = "data") -> _Pr
 
 
 def annotated(model: object, axis_rules: Mapping[str, str | None] | None = None,
-              batch_axis: str | None = "data") -> _Preset:
+              batch_axis: str | None = "data") -> Preset:
     """Rules from a Flax model's own sharding annotations (``nnx.with_partitioning``, the
     ``out_sharding`` metadata of its variables), as Flax's SPMD guide and its lm1b example
     annotate them: each annotated variable is placed by its names, each name mapped through

@@ -260,7 +260,7 @@ class TimeLike(Protocol):
     def train_seconds(self) -> float: ...
 
 
-_PluginT = TypeVar("_PluginT")  # what LoopLike.on registers, handed back
+PluginT = TypeVar("PluginT")  # what LoopLike.on registers, handed back
 
 
 @runtime_checkable
@@ -302,8 +302,8 @@ class LoopLike(Protocol):
     @property
     def metrics(self) -> Mapping[str, ArrayLike]: ...
 
-    def on(self, template: Any, plugin: _PluginT, *, priority: int | None = None
-           ) -> _PluginT:
+    def on(self, template: Any, plugin: PluginT, *, priority: int | None = None
+           ) -> PluginT:
         """Registers ``plugin`` for the events ``template`` (an ``On(...)`` or a type
         name) matches; returns it."""
         ...
@@ -341,8 +341,8 @@ class OwnedVariableLike(Protocol):
     value: Any
 
 
-_ValueT = TypeVar("_ValueT")  # a value a context tags or keeps, handed back as it came
-_MetricT = TypeVar("_MetricT", bound="ArrayLike")  # a metric reported, handed back
+ValueT = TypeVar("ValueT")  # a value a context tags or keeps, handed back as it came
+MetricT = TypeVar("MetricT", bound="ArrayLike")  # a metric reported, handed back
 
 
 @runtime_checkable
@@ -419,8 +419,8 @@ class HookContext(Protocol):
         for the parameter in ``rewrite_parameter``; created at ``init``."""
         ...
 
-    def add_auxiliary_variable(self, value: _ValueT, *, roles: Sequence[Role] = (),
-                               name: str | None = None) -> _ValueT:
+    def add_auxiliary_variable(self, value: ValueT, *, roles: Sequence[Role] = (),
+                               name: str | None = None) -> ValueT:
         """Tags ``value`` as an auxiliary variable of this call (monitorable); returns it."""
         ...
 
@@ -504,23 +504,23 @@ class ProgramContext(Protocol):
         """A variable the manager owns for the program, created at ``init`` from ``init``."""
         ...
 
-    def report(self, name: str, value: _MetricT) -> _MetricT:
+    def report(self, name: str, value: MetricT) -> MetricT:
         """Reports ``value`` in the train step's metrics as ``"<manager>.<name>"``."""
         ...
 
     def note_input(self, name: str, before: PyTree, after: PyTree) -> None:
         """Notes in the rewrite trace that the layer rewrote the function's argument."""
 
-    def infer(self, fn: Callable[..., _ValueT], *args: object, **kwargs: object) -> _ValueT:
+    def infer(self, fn: Callable[..., ValueT], *args: object, **kwargs: object) -> ValueT:
         """``fn(*args, **kwargs)`` as inference sees the program, without gradient."""
         ...
 
-    def saved(self, value: _ValueT) -> _ValueT:
+    def saved(self, value: ValueT) -> ValueT:
         """``value``, kept for the backward pass of a :meth:`switch`, not recomputed."""
         ...
 
-    def switch(self, on: jax.Array | bool, when_on: Callable[[], _ValueT],
-               when_off: Callable[[], _ValueT]) -> _ValueT:
+    def switch(self, on: jax.Array | bool, when_on: Callable[[], ValueT],
+               when_off: Callable[[], ValueT]) -> ValueT:
         """``when_on()`` where ``on`` holds, else ``when_off()`` (a ``lax.cond`` when
         ``on`` is traced)."""
         ...

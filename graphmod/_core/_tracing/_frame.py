@@ -393,9 +393,9 @@ class Frame:
             )
         if self.key is None:
             raise RuntimeError("this program was traced without a key: pass rng= to train")
-        index = self._fold_index.get(fold)
-        key = (jax.random.fold_in(self.key, fold) if self._folded is None or index is None
-               else self._folded[index])
+        batched = self._fold_index.get(fold)
+        key = (jax.random.fold_in(self.key, fold) if self._folded is None or batched is None
+               else self._folded[batched])
         for index in self._scan_indices if per_step else ():
             key = jax.random.fold_in(key, index)
         if self.axis_name is not None:

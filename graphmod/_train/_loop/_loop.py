@@ -60,7 +60,7 @@ from graphmod.typing import JSON, Batch, PathLike, PyTree
 if TYPE_CHECKING:  # the plugins import the loop's modules
     from graphmod.plugins._control import BackgroundRun
 
-_Registered = TypeVar("_Registered")  # a plugin, handed back by Loop.on
+Registered = TypeVar("Registered")  # a plugin, handed back by Loop.on
 
 
 class Loop:
@@ -167,8 +167,8 @@ class Loop:
                 "\n  " + repr(self.step).replace("\n", "\n  "))
 
     # -- registration -------------------------------------------------------------------------
-    def on(self, template: Template | str | None, plugin: _Registered, *,
-           priority: int | None = None) -> _Registered:
+    def on(self, template: Template | str | None, plugin: Registered, *,
+           priority: int | None = None) -> Registered:
         """Registers ``plugin`` for events matching ``template``; None: a :class:`Plugin`'s
         own ``every`` (its ``on_<type>`` methods when that is None), every event for a
         plain callable."""
