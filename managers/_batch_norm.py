@@ -19,6 +19,17 @@ def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+@jax.custom_jvp
+def _nonnegative(variance: jax.Array) -> jax.Array:
+    """``max(variance, 0)``, differentiated as the identity: the clip undoes only round-off
+    of ``E[x²] - E[x]²`` (a variance is never negative), so its gradient is the formula's.
+    ``jnp.maximum``'s own would add a tie-splitting select to the backward pass."""
+    return jnp.maximum(variance, 0)
+
+
+_nonnegative.defjvp(lambda primals, tangents: (_nonnegative(*primals), *tangents))
+
+
 class BatchNorm(gm.Manager):
     """Normalizes selected variables with batch statistics in training and running
     (population) statistics in inference, then scales and shifts them.
@@ -91,7 +102,7 @@ class BatchNorm(gm.Manager):
                    "NHWC images, 1 for NCHW)" if axis == 0 else ""))
         if call.training:
             batch_mean = x.mean(reduce)
-            batch_var = (jnp.maximum(jnp.square(x).mean(reduce) - jnp.square(batch_mean), 0)
+            batch_var = (_nonnegative(jnp.square(x).mean(reduce) - jnp.square(batch_mean))
                          if self.use_fast_variance
                          else x.var(reduce))  # one jitted jnp.var: traces faster than its ops
             m = self.momentum

@@ -129,6 +129,22 @@ def test_the_fast_variance_is_flaxs_and_the_two_pass_one_within_rounding() -> No
     assert bool(jnp.all(_owned(new)["var"] >= MOMENTUM))
 
 
+def test_the_fast_variance_differentiates_as_the_two_pass_one() -> None:
+    # The clip at 0 differentiates as the identity: the gradient is the variance's own,
+    # within rounding of the two-pass formula's, and finite where the clip acts.
+    def input_grad(program: gm.Program, x: jax.Array) -> jax.Array:
+        variables = program.init(x)
+        return jax.grad(lambda x: jnp.sum(jnp.sin(program.train(variables, x, rng=key(0))[0])))(x)
+
+    x = normal(4, 16, 3, mean=1.0, std=2.0)
+    fast = input_grad(_program(use_fast_variance=True), x)
+    _close(fast, input_grad(_program(), x), 1e-4)
+    assert np.abs(array(fast)).max() > 1e-2
+    constant = jnp.full((8, 3), 1e3, jnp.float32)
+    assert bool(jnp.all(jnp.isfinite(
+        input_grad(_program(use_fast_variance=True), constant))))
+
+
 def test_scale_and_shift_receive_the_gradients_of_the_hand_written_function() -> None:
     program = _program(lambda m, x: jnp.sum(jnp.sin(m(x))))
     x = normal(1, 16, 3, mean=1.0, std=3.0)
