@@ -38,7 +38,8 @@ class BatchNorm(gm.Manager):
     biased variance, ``running = momentum * running + (1 - momentum) * batch``. The variance
     is ``E[(x - E[x])²]`` (two passes over ``x``) unless ``use_fast_variance=True``:
     ``E[x²] - E[x]²`` in one pass, clipped at 0 (Flax's default; cheaper, less exact where
-    the mean is large against the spread). Owns per
+    the mean is large against the spread), the clip differentiated as the identity (it
+    only undoes round-off, so the gradient is the formula's). Owns per
     matched (path, application, variable): ``<var>.scale``, ``<var>.bias`` (trainable) and
     ``<var>.mean``, ``<var>.var`` (state), shared by all call ids (updated in call order).
 
