@@ -23,7 +23,7 @@ host-to-device copy's. Before timing, every variant runs the same steps from the
 initial weights and must give the same losses (to float rounding; it fails loudly
 otherwise).
 
-Timing: variants round-robin (the first rotating), each repetition timing a block of steps
+Timing: variants round-robin (in balanced orders), each repetition timing a block of steps
 ended by ``block_until_ready`` on the train state, after one untimed step (so no variant is
 charged for switching from another mesh's devices); medians over repetitions. The virtual
 devices share the machine's cores (2 here), so more devices cannot be faster: the ratios

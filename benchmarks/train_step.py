@@ -21,6 +21,9 @@ five ways, timed in one process:
 ``flax nnx (nnx.jit)``
     the same model stepped by ``nnx.jit`` (modules passed straight in).
 
+and a control, the leanest step compiled a second time: its ratio to the first is the
+noise of the measurement (the same program, timed twice).
+
 The math is the same in all of them (inverted dropout, ``W + std * N(0, 1)``, batch
 statistics with biased variance and ``running = m * running + (1 - m) * batch``; the variance
 as ``E[x²] - E[x]²`` in graphmod's and the leanest, ``E[(x - E[x])²]`` in the others); the
@@ -28,8 +31,9 @@ random streams differ. Before timing, the variants are built with dropout and no
 same initial weights and checked to give the same losses and running statistics.
 
 Timing: the variants run round-robin, each repetition timing a block of steps ended by
-``block_until_ready``; the table gives each variant's median step time and its ratio to the
-hand-written step's median, the time of the first call (trace + compile + one step), the
+``block_until_ready``, in balanced orders (each variant as often right after each other);
+the table gives each variant's median step time and its ratios to the hand-written and the
+leanest steps' medians, the time of the first call (trace + compile + one step), the
 tracing/lowering and XLA compile times of a fresh copy, and the instruction count of its
 optimized HLO. A second table measures per-call dispatch on a tiny model, where the Python
 and runtime overhead of a call dominates: ``graphmod.optimize``'s step and
@@ -82,6 +86,7 @@ MOMENTUM = 0.99
 EPSILON = 1e-5
 
 Batch = tuple[jax.Array, jax.Array]
+CONTROL = "control: the leanest again"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,11 +351,14 @@ def compiler(step: Callable[..., Any], holder: list, batch: Batch, wrap: bool = 
 
 
 def build_variants(seed: int, batch: Batch, rates: Rates) -> list[Variant]:
-    """The five regularized digits-MLP steps, sharing their initial weights."""
+    """The five regularized digits-MLP steps, sharing their initial weights, and the
+    control: the leanest step compiled a second time (its ratio to the first is the noise of
+    the measurement)."""
     step, state, _ = graphmod_step(DIMS, rates, seed, batch)
     weights = initial_weights(state)
     hand, hand_state = hand_step(weights, rates, seed)
     lean, lean_state = hand_step(weights, rates, seed, lean=True)
+    again, again_state = hand_step(weights, rates, seed, lean=True)
     split, split_state = nnx_split_step(*nnx_model(DIMS, rates, seed, weights))
     jit_model, jit_optimizer = nnx_model(DIMS, rates, seed, weights)
 
@@ -359,6 +367,7 @@ def build_variants(seed: int, batch: Batch, rates: Rates) -> list[Variant]:
                                   ("hand, leanest (one key split, E[x²]-E[x]²)", lean,
                                    lean_state, False),
                                   ("graphmod", step, state, True),
+                                  (CONTROL, again, again_state, False),
                                   ("flax nnx (jax.jit, split)", split, split_state, False)]:
         call, holder = functional(fn, first)
         # graphmod's step is called through its public API: lowered inside a jax.jit.
@@ -411,20 +420,37 @@ def first_call(variant: Variant, batch: Batch) -> None:
     variant.compile_s = durations
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """A Williams design: orders of ``range(n)`` in which every variant runs right after
+    every other equally often (``n`` orders for an even ``n``, ``2n`` for an odd one), so no
+    variant is always timed after the same one (its caches, its threads' wake-ups).
+
+    Examples:
+        >>> balanced_orders(3)
+        [[0, 1, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0], [0, 2, 1], [1, 0, 2]]
+    """
+    first = [0]
+    for j in range(1, n):  # 0, 1, n-1, 2, n-2, ...
+        first.append((j + 1) // 2 if j % 2 else n - j // 2)
+    orders = [[(v + i) % n for v in first] for i in range(n)]
+    return orders + ([order[::-1] for order in orders] if n % 2 else [])
+
+
 def interleave(variants: Sequence[Variant], batches: Sequence[Batch], repeats: int,
                block: int, settle: bool = False) -> None:
-    """Round-robin: each repetition times ``block`` calls of every variant in turn (the
-    first one rotating, so none always runs right after another). With ``settle``, one
-    untimed call (waited for) precedes each timed block: a variant run after one on other
-    devices is not charged for the switch (their threads waking, caches refilling)."""
+    """Round-robin: each repetition times ``block`` calls of every variant in turn, in the
+    orders of :func:`balanced_orders` (each variant as often right after each other one).
+    With ``settle``, one untimed call (waited for) precedes each timed block: a variant run
+    after one on other devices is not charged for the switch (their threads waking, caches
+    refilling)."""
     for variant in variants:
         if not variant.compile_s:
             first_call(variant, batches[0])
         for i in range(3):
             jax.block_until_ready(variant.call(batches[i % len(batches)]))
+    orders = balanced_orders(len(variants))
     for repeat in range(repeats):
-        shift = repeat % len(variants)
-        for variant in [*variants[shift:], *variants[:shift]]:
+        for variant in (variants[i] for i in orders[repeat % len(orders)]):
             if settle:
                 jax.block_until_ready(variant.call(batches[-1]))
             start = time.perf_counter()
