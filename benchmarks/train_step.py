@@ -22,7 +22,11 @@ five ways, timed in one process:
     the same model stepped by ``nnx.jit`` (modules passed straight in).
 
 and a control, the leanest step compiled a second time: its ratio to the first is the
-noise of the measurement (the same program, timed twice).
+noise of the measurement (the same program, timed twice). Two more rows take graphmod's and
+the leanest step jitted again over the lists of their states' leaves: the same programs,
+without JAX flattening and rebuilding the states' nested dicts at each call, so their
+ratio is the programs' alone, and each one's ratio to its step what its layout's dispatch
+costs.
 
 The math is the same in all of them (inverted dropout, ``W + std * N(0, 1)``, batch
 statistics with biased variance and ``running = m * running + (1 - m) * batch``; the variance
@@ -32,8 +36,10 @@ same initial weights and checked to give the same losses and running statistics.
 
 Timing: the variants run round-robin, each repetition timing a block of steps ended by
 ``block_until_ready``, in balanced orders (each variant as often right after each other);
-the table gives each variant's median step time and its ratios to the hand-written and the
-leanest steps' medians, the time of the first call (trace + compile + one step), the
+the table gives each variant's median step time, its ratios to the hand-written and the
+leanest steps' medians, the median of its paired ratios to the leanest step (each block
+over the leanest step's block of the same round: the machine's slow stretches cancel), the
+time of the first call (trace + compile + one step), the
 tracing/lowering and XLA compile times of a fresh copy, and the instruction count of its
 optimized HLO. A second table measures per-call dispatch on a tiny model, where the Python
 and runtime overhead of a call dominates: ``graphmod.optimize``'s step and
@@ -341,6 +347,20 @@ def functional(step: Callable[..., Any], state: Any) -> tuple[Callable[[Batch], 
     return call, holder
 
 
+def on_leaves(step: Callable[..., Any], state: Any) -> Callable[[Batch], Any]:
+    """``step`` jitted again over the list of ``state``'s leaves (and donating them): the
+    same XLA program, without JAX flattening the state's dicts at each call. Its time
+    against ``step``'s is what the state's layout costs a call (on a 2-core machine, the
+    host's flattening takes the step's own cores)."""
+    leaves, tree = jax.tree.flatten(state)
+
+    def flat(leaves: list, x: jax.Array, y: jax.Array) -> tuple[list, list]:
+        new, out = step(jax.tree.unflatten(tree, leaves), x, y)
+        return jax.tree.leaves(new), jax.tree.leaves(out)
+
+    return functional(jax.jit(flat, donate_argnums=0), jax.tree.map(jnp.copy, leaves))[0]
+
+
 def compiler(step: Callable[..., Any], holder: list, batch: Batch, wrap: bool = True
              ) -> Callable[[], Any]:
     """Compiles ``step`` again ahead of time for the current state in ``holder`` (for its
@@ -351,9 +371,11 @@ def compiler(step: Callable[..., Any], holder: list, batch: Batch, wrap: bool = 
 
 
 def build_variants(seed: int, batch: Batch, rates: Rates) -> list[Variant]:
-    """The five regularized digits-MLP steps, sharing their initial weights, and the
-    control: the leanest step compiled a second time (its ratio to the first is the noise of
-    the measurement)."""
+    """The five regularized digits-MLP steps, sharing their initial weights; the control:
+    the leanest step compiled a second time (its ratio to the first is the noise of the
+    measurement); and graphmod's and the leanest step over their states' leaves
+    (:func:`on_leaves`: the same programs without the per-call flattening of the states'
+    dicts)."""
     step, state, _ = graphmod_step(DIMS, rates, seed, batch)
     weights = initial_weights(state)
     hand, hand_state = hand_step(weights, rates, seed)
@@ -372,6 +394,9 @@ def build_variants(seed: int, batch: Batch, rates: Rates) -> list[Variant]:
         call, holder = functional(fn, first)
         # graphmod's step is called through its public API: lowered inside a jax.jit.
         variants.append(Variant(name, call, compiler(fn, holder, batch, wrap=wrap)))
+    # The same two programs over their states' leaves: the layouts' dispatch set apart.
+    variants += [Variant("graphmod, on the state's leaves", on_leaves(step, state)),
+                 Variant("hand, leanest, on the state's leaves", on_leaves(lean, lean_state))]
     variants.append(Variant(
         "flax nnx (nnx.jit)", lambda b: nnx_jit_step(jit_model, jit_optimizer, *b),
         lambda: nnx_jit_step.lower(jit_model, jit_optimizer, *batch).compile()))
@@ -530,24 +555,43 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
 
 
+def paired_ratios(variant: Variant, reference: Variant) -> list[float]:
+    """Per repetition, ``variant``'s block time over ``reference``'s block of the same
+    repetition: the machine's slow and fast stretches, common to blocks a few hundred
+    milliseconds apart, cancel in each ratio (the medians' ratio keeps them as noise).
+
+    Examples:
+        >>> paired_ratios(Variant("a", print, times=[2.0, 4.0]),
+        ...               Variant("b", print, times=[1.0, 4.0]))
+        [2.0, 1.0]
+    """
+    return [a / b for a, b in zip(variant.times, reference.times, strict=True)]
+
+
 def step_table(variants: Sequence[Variant]) -> tuple[str, list[dict]]:
     """Each variant against the first (hand-written, keys as graphmod derives them) and the
-    second (the leanest hand-written step): median step time and XLA flops."""
+    second (the leanest hand-written step): median step time, the ratio of medians and the
+    median of paired ratios to the leanest (:func:`paired_ratios`), and XLA flops."""
     hand, leanest = variants[0], variants[1]
     reference, lean = (statistics.median(v.times) for v in (hand, leanest))
     rows = []
     lines = [
         "| variant | median step (µs) | p10-p90 (µs) | ratio to hand | ratio to leanest "
+        "| paired ratio to leanest: median (p25-p75) "
         "| first call (s) | trace / lower / XLA compile (s) | HLO instructions "
         "| XLA flops (ratio to leanest) |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for v in variants:
         median = statistics.median(v.times)
+        paired = paired_ratios(v, leanest)
         row = {
             "variant": v.name, "median_us": median * 1e6,
             "p10_us": percentile(v.times, 10) * 1e6, "p90_us": percentile(v.times, 90) * 1e6,
             "ratio": median / reference, "ratio_leanest": median / lean,
+            "paired_leanest": statistics.median(paired),
+            "paired_leanest_p25": percentile(paired, 25),
+            "paired_leanest_p75": percentile(paired, 75),
             "first_call_s": v.first_call_s,
             **{f"{stage}_s": seconds for stage, seconds in v.compile_s.items()},
             "hlo_instructions": v.hlo_instructions, "flops": v.flops,
@@ -559,7 +603,9 @@ def step_table(variants: Sequence[Variant]) -> tuple[str, list[dict]]:
             f"{v.flops:.3g} ({v.flops / leanest.flops:.3f})")
         lines.append(
             f"| {v.name} | {row['median_us']:.0f} | {row['p10_us']:.0f}-{row['p90_us']:.0f} "
-            f"| {row['ratio']:.2f} | {row['ratio_leanest']:.3f} | {v.first_call_s:.2f} "
+            f"| {row['ratio']:.2f} | {row['ratio_leanest']:.3f} "
+            f"| {row['paired_leanest']:.3f} ({row['paired_leanest_p25']:.3f}-"
+            f"{row['paired_leanest_p75']:.3f}) | {v.first_call_s:.2f} "
             f"| {stages} | {count} | {flops} |")
     return "\n".join(lines), rows
 
@@ -655,7 +701,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"Digits MLP {'-'.join(map(str, DIMS))}, batch {BATCH}, Adam; dropout "
         f"{rates.dropout} on linear inputs, weight noise {rates.noise} on W, batch norm on "
         f"hidden outputs. Medians of {repeats} interleaved blocks of {block} steps; ratios "
-        "are to the hand-written step's median.",
+        "are of medians, to the hand-written and the leanest steps' medians; paired ratios "
+        "are each block's over the leanest step's block of the same round, their median "
+        "and quartiles.",
         "",
         steps_md,
         "",

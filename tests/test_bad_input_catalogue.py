@@ -397,7 +397,7 @@ CASES = [
          r"Loop.run\(state\).*TrainState, got dict.*step.init"),
     Case("a loop run on a state an earlier step took", lambda w: _loop(w).run(
         _donated(w)), ValueError, r"Loop.run\(state\): the state's arrays were donated to an "
-        r"earlier step call \(state\.opt_state\[0\]\.count, and 23 more\).*start from the "
+        r"earlier step call \(state\.opt_state\[0\]\.count, and 22 more\).*start from the "
         r"state that run or call returned.*jnp.copy"),
     Case("data of another feature size to a loop", lambda w: gm.Loop(
         w.step, ArraySource((w.x[:, :3], w.y), 8), steps=2).run(w.state), ValueError,

@@ -182,13 +182,20 @@ class TrainStep:
         # (optax.lbfgs), and a step donates every buffer of the state once.
         opt_state = _copied(self.tx.init(params))
         scale = None if self.loss_scale is None else _copied(self.loss_scale.init())
-        return self.place(TrainState(variables, opt_state, jnp.int32(0), data, jnp.int32(0),
+        # The skipped-steps count only where steps are skipped: a leaf costs every call.
+        skipped = jnp.int32(0) if self.skip_nonfinite else None
+        return self.place(TrainState(variables, opt_state, jnp.int32(0), data, skipped,
                                      scale))
 
     def place(self, state: TrainState) -> TrainState:
-        """``state`` put on the program's mesh as :meth:`init` places it (``state`` itself
-        for a program on one device): e.g. a state restored from a checkpoint, which holds
-        whole arrays whatever mesh saved it. The loop places the state it starts from."""
+        """``state`` put on the program's mesh as :meth:`init` places it (its arrays as they
+        are for a program on one device): e.g. a state restored from a checkpoint, which
+        holds whole arrays whatever mesh saved it. The loop places the state it starts
+        from. A step with ``skip_nonfinite`` adds a count of skipped steps (0) to a state
+        without one (one another step made), as its first call would, so the loop's step
+        compiles for one tree."""
+        if self.skip_nonfinite and state.skipped is None:
+            state = state._replace(skipped=jnp.int32(0))
         placement = self.program.placement
         if placement is None:
             return state
@@ -206,10 +213,10 @@ class TrainStep:
             self._parameters(state.variables)[0], self._parameters(variables)[0], layout)
         opt = optax.tree_map_params(self.tx, lambda _, sharding: sharding, state.opt_state,
                                     copies, transform_non_params=lambda _: whole)
-        scale = jax.tree.map(lambda _: whole, state.loss_scale)
+        skipped, scale = jax.tree.map(lambda _: whole, (state.skipped, state.loss_scale))
         # The state's tree with a sharding at each leaf, as put and with_sharding_constraint
         # take it (the fields' annotations describe a state of arrays).
-        return TrainState(variables, opt, whole, whole, whole, scale)  # pyright: ignore[reportArgumentType]
+        return TrainState(variables, opt, whole, whole, skipped, scale)  # pyright: ignore[reportArgumentType]
 
     def abstract_state(self, *example_args: object, **example_kwargs: Any) -> TrainState:
         """The shapes and dtypes of this step's train state (no array is computed)."""
@@ -313,6 +320,8 @@ class TrainStep:
         variables = program.merge(new_params, new_rest)
         skipped, applied, scale = state.skipped, finite, state.loss_scale
         if self.skip_nonfinite:
+            if skipped is None:  # a state a step without skip_nonfinite made: from 0
+                skipped = jnp.zeros((), jnp.int32)
             good = jnp.isfinite(cost) & _all_finite(updates)
             # A step whose scaled gradients overflowed is the loss scale's to count.
             bad = ~good if finite is None else ~good & finite
@@ -434,7 +443,9 @@ def optimize(program: Program, tx: optax.GradientTransformation | optax.MultiSte
             ``grad`` and ``value_fn`` (the cost at other parameters with the step's key
             and batch, for the line searches of ``optax.lbfgs``).
         skip_nonfinite: leave the state unchanged for a step whose loss or update is not
-            finite, and count it in ``metrics["skipped_steps"]``.
+            finite, and count it in ``train_state.skipped`` (checkpointed with the rest),
+            reported as ``metrics["skipped_steps"]``. Without it a state has no count
+            (``skipped`` is None): one array less for every call to pass.
         config: the optimizer's name and hyperparameters for the provenance record, e.g.
             ``{"name": "adam", "learning_rate": 1e-3}``, when ``tx`` was not made with
             :func:`graphmod.provenance.optimizer` (which records them itself).

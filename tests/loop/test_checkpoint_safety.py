@@ -29,6 +29,7 @@ from graphmod import On, at, each
 from graphmod._cli import inspect_run
 from graphmod._train._checkpoint import Checkpointer, CheckpointError
 from graphmod._train._checkpoint._format import storable
+from graphmod._train._checkpoint._reader import counted_as_saved
 from graphmod.plugins import Checkpoint
 from tests.loop.conftest import Problem
 
@@ -729,20 +730,64 @@ def test_a_state_saved_variables_first_restores_each_leaf_by_its_path(
     state = step.init(problem.variables, jax.random.key(0))
     for i in range(3):
         state, _ = step(state, problem.x[8 * i:8 * i + 8], problem.y[8 * i:8 * i + 8])
-    old = _VariablesFirst(*state[:5])  # loss_scale came later (None here)
+    # loss_scale came later (None here); a count of skipped steps was always there then
+    old = _VariablesFirst(*state[:4], skipped=np.int32(2))
     assert storable(old)[0].shape == storable(state)[0].shape  # same shapes, other leaves
     writer = Checkpointer(tmp_path / "run", keep=None)
     writer.save(3, old, {})
     writer.wait()
     restored, _ = writer.restore(jax.tree.map(np.zeros_like, state))
     writer.close()
-    assert isinstance(restored, gm.TrainState)
-    for field in gm.TrainState._fields:
+    assert isinstance(restored, gm.TrainState) and int(restored.skipped) == 2  # kept
+    for field in set(gm.TrainState._fields) - {"skipped"}:
         _assert_same_arrays(jax.tree.leaves(getattr(restored, field)),
                             jax.tree.leaves(getattr(state, field)))
     momentum = jax.tree.leaves(state.opt_state)
     assert not all(np.array_equal(m, v) for m, v in
                    zip(momentum, jax.tree.leaves(state.variables), strict=False))
+
+
+def test_a_count_of_skipped_steps_is_kept_or_started_across_steps_that_skip_or_not(
+        tmp_path: pathlib.Path) -> None:
+    # Only a step with skip_nonfinite carries the count (a leaf costs every call): a run
+    # resumed by a step without keeps a saved count (every checkpoint before 2026-12-04
+    # holds one), a step with it resuming a checkpoint without counts from 0.
+    problem = Problem()
+    plain = gm.optimize(problem.program, optax.sgd(0.1))
+    skipping = gm.optimize(problem.program, optax.sgd(0.1), skip_nonfinite=True)
+    bad = problem.y[:8].copy()
+    bad[0] = np.nan
+    state, metrics = skipping(skipping.init(problem.variables, jax.random.key(0)),
+                              problem.x[:8], bad)
+    assert int(state.skipped) == 1 and int(metrics["skipped_steps"]) == 1
+    writer = Checkpointer(tmp_path / "skipping", keep=None)
+    writer.save(1, state, {})
+    writer.wait()
+    template = plain.init(problem.variables, jax.random.key(0))
+    assert template.skipped is None
+    restored, _ = writer.restore(template)
+    writer.close()
+    assert int(restored.skipped) == 1  # kept, and carried as it is by the plain step
+    after, _ = plain(plain.place(restored), problem.x[:8], problem.y[:8])
+    assert int(after.skipped) == 1 and int(after.step) == 2
+
+    writer = Checkpointer(tmp_path / "plain", keep=None)
+    writer.save(2, after._replace(skipped=None), {})
+    writer.wait()
+    restored, _ = writer.restore(skipping.init(problem.variables, jax.random.key(0)))
+    writer.close()
+    assert int(restored.skipped) == 0 and int(restored.step) == 2  # counted from 0
+    # A meta record's spec of the count is read as data: a crafted shape allocates nothing
+    # (then fails the restore's comparison with the array list), a non-count is no count.
+    huge, _ = counted_as_saved(template, {".skipped": [[10**12], "int32"]})
+    assert huge.skipped.strides == (0,)
+    for crafted in ([[], "object"], [["2"], "int32"], "int32", [[2, 2], "int32"]):
+        assert counted_as_saved(template, {".skipped": crafted})[0].skipped is None
+    # A state another step made: placed (as the loop does) or passed straight in.
+    for place in (skipping.place, lambda state: state):
+        given = place(plain.init(problem.variables, jax.random.key(0)))
+        out, metrics = skipping(given, problem.x[:8], bad)
+        assert int(out.skipped) == 1 and int(metrics["skipped_steps"]) == 1
 
 
 # -- the writer's lock: one run writes into a run directory at a time ---------------------

@@ -17,7 +17,7 @@ import re
 import stat
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +51,7 @@ from graphmod._train._checkpoint._format import (
     stored_positions,
     stored_specs,
 )
+from graphmod._train._train_state import TrainState
 from graphmod.typing import JSON, PyTree
 
 if TYPE_CHECKING:
@@ -338,48 +339,44 @@ class CheckpointReader:
         processes are placed as the template's leaves are, each process reading only the
         chunks its devices' regions overlap, and a checkpoint is used only if it verifies
         in every process."""
-        # Placed as the template is: in a run of several processes, each reads its own.
-        shardings = [None if is_key(leaf) else _concrete(getattr(leaf, "sharding", None))
-                     for leaf in jax.tree.leaves(template)]
-        load = functools.partial(self._load, template=template, specs=leaf_specs(template),
-                                 want=stored_specs(template), shardings=shardings, loop=loop)
-        if any(s is not None and not s.is_fully_addressable for s in shardings):
+        load = functools.partial(self._load, template=template, loop=loop)
+        if any(s is not None and not s.is_fully_addressable for s in _shardings(template)):
             load = _agreed(load, self._path)
         if step is not None:
-            record, arrays = load(self._step(step))
+            record, state = load(self._step(step))
         else:
             skipped: list[str] = []
-            record, arrays = self._first(load, skipped.append)
+            record, state = self._first(load, skipped.append)
             if skipped:
                 warn(f"{self.directory}: skipped checkpoints that fail verification "
                      f"({'; '.join(skipped)}); using step {record['step']}")
             if foreign := self.foreign():
                 warn(f"{self.directory}: not read, and left alone: {_listed(foreign)}")
-        return restored(template, arrays), record
+        return state, record
 
-    def _load(self, step: int, *, template: PyTree, specs: dict[str, JSON],
-              want: list[tuple[list[int], str]],
-              shardings: list[jax.sharding.Sharding | None], loop: bool
-              ) -> tuple[dict[str, JSON], list[np.ndarray | jax.Array]]:
-        """``step``'s meta record and verified arrays, for a state shaped like ``template``
-        (its ``leaf_specs`` ``specs``; its leaves stored as ``want`` and placed by
-        ``shardings``; ``loop``: a loop's record)."""
+    def _load(self, step: int, *, template: _State, loop: bool
+              ) -> tuple[dict[str, JSON], _State]:
+        """``step``'s meta record and verified state, shaped like ``template`` (``loop``: a
+        loop's record), each leaf placed as the template's is."""
         record = self._read_meta(step, legacy=True, loop=loop)
         tree = record.get("tree", {})  # a leaf's [shape, dtype] by path
-        check_compatible(self._path(step), tree if isinstance(tree, dict) else {}, specs)
+        tree = tree if isinstance(tree, dict) else {}
+        template, complete = counted_as_saved(template, tree)
+        specs = leaf_specs(template)
+        check_compatible(self._path(step), tree, specs)
         if record["format"] == LEGACY_FORMAT:
-            return record, list(self._read_legacy(step, template))
+            return record, complete(restored(template, list(self._read_legacy(step, template))))
         entries = array_list(record)
         positions = stored_positions(self._path(step), entries, list(specs))
-        if [(entries[i][1], entries[i][2]) for i in positions] != want:
+        if [(entries[i][1], entries[i][2]) for i in positions] != stored_specs(template):
             raise CheckpointError(self._path(step), "the meta record's array list does not "
                                   "match its tree of leaves")
         # each leaf's sharding, in stored order
         placed: list[jax.sharding.Sharding | None] = [None] * len(positions)
-        for leaf, i in enumerate(positions):
-            placed[i] = shardings[leaf]
+        for stored, sharding in zip(positions, _shardings(template), strict=True):
+            placed[stored] = sharding
         arrays = self._read_arrays(step, record, placed)
-        return record, [arrays[i] for i in positions]
+        return record, complete(restored(template, [arrays[i] for i in positions]))
 
     def _first(self, load: Callable[[int], _T],
                skipped: Callable[[str], None] | None = None) -> _T:
@@ -444,6 +441,63 @@ def _agreed(load: Callable[[int], _T], path: Callable[[int], str]) -> Callable[[
         return loaded[0]
 
     return together
+
+
+def counted_as_saved(template: _State, saved: dict[str, JSON]
+                     ) -> tuple[_State, Callable[[_State], _State]]:
+    """A train state ``template`` with a skipped-steps count where the checkpoint (its leaf
+    specs ``saved``) holds one, and a function completing the restored state: the count a
+    run with ``skip_nonfinite`` saved is kept by a run without (checkpoints before
+    2026-12-04 always hold one), and a run with it resuming one without counts from 0
+    (that run skipped no step). Any other state as it is.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from graphmod import TrainState
+        >>> state = TrainState({}, (), jnp.int32(3), jnp.zeros(2, jnp.uint32))
+        >>> template, complete = counted_as_saved(state, {".skipped": [[], "int32"]})
+        >>> template.skipped.shape, complete(template) is template
+        ((), True)
+        >>> template, complete = counted_as_saved(state._replace(skipped=jnp.int32(5)), {})
+        >>> template.skipped, int(complete(template).skipped)
+        (None, 0)
+    """
+    if not isinstance(template, TrainState):
+        return template, _as_it_is
+    count = _count_spec(saved.get(".skipped"))  # its path: TrainState's GetAttrKey, keystr'd
+    if count is not None and template.skipped is None:
+        return cast(_State, template._replace(skipped=count)), _as_it_is
+    if count is None and template.skipped is not None:
+        zeros = jnp.zeros(np.shape(template.skipped), template.skipped.dtype)
+
+        def counted(state: _State) -> _State:  # restored as the template is: a TrainState
+            return cast(_State, cast(TrainState, state)._replace(skipped=zeros))
+
+        return cast(_State, template._replace(skipped=None)), counted
+    return template, _as_it_is
+
+
+def _as_it_is(state: _State) -> _State:
+    return state
+
+
+def _count_spec(spec: JSON) -> np.ndarray | None:
+    """A template leaf for a count the meta record lists as ``[shape, dtype]`` (a scalar,
+    or one per member of a population; an integer dtype), else None. A view of one zero:
+    a crafted shape allocates nothing, and the restore compares it with the array list."""
+    if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], list)
+            and len(spec[0]) <= 1 and all(type(n) is int and n >= 0 for n in spec[0])
+            and spec[1] in ("int32", "int64")):
+        return None
+    shape = [n for n in spec[0] if isinstance(n, int)]
+    return np.broadcast_to(np.zeros((), str(spec[1])), shape)
+
+
+def _shardings(template: PyTree) -> list[jax.sharding.Sharding | None]:
+    """Where each leaf of ``template`` is placed: a state is restored as its template is,
+    so in a run of several processes each reads its own chunks."""
+    return [None if is_key(leaf) else _concrete(getattr(leaf, "sharding", None))
+            for leaf in jax.tree.leaves(template)]
 
 
 def _concrete(sharding: object) -> jax.sharding.Sharding | None:
