@@ -28,7 +28,7 @@ class TrainState(NamedTuple):
     data (``jax.random.key_data``: raw uint32 words dispatch faster than a typed key), the
     number of steps skipped for a non-finite loss or update (``optimize(...,
     skip_nonfinite=True)``; None without: every leaf costs each call of the step its
-    dispatch, about 1.5 µs on a CPU), and the loss scale's state (``optimize(...,
+    dispatch, about 2 µs on a CPU), and the loss scale's state (``optimize(...,
     loss_scale=)``; None without). As a pytree (what ``jax.jit`` and ``jax.tree.leaves``
     see) it lists the optimizer state before the variables.
 
